@@ -1,1 +1,6 @@
 """dtensor_muon: exact owner-rank distributed Muon for PyTorch FSDP2/DTensor."""
+
+from .newton_schulz import NAMED_COEFFICIENTS, newton_schulz, polar_factor
+from .optimizer import Muon
+
+__all__ = ["Muon", "newton_schulz", "polar_factor", "NAMED_COEFFICIENTS"]

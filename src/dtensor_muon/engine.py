@@ -1,0 +1,489 @@
+"""The distributed step: preflight → consensus → prepare → exchange out → Newton–Schulz → exchange back → apply.
+
+Every parameter is either a Muon parameter (its matrices are orthogonalized) or an AdamW parameter
+(element-wise, on local shards). Muon parameters are grouped by device mesh; each mesh gets a
+:class:`~dtensor_muon.plan.Plan`. Plain tensors form a world of one: all their matrices are local.
+
+Exactness: momentum and the final update are element-wise on shards; the exchange only moves values
+(in a wire dtype that loses nothing, checked at construction), and each owner runs the same
+Newton–Schulz on the same full matrix as a single process would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from . import metrics as metrics_lib
+from .exchange import MeshGroup, PendingExchange, mesh_group, start_all_to_all
+from .layout import ParamLayout, read_layout, relative_slices
+from .newton_schulz import resolve_coefficients, resolve_ns_dtype
+from .plan import MatrixRoute, Plan, build_plan
+from .rules import adamw as adamw_rule
+from .rules import muon as muon_rule
+
+EXCHANGE_MODES = ("owner", "gather_all")
+
+
+@dataclass
+class Entry:
+    """One parameter as the engine sees it."""
+
+    index: int
+    name: str
+    param: Tensor
+    group: dict[str, Any]
+    use_muon: bool
+    layout: ParamLayout
+
+
+@dataclass
+class MeshWork:
+    """The Muon parameters of one mesh, their plan and the group the exchange runs on."""
+
+    mesh: Any
+    entries: list[Entry]
+    plan: Plan
+    comm: MeshGroup
+    wire_dtype: torch.dtype
+
+
+@dataclass
+class StepScratch:
+    """Per-step tensors: the matrix to orthogonalize (U) and the received update (O), per parameter."""
+
+    updates_in: dict[int, Tensor] = field(default_factory=dict)
+    updates_out: dict[int, Tensor] = field(default_factory=dict)
+
+
+def local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _mesh_key(t: Tensor) -> tuple | None:
+    if not isinstance(t, DTensor):
+        return None
+    mesh = t.device_mesh
+    return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.device_type, mesh.mesh_dim_names)
+
+
+def _ns_settings(group: dict[str, Any]) -> tuple:
+    """Hashable Newton–Schulz settings of a param group (matrices batch together only when these agree)."""
+    return (
+        resolve_coefficients(group["ns_coefficients"]),
+        int(group["ns_steps"]),
+        float(group["eps"]),
+        resolve_ns_dtype(group["ns_dtype"]),
+    )
+
+
+def wire_is_lossless(wire: torch.dtype, ns_dtype: torch.dtype) -> bool:
+    """Moving values in ``wire`` then casting to ``ns_dtype`` equals casting directly (and back)."""
+    return wire == ns_dtype or torch.finfo(wire).bits >= 32
+
+
+class Engine:
+    """Holds the per-mesh plans and runs one optimizer step over all parameters."""
+
+    def __init__(
+        self,
+        entries: list[Entry],
+        *,
+        wire_dtype: torch.dtype | None,
+        bucket_bytes: int,
+        exchange: str,
+        skip_nonfinite: bool,
+        diagnostics_interval: int,
+    ) -> None:
+        if exchange not in EXCHANGE_MODES:
+            raise ValueError(f"exchange: expected one of {EXCHANGE_MODES}, got {exchange!r}")
+        self.entries = entries
+        self.wire_dtype_option = wire_dtype
+        self.bucket_bytes = bucket_bytes
+        self.exchange = exchange
+        self.skip_nonfinite = skip_nonfinite
+        self.diagnostics_interval = diagnostics_interval
+        self.skipped_steps = 0
+        self.steps_taken = 0
+        self._metrics: dict[str, float] = {}
+        self._metrics_source: tuple | None = None
+        self.meshes: list[MeshWork] = []
+        self.rebuild_plans()
+
+    # ------------------------------------------------------------------ plans
+    def rebuild_plans(self) -> None:
+        """(Re)build one plan per mesh and check that every rank of the mesh built the same one."""
+        by_mesh: dict[tuple | None, list[Entry]] = defaultdict(list)
+        for e in self.entries:
+            if e.use_muon:
+                by_mesh[_mesh_key(e.param)].append(e)
+        self.meshes = []
+        for key, entries in sorted(by_mesh.items(), key=lambda kv: (kv[0] is not None, str(kv[0]))):
+            wire = self._wire_dtype(entries)
+            layouts = [e.layout for e in entries]
+            plan = build_plan(layouts, [e.index for e in entries], self.bucket_bytes, wire.itemsize)
+            mesh = entries[0].param.device_mesh if key is not None else None
+            comm = mesh_group(mesh, entries[0].layout.mesh_rank)
+            _check_same_plan_everywhere(plan, comm)
+            self.meshes.append(MeshWork(mesh, entries, plan, comm, wire))
+
+    def _wire_dtype(self, entries: list[Entry]) -> torch.dtype:
+        wire = self.wire_dtype_option
+        if wire is None:
+            wire = entries[0].param.dtype
+            for e in entries[1:]:
+                wire = torch.promote_types(wire, e.param.dtype)
+        if any(isinstance(e.param, DTensor) for e in entries):
+            for e in entries:
+                ns_dtype = resolve_ns_dtype(e.group["ns_dtype"])
+                if not wire_is_lossless(wire, ns_dtype):
+                    raise ValueError(
+                        f"wire_dtype {wire} would round the {ns_dtype} Newton–Schulz input of parameter "
+                        f"{e.name!r}; use wire_dtype=None (the parameter dtype) or {ns_dtype}"
+                    )
+        return wire
+
+    # ------------------------------------------------------------------ step
+    def step(self, state: dict[Tensor, dict[str, Any]]) -> bool:
+        """One optimizer step. Returns False when the step was skipped (non-finite gradients)."""
+        timer = metrics_lib.PhaseTimer()
+        with timer.phase("preflight"):
+            grads = self._preflight()
+        with timer.phase("consensus"):
+            active, nonfinite = self._consensus(grads)
+        if nonfinite:
+            self.skipped_steps += 1
+            self._metrics = {"muon/skipped_steps": float(self.skipped_steps), "muon/step_skipped": 1.0}
+            self._metrics_source = None
+            return False
+        self.steps_taken += 1
+        diagnostics = self.diagnostics_interval > 0 and self.steps_taken % self.diagnostics_interval == 0
+        stats = metrics_lib.StepStats(sample_orthogonality=diagnostics)
+        with timer.phase("adamw"):
+            self._adamw_step(grads, active, state, stats, diagnostics)
+        with timer.phase("prepare"):
+            scratch = self._prepare(grads, active, state)
+        for work in self.meshes:
+            if self.exchange == "gather_all" and work.mesh is not None:
+                self._gather_all(work, scratch, active, timer, stats)
+            else:
+                self._owner_exchange(work, scratch, active, timer, stats)
+        with timer.phase("apply"):
+            self._apply(scratch, active, stats)
+        self._metrics_source = (timer, stats)
+        return True
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Diagnostics of the last step (computed on first access, so a step never waits for them)."""
+        if self._metrics_source is not None:
+            timer, stats = self._metrics_source
+            self._metrics = metrics_lib.summarize(timer, stats, [w.plan for w in self.meshes], self.skipped_steps)
+            self._metrics_source = None
+        return self._metrics
+
+    def _preflight(self) -> dict[int, Tensor | None]:
+        """Local checks only (no collective): every gradient matches its parameter's type and layout."""
+        grads: dict[int, Tensor | None] = {}
+        for e in self.entries:
+            g = e.param.grad
+            if g is not None:
+                if g.is_sparse:
+                    raise RuntimeError(f"parameter {e.name!r}: sparse gradients are not supported")
+                if g.shape != e.param.shape:
+                    raise RuntimeError(f"parameter {e.name!r}: gradient shape {tuple(g.shape)} != {tuple(e.param.shape)}")
+                if isinstance(e.param, DTensor) != isinstance(g, DTensor) or (
+                    isinstance(g, DTensor) and tuple(g.placements) != tuple(e.param.placements)
+                ):
+                    raise RuntimeError(f"parameter {e.name!r}: gradient layout differs from the parameter's")
+            grads[e.index] = g
+        return grads
+
+    def _consensus(self, grads: dict[int, Tensor | None]) -> tuple[set[int], bool]:
+        """Which parameters got a gradient on any rank, and whether any rank saw inf/NaN.
+
+        One small all-reduce (MAX) per mesh of [has-grad flags…, non-finite flag], meshes in increasing
+        size so the last (largest) carries every flag to every rank.
+        """
+        nonfinite = False
+        if self.skip_nonfinite:
+            local_grads = [local(g) for g in grads.values() if g is not None]
+            if local_grads:
+                finite = torch.stack([torch.isfinite(g).all() for g in local_grads]).all()
+                nonfinite = not bool(finite)
+        active = {i for i, g in grads.items() if g is not None}
+        by_mesh: dict[tuple, list[Entry]] = defaultdict(list)
+        for e in self.entries:
+            key = _mesh_key(e.param)
+            if key is not None:
+                by_mesh[key].append(e)
+        for key in sorted(by_mesh, key=lambda k: (len(k[0]), k[0])):
+            entries = by_mesh[key]
+            flags = torch.tensor([e.index in active for e in entries] + [nonfinite], dtype=torch.int32)
+            comm = mesh_group(entries[0].param.device_mesh, entries[0].layout.mesh_rank)
+            if comm.group is not None:
+                device = local(entries[0].param).device
+                flags = flags.to(device)
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
+                flags = flags.cpu()
+            for e, flag in zip(entries, flags[:-1].tolist()):
+                if flag:
+                    active.add(e.index)
+            nonfinite = bool(flags[-1])
+        return active, nonfinite
+
+    def _grad_or_zeros(self, e: Entry, grads: dict[int, Tensor | None]) -> Tensor:
+        g = grads[e.index]
+        return local(g) if g is not None else torch.zeros_like(local(e.param))
+
+    def _adamw_step(self, grads, active, state, stats, diagnostics: bool) -> None:
+        by_group: dict[int, list[Entry]] = defaultdict(list)
+        for e in self.entries:
+            if not e.use_muon and e.index in active:
+                by_group[id(e.group)].append(e)
+        for entries in by_group.values():
+            group = entries[0].group
+            params = [local(e.param) for e in entries]
+            before = [p.detach().clone() for p in params] if diagnostics else None
+            adamw_rule.step(
+                params,
+                [self._grad_or_zeros(e, grads) for e in entries],
+                [local(state[e.param]["exp_avg"]) for e in entries],
+                [local(state[e.param]["exp_avg_sq"]) for e in entries],
+                [state[e.param]["step"] for e in entries],
+                lr=group["lr"],
+                betas=tuple(group["adamw_betas"]),
+                eps=group["adamw_eps"],
+                weight_decay=group["weight_decay"],
+            )
+            if before is not None:
+                for p, b in zip(params, before):
+                    stats.add_update("adamw", p - b)
+
+    def _prepare(self, grads, active, state) -> StepScratch:
+        scratch = StepScratch()
+        for e in self.entries:
+            if e.use_muon and e.index in active:
+                buf = local(state[e.param]["momentum_buffer"])
+                scratch.updates_in[e.index] = muon_rule.prepare(
+                    self._grad_or_zeros(e, grads), buf, e.group["momentum"], e.group["nesterov"]
+                )
+                scratch.updates_out[e.index] = torch.empty_like(local(e.param), dtype=self._out_dtype(e))
+        return scratch
+
+    def _out_dtype(self, e: Entry) -> torch.dtype:
+        for work in self.meshes:
+            if any(x is e for x in work.entries):
+                return work.wire_dtype if work.mesh is not None else resolve_ns_dtype(e.group["ns_dtype"])
+        raise KeyError(e.name)
+
+    # ------------------------------------------------------------------ Newton–Schulz on owners
+    def _orthogonalize(self, jobs: list[tuple[MatrixRoute, Entry, Tensor]], stats) -> list[Tensor]:
+        """Newton–Schulz on full matrices, batching those of equal shape and settings; returns O per job."""
+        results: list[Tensor | None] = [None] * len(jobs)
+        batches: dict[tuple, list[int]] = defaultdict(list)
+        for j, (route, entry, _) in enumerate(jobs):
+            batches[(route.spec.shape, _ns_settings(entry.group))].append(j)
+        for (shape, (coefficients, steps, eps, ns_dtype)), members in batches.items():
+            mats = [jobs[j][2].reshape(shape) for j in members]
+            stacked = mats[0] if len(mats) == 1 else torch.stack(mats)
+            out = muon_rule.direction(stacked, coefficients, steps, eps, ns_dtype)
+            outs = [out] if len(mats) == 1 else list(out.unbind(0))
+            for j, o in zip(members, outs):
+                results[j] = o
+                entry = jobs[j][1]
+                stats.add_orthogonal(o, muon_rule.adjusted_lr(entry.group["lr"], entry.group["adjust_lr_fn"], shape))
+        return results  # type: ignore[return-value]
+
+    def _owner_exchange(self, work: MeshWork, scratch: StepScratch, active, timer, stats) -> None:
+        me = work.comm.mesh_rank
+        plan = work.plan
+        # local matrices: computed where they are, no communication
+        with timer.phase("local_compute"):
+            jobs = []
+            for i in plan.local_to(me):
+                route = plan.routes[i]
+                e = self.entries[route.spec.param_index]
+                if e.index not in active:
+                    continue
+                sl = relative_slices(route.spec.box, e.layout.local_box)
+                jobs.append((route, e, scratch.updates_in[e.index][sl]))
+            for (route, e, _), o in zip(jobs, self._orthogonalize(jobs, stats)):
+                sl = relative_slices(route.spec.box, e.layout.local_box)
+                scratch.updates_out[e.index][sl].copy_(o.reshape(scratch.updates_out[e.index][sl].shape))
+        if not plan.buckets:
+            return
+        device = local(work.entries[0].param).device
+        with timer.phase("exchange_out_launch"):
+            pending_out = [self._launch_out(work, bucket, scratch, active, device, stats) for bucket in plan.buckets]
+        pending_back: list[tuple[list[int], PendingExchange]] = []
+        for bucket, pending in zip(plan.buckets, pending_out):
+            with timer.phase("exchange_out_wait"):
+                received = pending.wait()
+            with timer.phase("owner_compute"):
+                updates = self._compute_owned(work, bucket, received, active, device, stats)
+            with timer.phase("exchange_back_launch"):
+                pending_back.append((bucket, self._launch_back(work, bucket, updates, active, device, stats)))
+        for bucket, pending in pending_back:
+            with timer.phase("exchange_back_wait"):
+                received = pending.wait()
+            with timer.phase("unpack"):
+                self._unpack_back(work, bucket, received, scratch, active)
+
+    def _active_routes(self, work: MeshWork, bucket: list[int], active) -> list[MatrixRoute]:
+        return [work.plan.routes[i] for i in bucket if work.plan.routes[i].spec.param_index in active]
+
+    def _launch_out(self, work, bucket, scratch, active, device, stats) -> PendingExchange:
+        me = work.comm.mesh_rank
+        send: dict[int, list[Tensor]] = defaultdict(list)
+        recv: dict[int, int] = defaultdict(int)
+        for route in self._active_routes(work, bucket, active):
+            e = self.entries[route.spec.param_index]
+            for box, source in route.pieces:
+                if source == me:
+                    send[route.owner].append(scratch.updates_in[e.index][relative_slices(box, e.layout.local_box)])
+                if route.owner == me:
+                    recv[source] += _numel(box)
+        stats.bytes_sent += sum(p.numel() for r, ps in send.items() if r != me for p in ps) * work.wire_dtype.itemsize
+        return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
+
+    def _compute_owned(self, work, bucket, received: dict[int, Tensor], active, device, stats) -> dict[int, Tensor]:
+        """Assemble each owned matrix from its pieces (in route order per source) and orthogonalize."""
+        me = work.comm.mesh_rank
+        offsets: dict[int, int] = defaultdict(int)
+        jobs = []
+        for route in self._active_routes(work, bucket, active):
+            if route.owner != me:
+                continue
+            e = self.entries[route.spec.param_index]
+            full = torch.empty(_box_shape(route.spec.box), dtype=work.wire_dtype, device=device)
+            for box, source in route.pieces:
+                n = _numel(box)
+                chunk = received[source][offsets[source]: offsets[source] + n]
+                offsets[source] += n
+                target = full[relative_slices(box, route.spec.box)]
+                target.copy_(chunk.view(target.shape))
+            jobs.append((route, e, full))
+        outs = self._orthogonalize(jobs, stats)
+        return {id(route): o.reshape(_box_shape(route.spec.box))
+                for (route, _, _), o in zip(jobs, outs)}
+
+    def _launch_back(self, work, bucket, updates: dict[int, Tensor], active, device, stats) -> PendingExchange:
+        me = work.comm.mesh_rank
+        send: dict[int, list[Tensor]] = defaultdict(list)
+        recv: dict[int, int] = defaultdict(int)
+        for route in self._active_routes(work, bucket, active):
+            for holder, box in route.holders:
+                if route.owner == me:
+                    send[holder].append(updates[id(route)][relative_slices(box, route.spec.box)])
+                if holder == me:
+                    recv[route.owner] += _numel(box)
+        stats.bytes_sent += sum(p.numel() for r, ps in send.items() if r != me for p in ps) * work.wire_dtype.itemsize
+        return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
+
+    def _unpack_back(self, work, bucket, received: dict[int, Tensor], scratch: StepScratch, active) -> None:
+        me = work.comm.mesh_rank
+        offsets: dict[int, int] = defaultdict(int)
+        for route in self._active_routes(work, bucket, active):
+            e = self.entries[route.spec.param_index]
+            for holder, box in route.holders:
+                if holder != me:
+                    continue
+                n = _numel(box)
+                chunk = received[route.owner][offsets[route.owner]: offsets[route.owner] + n]
+                offsets[route.owner] += n
+                target = scratch.updates_out[e.index][relative_slices(box, e.layout.local_box)]
+                target.copy_(chunk.view(target.shape))
+
+    # ------------------------------------------------------------------ baseline: every rank computes all
+    def _gather_all(self, work: MeshWork, scratch: StepScratch, active, timer, stats) -> None:
+        """Baseline: ``full_tensor()`` of U on every rank, every matrix orthogonalized on every rank."""
+        jobs = []
+        fulls: dict[int, Tensor] = {}
+        with timer.phase("gather_all"):
+            for e in work.entries:
+                if e.index not in active:
+                    continue
+                u = DTensor.from_local(
+                    scratch.updates_in[e.index], e.param.device_mesh, e.param.placements,
+                    run_check=False, shape=e.param.shape, stride=e.param.stride(),
+                )
+                fulls[e.index] = u.full_tensor()
+                stats.bytes_sent += scratch.updates_in[e.index].numel() * scratch.updates_in[e.index].element_size() * (work.comm.world_size - 1)
+        with timer.phase("owner_compute"):
+            for route in work.plan.routes:
+                e = self.entries[route.spec.param_index]
+                if e.index in fulls:
+                    jobs.append((route, e, fulls[e.index][_box_slices(route.spec.box)]))
+            outs = self._orthogonalize(jobs, stats)
+            full_out = {i: torch.empty_like(f, dtype=work.wire_dtype) for i, f in fulls.items()}
+            for (route, e, _), o in zip(jobs, outs):
+                target = full_out[e.index][_box_slices(route.spec.box)]
+                target.copy_(o.reshape(target.shape))
+            for i, f in full_out.items():
+                e = self.entries[i]
+                scratch.updates_out[i].copy_(f[_box_slices(e.layout.local_box)])
+
+    # ------------------------------------------------------------------ apply
+    def _apply(self, scratch: StepScratch, active, stats) -> None:
+        for e in self.entries:
+            if not (e.use_muon and e.index in scratch.updates_out):
+                continue
+            shape = _matrix_shape(e.param.shape)
+            lr = e.group["lr"]
+            muon_rule.apply(
+                local(e.param), scratch.updates_out[e.index], lr, e.group["weight_decay"],
+                muon_rule.adjusted_lr(lr, e.group["adjust_lr_fn"], shape),
+            )
+
+
+def _numel(box) -> int:
+    n = 1
+    for start, stop in box:
+        n *= stop - start
+    return n
+
+
+def _box_slices(box) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in box)
+
+
+def _box_shape(box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
+
+
+def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """Shape of one matrix of a parameter: itself (2-D), one expert (3-D), (shape[0], rest) (≥4-D)."""
+    if len(shape) == 2:
+        return (shape[0], shape[1])
+    if len(shape) == 3:
+        return (shape[1], shape[2])
+    rest = 1
+    for s in shape[1:]:
+        rest *= s
+    return (shape[0], rest)
+
+
+def _check_same_plan_everywhere(plan: Plan, comm: MeshGroup) -> None:
+    """Compare the plan digest across the mesh's ranks; raise on every rank if any differs."""
+    if comm.group is None:
+        return
+    mine = torch.tensor([int(plan.digest[:15], 16)], dtype=torch.int64)
+    backend = dist.get_backend(comm.group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    gathered = [torch.zeros_like(mine, device=device) for _ in range(comm.world_size)]
+    dist.all_gather(gathered, mine.to(device), group=comm.group)
+    values = {int(t.item()) for t in gathered}
+    if len(values) != 1:
+        raise RuntimeError(
+            f"the Muon plan differs across ranks ({len(values)} different digests): the ranks were given "
+            "different parameter names, shapes, placements or options"
+        )

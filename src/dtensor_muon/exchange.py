@@ -1,0 +1,96 @@
+"""Variable-size all-to-all over a device mesh: the all_gatherv-equivalent that moves matrix pieces.
+
+Each bucket does one ``all_to_all_single`` out (every source rank's pieces to their owners) and one back
+(each owner's update pieces to every rank that holds part of the matrix). Split sizes are exact element
+counts, so empty shards send nothing and nothing is padded. Buffers are laid out in process-group rank
+order; :class:`MeshGroup` maps mesh ranks (flat index in ``mesh.mesh``) to group ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass
+class MeshGroup:
+    """The process group spanning every rank of a mesh, and the mesh-rank ↔ group-rank maps."""
+
+    group: dist.ProcessGroup | None
+    mesh_rank: int
+    group_rank_of_mesh_rank: list[int]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.group_rank_of_mesh_rank)
+
+    @property
+    def mesh_ranks_in_group_order(self) -> list[int]:
+        order = [0] * self.world_size
+        for mesh_rank, group_rank in enumerate(self.group_rank_of_mesh_rank):
+            order[group_rank] = mesh_rank
+        return order
+
+
+_GROUP_CACHE: dict[tuple, MeshGroup] = {}
+
+
+def mesh_group(mesh: DeviceMesh | None, mesh_rank: int) -> MeshGroup:
+    """The group of all ranks of ``mesh`` (flattened when it has several dims); None mesh: a world of one."""
+    if mesh is None:
+        return MeshGroup(None, 0, [0])
+    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.device_type)
+    if key not in _GROUP_CACHE:
+        flat = mesh if mesh.ndim == 1 else mesh._flatten()
+        group = flat.get_group()
+        global_ranks = mesh.mesh.flatten().tolist()
+        _GROUP_CACHE[key] = MeshGroup(group, mesh_rank, [dist.get_group_rank(group, r) for r in global_ranks])
+    return _GROUP_CACHE[key]
+
+
+@dataclass
+class PendingExchange:
+    """An all-to-all in flight: ``wait()`` returns the receive buffer split per source mesh rank."""
+
+    received: Tensor
+    recv_counts: list[int]
+    handle: dist.Work | None
+    mesh_ranks_in_group_order: list[int]
+
+    def wait(self) -> dict[int, Tensor]:
+        if self.handle is not None:
+            self.handle.wait()
+        chunks = torch.split(self.received, self.recv_counts)
+        return dict(zip(self.mesh_ranks_in_group_order, chunks))
+
+
+def start_all_to_all(
+    mesh_group_: MeshGroup,
+    send_chunks: dict[int, list[Tensor]],
+    recv_counts: dict[int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> PendingExchange:
+    """Launch one variable-size all-to-all: ``send_chunks[mesh_rank]`` (flattened pieces) go to that rank;
+    ``recv_counts[mesh_rank]`` elements come from it. Returns without waiting."""
+    order = mesh_group_.mesh_ranks_in_group_order
+    send_parts: list[Tensor] = []
+    send_counts: list[int] = []
+    for rank in order:
+        parts = send_chunks.get(rank, [])
+        send_parts.extend(p.reshape(-1).to(dtype) for p in parts)
+        send_counts.append(sum(p.numel() for p in parts))
+    counts_in = [recv_counts.get(rank, 0) for rank in order]
+    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=device)
+    received = torch.empty(sum(counts_in), dtype=dtype, device=device)
+    if mesh_group_.group is None:
+        received.copy_(send)
+        return PendingExchange(received, counts_in, None, order)
+    handle = dist.all_to_all_single(
+        received, send, counts_in, send_counts, group=mesh_group_.group, async_op=True
+    )
+    return PendingExchange(received, counts_in, handle, order)

@@ -1,0 +1,1 @@
+"""Per-matrix and per-element optimizer math, free of communication."""
