@@ -139,8 +139,8 @@ def _can_use_tma(x: Tensor, transposed: bool) -> bool:
     return x.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides)
 
 
-def _is_transposed_view(x: Tensor) -> bool:
-    """Columns contiguous (stride 1 along m) and rows not: x is Gᵀ for a contiguous tall G."""
+def is_transposed_view(x: Tensor) -> bool:
+    """Columns contiguous (stride 1 along m) and rows not: x is Gᵀ for a row-major tall G."""
     return x.stride(-2) == 1 and x.stride(-1) != 1
 
 
@@ -159,7 +159,7 @@ def syrk(
     batch, m, k = x3.shape
     if x3.stride(-1) != 1 and x3.stride(-2) != 1:
         x3 = x3.contiguous()
-    transposed = _is_transposed_view(x3)
+    transposed = is_transposed_view(x3)
     out = torch.empty((batch, m, m), device=x.device, dtype=x.dtype)
     if c is not None:
         c3 = c if c.ndim == 3 else c.unsqueeze(0)

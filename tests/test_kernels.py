@@ -1,0 +1,221 @@
+"""Newton–Schulz product kernels: the Triton SYRK kernel under the Triton interpreter, and the dispatcher.
+
+The kernel checks run once, in a child process started with ``TRITON_INTERPRET=1`` (the variable must be
+set before triton is imported, and must not leak into the rest of the test session); the child computes
+every error against float64 torch references and prints them as JSON, and the tests here assert on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Callable
+
+import pytest
+import torch
+
+from dtensor_muon.kernels import TORCH_MATMULS, select_backend, triton_eligible, use_backend
+
+Numbers = dict[str, float]
+
+
+def _patch_interpreter_bf16() -> None:
+    """Make Triton 3.9's interpreter do bf16 as the GPU does. It multiplies bf16 tiles as their raw uint16
+    bits (widen them to fp32 first: bf16 products are exact in fp32), and it truncates fp32 → bf16 where
+    the GPU rounds to nearest even."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+    original_cast = interpreter.InterpreterBuilder.cast_impl
+
+    def widen(h: interpreter.TensorHandle) -> interpreter.TensorHandle:
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, *args):  # type: ignore[no-untyped-def]
+        return original(self, widen(a), widen(b), d, *args)
+
+    def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
+def _interpreter_checks() -> Numbers:
+    """Runs in the child process. Max errors (abs or norm-relative) of each kernel against float64."""
+    _patch_interpreter_bf16()
+    from dtensor_muon.kernels.triton_matmuls import TRITON_MATMULS
+    from dtensor_muon.kernels.triton_syrk import syrk
+
+    torch.manual_seed(0)
+    bf16, f64 = torch.bfloat16, torch.float64
+    out: Numbers = {}
+
+    def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+        return ((x.to(f64) - ref).norm() / ref.norm()).item()
+
+    def absdiff(x: torch.Tensor, ref: torch.Tensor) -> float:
+        return (x.to(f64) - ref).abs().max().item()
+
+    def ints(*shape: int) -> torch.Tensor:  # entries in {-1, 0, 1}: every result below is exact in bf16
+        return torch.randint(-1, 2, shape).to(bf16)
+
+    def gram_ref(x: torch.Tensor) -> torch.Tensor:
+        return x.to(f64) @ x.to(f64).mT
+
+    def poly_ref(a: torch.Tensor, b: float, c: float) -> torch.Tensor:
+        return b * a.to(f64) + c * a.to(f64) @ a.to(f64)
+
+    # Random inputs, odd sizes (not multiples of the 32-wide interpreter tile), pointer and TMA paths.
+    for tma in (False, True):
+        tag = "tma" if tma else "ptr"
+        x = torch.randn(72, 136).to(bf16) if tma else torch.randn(70, 101).to(bf16)
+        out[f"gram_random_rel_{tag}"] = rel(syrk(x, tma=tma), gram_ref(x))
+        out[f"gram_random_rel_{tag}_torch"] = rel(TORCH_MATMULS.gram(x), gram_ref(x))
+        a = (torch.randn(72, 72) / 8).to(bf16)
+        a = ((a + a.mT) / 2).to(bf16)
+        out[f"poly_random_rel_{tag}"] = rel(syrk(a, 1.7, -0.6, a, tma=tma), poly_ref(a, -0.6, 1.7))
+        out[f"poly_random_rel_{tag}_torch"] = rel(TORCH_MATMULS.gram_poly(a, -0.6, 1.7), poly_ref(a, -0.6, 1.7))
+        # Small integers: bit-exact, wide and transposed-view (tall storage) layouts.
+        x = ints(72, 136) if tma else ints(45, 77)
+        out[f"gram_exact_absdiff_{tag}"] = absdiff(syrk(x, tma=tma), gram_ref(x))
+        xt = ints(136, 72).mT if tma else ints(77, 45).mT
+        out[f"gram_transposed_exact_absdiff_{tag}"] = absdiff(syrk(xt, tma=tma), gram_ref(xt))
+        s = ints(40, 40) if tma else ints(39, 39)
+        s = torch.tril(s) + torch.tril(s, -1).mT
+        out[f"poly_exact_absdiff_{tag}"] = absdiff(syrk(s, 0.5, 2.0, s, tma=tma), poly_ref(s, 2.0, 0.5))
+        # Batched == per slice (bitwise), for a contiguous batch and a transposed-view batch.
+        xb = torch.randn(3, 40, 56).to(bf16) if tma else torch.randn(3, 37, 50).to(bf16)
+        for name, xs in (("", xb), ("_transposed", xb.mT.contiguous().mT)):
+            whole = syrk(xs, tma=tma)
+            per_slice = torch.stack([syrk(xs[i], tma=tma) for i in range(xs.size(0))])
+            out[f"batched{name}_vs_slices_absdiff_{tag}"] = absdiff(whole, per_slice.to(f64))
+            out[f"batched{name}_rel_{tag}"] = rel(whole, gram_ref(xs))
+        ab = ints(2, 24, 24)
+        ab = torch.tril(ab) + torch.tril(ab, -1).mT
+        out[f"poly_batched_exact_absdiff_{tag}"] = absdiff(syrk(ab, 0.5, 2.0, ab, tma=tma), poly_ref(ab, 2.0, 0.5))
+        out[f"exactly_symmetric_{tag}"] = float(torch.equal(whole, whole.mT))
+
+    # The backend's three products on a transposed view (a tall gradient), and five NS iterations.
+    g = torch.randn(100, 48)
+    x = (g / g.norm()).to(bf16).mT
+    bmat = TRITON_MATMULS.gram_poly(TRITON_MATMULS.gram(x), -4.775, 2.0315)
+    combined = TRITON_MATMULS.combine(x, bmat, 3.4445)
+    out["combine_rel"] = rel(combined, 3.4445 * x.to(f64) + bmat.to(f64) @ x.to(f64))
+    out["combine_keeps_layout"] = float(combined.mT.is_contiguous() and combined.shape == x.shape)
+    for name, g in (("tall", torch.randn(96, 40)), ("batched", torch.randn(2, 33, 64))):
+        y = (g / torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)).to(bf16)
+        y = y.mT if name == "tall" else y
+        y64 = y.to(f64)
+        for _ in range(5):
+            a64 = y64 @ y64.mT
+            y64 = 3.4445 * y64 + (-4.775 * a64 + 2.0315 * a64 @ a64) @ y64
+        for backend in (TRITON_MATMULS, TORCH_MATMULS):
+            z = y
+            for _ in range(5):
+                z = backend.combine(z, backend.gram_poly(backend.gram(z), -4.775, 2.0315), 3.4445)
+            out[f"ns5_{name}_rel_{backend.name}"] = rel(z, y64)
+    return out
+
+
+@pytest.fixture(scope="module")
+def interp() -> Numbers:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+PATHS = ("ptr", "tma")
+
+
+def _close_to_torch(ours: float, torchs: float, bound: float = 1e-2) -> bool:
+    """Our error against float64 is bf16 rounding, like torch's own bf16 matmuls: at most 25% more."""
+    return 0 < ours <= 1.25 * torchs and torchs < bound
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_random_inputs_within_bf16_rounding(interp: Numbers, path: str) -> None:
+    assert _close_to_torch(interp[f"gram_random_rel_{path}"], interp[f"gram_random_rel_{path}_torch"])
+    assert _close_to_torch(interp[f"poly_random_rel_{path}"], interp[f"poly_random_rel_{path}_torch"])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_small_integer_inputs_bit_exact(interp: Numbers, path: str) -> None:
+    assert interp[f"gram_exact_absdiff_{path}"] == 0.0
+    assert interp[f"poly_exact_absdiff_{path}"] == 0.0
+    assert interp[f"poly_batched_exact_absdiff_{path}"] == 0.0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_transposed_view_input(interp: Numbers, path: str) -> None:
+    assert interp[f"gram_transposed_exact_absdiff_{path}"] == 0.0
+    assert interp[f"batched_transposed_rel_{path}"] < 5e-3
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_batched_equals_per_slice(interp: Numbers, path: str) -> None:
+    assert interp[f"batched_vs_slices_absdiff_{path}"] == 0.0
+    assert interp[f"batched_transposed_vs_slices_absdiff_{path}"] == 0.0
+    assert interp[f"batched_rel_{path}"] < 5e-3
+    assert interp[f"exactly_symmetric_{path}"] == 1.0
+
+
+def test_backend_products_and_iteration(interp: Numbers) -> None:
+    assert interp["combine_rel"] < 1e-2
+    assert interp["combine_keeps_layout"] == 1.0
+    # Five bf16 iterations against the float64 iteration: bf16 rounding, compounded, as with torch.
+    for name in ("tall", "batched"):
+        assert _close_to_torch(interp[f"ns5_{name}_rel_triton"], interp[f"ns5_{name}_rel_torch"], bound=4e-2)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(4096, 512, dtype=torch.bfloat16),  # shapes that take SYRK on an H200
+        lambda: torch.randn(8, 2048, 64, dtype=torch.float16),
+        lambda: torch.randn(512, 4096, dtype=torch.bfloat16).mT,
+    ],
+)
+def test_dispatcher_picks_torch_on_cpu(make: Callable[[], torch.Tensor]) -> None:
+    x = make()
+    assert not triton_eligible(x)
+    assert select_backend(x) is TORCH_MATMULS
+    with use_backend("triton"):
+        assert select_backend(x) is TORCH_MATMULS
+
+
+def test_use_backend_rejects_unknown_name() -> None:
+    with pytest.raises(ValueError, match="use_backend"):
+        with use_backend("cublas"):
+            pass
+
+
+def test_import_without_triton() -> None:
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, dtensor_muon\n"
+        "from dtensor_muon.kernels import select_backend, TORCH_MATMULS\n"
+        "from dtensor_muon.newton_schulz import newton_schulz\n"
+        "g = torch.randn(40, 24)\n"
+        "assert select_backend(g) is TORCH_MATMULS\n"
+        "print(float(torch.linalg.svdvals(newton_schulz(g).double()).min()))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 0.5 < float(proc.stdout.strip()) < 1.2
+
+
+if __name__ == "__main__":
+    print(json.dumps(_interpreter_checks()))
