@@ -99,7 +99,7 @@ def test_explicit_use_muon_wins_and_unnamed_params_route_by_ndim():
     assert routing_of(opt) == {"tok_embeddings.weight": True, "attention.weight": False}
     opt = Muon(list(model.parameters()))
     assert [g["use_muon"] for g in opt.param_groups] == [True, False]
-    assert len(opt.param_groups[0]["params"]) == 4  # embedding, attention, experts, conv (no names)
+    assert len(opt.param_groups[0]["params"]) == 5  # without names, embedding and head are matrices too
 
 
 def test_3d_params_are_batches_and_4d_params_are_row_views():
