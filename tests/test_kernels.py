@@ -11,12 +11,17 @@ import json
 import os
 import subprocess
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from dtensor_muon.kernels import TORCH_MATMULS, select_backend, triton_eligible, use_backend
+from dtensor_muon.kernels import (
+    TORCH_MATMULS,
+    select_backend,
+    triton_eligible,
+    use_backend,
+)
 
 Numbers = dict[str, float]
 
@@ -35,15 +40,21 @@ def _patch_interpreter_bf16() -> None:
     def widen(h: interpreter.TensorHandle) -> interpreter.TensorHandle:
         if h.dtype.scalar != tl.bfloat16:
             return h
-        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return interpreter.TensorHandle(
+            (h.data.astype(np.uint32) << 16).view(np.float32), tl.float32
+        )
 
     def create_dot(self, a, b, d, *args):  # type: ignore[no-untyped-def]
         return original(self, widen(a), widen(b), d, *args)
 
     def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(
+                torch.bfloat16
+            )
+            return interpreter.TensorHandle(
+                rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16
+            )
         return original_cast(self, src, dst_type)
 
     interpreter.InterpreterBuilder.create_dot = create_dot
@@ -66,7 +77,9 @@ def _interpreter_checks() -> Numbers:
     def absdiff(x: torch.Tensor, ref: torch.Tensor) -> float:
         return (x.to(f64) - ref).abs().max().item()
 
-    def ints(*shape: int) -> torch.Tensor:  # entries in {-1, 0, 1}: every result below is exact in bf16
+    def ints(
+        *shape: int,
+    ) -> torch.Tensor:  # entries in {-1, 0, 1}: every result below is exact in bf16
         return torch.randint(-1, 2, shape).to(bf16)
 
     def gram_ref(x: torch.Tensor) -> torch.Tensor:
@@ -83,26 +96,38 @@ def _interpreter_checks() -> Numbers:
         out[f"gram_random_rel_{tag}_torch"] = rel(TORCH_MATMULS.gram(x), gram_ref(x))
         a = (torch.randn(72, 72) / 8).to(bf16)
         a = ((a + a.mT) / 2).to(bf16)
-        out[f"poly_random_rel_{tag}"] = rel(syrk(a, 1.7, -0.6, a, tma=tma), poly_ref(a, -0.6, 1.7))
-        out[f"poly_random_rel_{tag}_torch"] = rel(TORCH_MATMULS.gram_poly(a, -0.6, 1.7), poly_ref(a, -0.6, 1.7))
+        out[f"poly_random_rel_{tag}"] = rel(
+            syrk(a, 1.7, -0.6, a, tma=tma), poly_ref(a, -0.6, 1.7)
+        )
+        out[f"poly_random_rel_{tag}_torch"] = rel(
+            TORCH_MATMULS.gram_poly(a, -0.6, 1.7), poly_ref(a, -0.6, 1.7)
+        )
         # Small integers: bit-exact, wide and transposed-view (tall storage) layouts.
         x = ints(72, 136) if tma else ints(45, 77)
         out[f"gram_exact_absdiff_{tag}"] = absdiff(syrk(x, tma=tma), gram_ref(x))
         xt = ints(136, 72).mT if tma else ints(77, 45).mT
-        out[f"gram_transposed_exact_absdiff_{tag}"] = absdiff(syrk(xt, tma=tma), gram_ref(xt))
+        out[f"gram_transposed_exact_absdiff_{tag}"] = absdiff(
+            syrk(xt, tma=tma), gram_ref(xt)
+        )
         s = ints(40, 40) if tma else ints(39, 39)
         s = torch.tril(s) + torch.tril(s, -1).mT
-        out[f"poly_exact_absdiff_{tag}"] = absdiff(syrk(s, 0.5, 2.0, s, tma=tma), poly_ref(s, 2.0, 0.5))
+        out[f"poly_exact_absdiff_{tag}"] = absdiff(
+            syrk(s, 0.5, 2.0, s, tma=tma), poly_ref(s, 2.0, 0.5)
+        )
         # Batched == per slice (bitwise), for a contiguous batch and a transposed-view batch.
         xb = torch.randn(3, 40, 56).to(bf16) if tma else torch.randn(3, 37, 50).to(bf16)
         for name, xs in (("", xb), ("_transposed", xb.mT.contiguous().mT)):
             whole = syrk(xs, tma=tma)
             per_slice = torch.stack([syrk(xs[i], tma=tma) for i in range(xs.size(0))])
-            out[f"batched{name}_vs_slices_absdiff_{tag}"] = absdiff(whole, per_slice.to(f64))
+            out[f"batched{name}_vs_slices_absdiff_{tag}"] = absdiff(
+                whole, per_slice.to(f64)
+            )
             out[f"batched{name}_rel_{tag}"] = rel(whole, gram_ref(xs))
         ab = ints(2, 24, 24)
         ab = torch.tril(ab) + torch.tril(ab, -1).mT
-        out[f"poly_batched_exact_absdiff_{tag}"] = absdiff(syrk(ab, 0.5, 2.0, ab, tma=tma), poly_ref(ab, 2.0, 0.5))
+        out[f"poly_batched_exact_absdiff_{tag}"] = absdiff(
+            syrk(ab, 0.5, 2.0, ab, tma=tma), poly_ref(ab, 2.0, 0.5)
+        )
         out[f"exactly_symmetric_{tag}"] = float(torch.equal(whole, whole.mT))
 
     # The backend's three products on a transposed view (a tall gradient), and five NS iterations.
@@ -111,7 +136,9 @@ def _interpreter_checks() -> Numbers:
     bmat = TRITON_MATMULS.gram_poly(TRITON_MATMULS.gram(x), -4.775, 2.0315)
     combined = TRITON_MATMULS.combine(x, bmat, 3.4445)
     out["combine_rel"] = rel(combined, 3.4445 * x.to(f64) + bmat.to(f64) @ x.to(f64))
-    out["combine_keeps_layout"] = float(combined.mT.is_contiguous() and combined.shape == x.shape)
+    out["combine_keeps_layout"] = float(
+        combined.mT.is_contiguous() and combined.shape == x.shape
+    )
     for name, g in (("tall", torch.randn(96, 40)), ("batched", torch.randn(2, 33, 64))):
         y = (g / torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)).to(bf16)
         y = y.mT if name == "tall" else y
@@ -122,7 +149,9 @@ def _interpreter_checks() -> Numbers:
         for backend in (TRITON_MATMULS, TORCH_MATMULS):
             z = y
             for _ in range(5):
-                z = backend.combine(z, backend.gram_poly(backend.gram(z), -4.775, 2.0315), 3.4445)
+                z = backend.combine(
+                    z, backend.gram_poly(backend.gram(z), -4.775, 2.0315), 3.4445
+                )
             out[f"ns5_{name}_rel_{backend.name}"] = rel(z, y64)
     return out
 
@@ -131,7 +160,12 @@ def _interpreter_checks() -> Numbers:
 def interp() -> Numbers:
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -147,8 +181,12 @@ def _close_to_torch(ours: float, torchs: float, bound: float = 1e-2) -> bool:
 
 @pytest.mark.parametrize("path", PATHS)
 def test_random_inputs_within_bf16_rounding(interp: Numbers, path: str) -> None:
-    assert _close_to_torch(interp[f"gram_random_rel_{path}"], interp[f"gram_random_rel_{path}_torch"])
-    assert _close_to_torch(interp[f"poly_random_rel_{path}"], interp[f"poly_random_rel_{path}_torch"])
+    assert _close_to_torch(
+        interp[f"gram_random_rel_{path}"], interp[f"gram_random_rel_{path}_torch"]
+    )
+    assert _close_to_torch(
+        interp[f"poly_random_rel_{path}"], interp[f"poly_random_rel_{path}_torch"]
+    )
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -177,13 +215,19 @@ def test_backend_products_and_iteration(interp: Numbers) -> None:
     assert interp["combine_keeps_layout"] == 1.0
     # Five bf16 iterations against the float64 iteration: bf16 rounding, compounded, as with torch.
     for name in ("tall", "batched"):
-        assert _close_to_torch(interp[f"ns5_{name}_rel_triton"], interp[f"ns5_{name}_rel_torch"], bound=4e-2)
+        assert _close_to_torch(
+            interp[f"ns5_{name}_rel_triton"],
+            interp[f"ns5_{name}_rel_torch"],
+            bound=4e-2,
+        )
 
 
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: torch.randn(4096, 512, dtype=torch.bfloat16),  # shapes that take SYRK on an H200
+        lambda: torch.randn(
+            4096, 512, dtype=torch.bfloat16
+        ),  # shapes that take SYRK on an H200
         lambda: torch.randn(8, 2048, 64, dtype=torch.float16),
         lambda: torch.randn(512, 4096, dtype=torch.bfloat16).mT,
     ],
@@ -197,9 +241,8 @@ def test_dispatcher_picks_torch_on_cpu(make: Callable[[], torch.Tensor]) -> None
 
 
 def test_use_backend_rejects_unknown_name() -> None:
-    with pytest.raises(ValueError, match="use_backend"):
-        with use_backend("cublas"):
-            pass
+    with pytest.raises(ValueError, match="use_backend"), use_backend("cublas"):
+        pass
 
 
 def test_import_without_triton() -> None:
@@ -212,7 +255,13 @@ def test_import_without_triton() -> None:
         "assert select_backend(g) is TORCH_MATMULS\n"
         "print(float(torch.linalg.svdvals(newton_schulz(g).double()).min()))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 0.5 < float(proc.stdout.strip()) < 1.2
 

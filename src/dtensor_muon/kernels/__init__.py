@@ -3,4 +3,11 @@
 from .dispatch import Backend, select_backend, triton_eligible, use_backend
 from .torch_matmuls import TORCH_MATMULS, TorchMatmuls
 
-__all__ = ["Backend", "select_backend", "triton_eligible", "use_backend", "TORCH_MATMULS", "TorchMatmuls"]
+__all__ = [
+    "TORCH_MATMULS",
+    "Backend",
+    "TorchMatmuls",
+    "select_backend",
+    "triton_eligible",
+    "use_backend",
+]

@@ -65,7 +65,11 @@ def select_backend(x: Tensor) -> Backend:
         if forced == "triton" and triton_eligible(x):
             return TRITON_MATMULS
         return TORCH_MATMULS
-    if triton_eligible(x) and x.size(-2) >= MIN_SYRK_DIM and _syrk_tiles(x) >= MIN_SYRK_TILES:
+    if (
+        triton_eligible(x)
+        and x.size(-2) >= MIN_SYRK_DIM
+        and _syrk_tiles(x) >= MIN_SYRK_TILES
+    ):
         return TRITON_MATMULS
     return TORCH_MATMULS
 

@@ -34,7 +34,11 @@ class TritonMatmuls:
         """X' = a·X + B·X (B symmetric); keeps x's layout when x is a transposed view."""
         if is_transposed_view(x):
             xt = x.mT
-            out = torch.addmm(xt, xt, bmat, beta=a) if x.ndim == 2 else torch.baddbmm(xt, xt, bmat, beta=a)
+            out = (
+                torch.addmm(xt, xt, bmat, beta=a)
+                if x.ndim == 2
+                else torch.baddbmm(xt, xt, bmat, beta=a)
+            )
             return out.mT
         if x.ndim == 2:
             return torch.addmm(x, bmat, x, beta=a)

@@ -25,7 +25,8 @@ def _configs() -> list[triton.Config]:
     """Square tiles (the triangle mapping needs BLOCK_M = BLOCK_N); a few Hopper-friendly shapes."""
     shapes = [(128, 64, 8, 4), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4)]
     return [
-        triton.Config({"BLOCK": bm, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bm, bk, w, s in shapes
+        triton.Config({"BLOCK": bm, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bm, bk, w, s in shapes
     ]
 
 
@@ -68,7 +69,10 @@ def _syrk_kernel(
         if TRANSPOSED:
             # Xᵀ is a contiguous [K, M] matrix: load [BLOCK_K, BLOCK] tiles of it.
             desc = tl.make_tensor_descriptor(
-                x_base, shape=[K, M], strides=[stride_xk, 1], block_shape=[BLOCK_K, BLOCK]
+                x_base,
+                shape=[K, M],
+                strides=[stride_xk, 1],
+                block_shape=[BLOCK_K, BLOCK],
             )
             for k0 in range(0, K, BLOCK_K):
                 a_t = desc.load([k0, row0])
@@ -76,7 +80,10 @@ def _syrk_kernel(
                 acc = tl.dot(tl.trans(a_t), b_t, acc)
         else:
             desc = tl.make_tensor_descriptor(
-                x_base, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK, BLOCK_K]
+                x_base,
+                shape=[M, K],
+                strides=[stride_xm, 1],
+                block_shape=[BLOCK, BLOCK_K],
             )
             for k0 in range(0, K, BLOCK_K):
                 a = desc.load([row0, k0])
@@ -102,13 +109,17 @@ def _syrk_kernel(
     result = acc * alpha
     if HAS_C:
         c_tile = tl.load(
-            c_ptr + batch.to(tl.int64) * stride_cb + rows * stride_cm + cols, mask=in_bounds, other=0.0
+            c_ptr + batch.to(tl.int64) * stride_cb + rows * stride_cm + cols,
+            mask=in_bounds,
+            other=0.0,
         )
         result += beta * c_tile.to(tl.float32)
     result = result.to(out_ptr.dtype.element_ty)
     out_base = out_ptr + batch.to(tl.int64) * stride_ob
     # The tile itself (on a diagonal tile only its lower half) and its mirror image (strict upper half).
-    tl.store(out_base + rows * stride_om + cols, result, mask=in_bounds & (rows >= cols))
+    tl.store(
+        out_base + rows * stride_om + cols, result, mask=in_bounds & (rows >= cols)
+    )
     mirror_rows = col0 + tl.arange(0, BLOCK)[:, None]
     mirror_cols = row0 + tl.arange(0, BLOCK)[None, :]
     tl.store(
@@ -118,9 +129,9 @@ def _syrk_kernel(
     )
 
 
-_syrk_tuned = triton.autotune(configs=_configs(), key=["M", "K", "BATCH", "TRANSPOSED", "USE_TMA", "HAS_C"])(
-    _syrk_kernel
-)
+_syrk_tuned = triton.autotune(
+    configs=_configs(), key=["M", "K", "BATCH", "TRANSPOSED", "USE_TMA", "HAS_C"]
+)(_syrk_kernel)
 
 # Under the Triton interpreter (CPU tensors) there is nothing to tune: one small tile.
 _INTERPRETER_CONFIG = {"BLOCK": 32, "BLOCK_K": 32}
@@ -145,7 +156,11 @@ def is_transposed_view(x: Tensor) -> bool:
 
 
 def syrk(
-    x: Tensor, alpha: float = 1.0, beta: float = 0.0, c: Tensor | None = None, tma: bool | None = None
+    x: Tensor,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    c: Tensor | None = None,
+    tma: bool | None = None,
 ) -> Tensor:
     """``alpha·X·Xᵀ + beta·C`` for X [m, k] or [B, m, k]; C (optional) symmetric [.., m, m], contiguous rows.
 
@@ -154,7 +169,9 @@ def syrk(
     9.0+ when the strides are 16-byte aligned (True uses them wherever the strides allow, e.g. under the Triton interpreter).
     """
     if x.ndim not in (2, 3):
-        raise ValueError(f"syrk expects a 2-D or 3-D tensor, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"syrk expects a 2-D or 3-D tensor, got shape {tuple(x.shape)}"
+        )
     x3 = x if x.ndim == 3 else x.unsqueeze(0)
     batch, m, k = x3.shape
     if x3.stride(-1) != 1 and x3.stride(-2) != 1:
@@ -164,10 +181,14 @@ def syrk(
     if c is not None:
         c3 = c if c.ndim == 3 else c.unsqueeze(0)
         if c3.shape != out.shape or c3.stride(-1) != 1:
-            raise ValueError(f"syrk: C must be [.., {m}, {m}] with contiguous rows, got {tuple(c.shape)}")
+            raise ValueError(
+                f"syrk: C must be [.., {m}, {m}] with contiguous rows, got {tuple(c.shape)}"
+            )
     else:
         c3 = out
-    on_hopper = x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
+    on_hopper = (
+        x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
     use_tma = (on_hopper if tma is None else tma) and _can_use_tma(x3, transposed)
     if use_tma and x.device.type == "cuda":
         triton.set_allocator(_tma_allocator)

@@ -1,0 +1,278 @@
+"""Newton–Schulz (5 Keller steps, bf16) side by side: plain torch, torch.optim.Muon, Emerging-Optimizers, ours.
+
+    python bench/bench_newton_schulz.py                 # on a GPU: the full table, JSON to --out
+    python bench/bench_newton_schulz.py --quick         # anywhere (CPU too): tiny shapes, smoke check
+
+Columns: median ms (triton.testing.do_bench on CUDA, wall clock on CPU); TFLOP/s counted as
+5·(4m²n + 2m³) per matrix with m = min dim (the plain-matmul FLOPs, for every method alike); that rate
+as % of an 8192³ bf16 matmul measured in the same run; the output's singular-value range (min σ, max σ)
+from float64 (eigenvalues of the float64 Gram matrix, i.e. squared singular values); and the relative
+difference to plain torch's output. Inputs are fp32 gradients (Emerging-Optimizers requires fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dtensor_muon.kernels import select_backend, use_backend
+from dtensor_muon.newton_schulz import KELLER_COEFFICIENTS, newton_schulz
+
+FULL_SHAPES: list[tuple[int, ...]] = [
+    (1024, 4096),
+    (4096, 4096),
+    (4096, 14336),
+    (14336, 4096),
+    (8192, 8192),
+    (8192, 28672),
+    (64, 2048, 1408),
+    (8, 1024, 4096),
+]
+QUICK_SHAPES: list[tuple[int, ...]] = [(48, 96), (96, 48), (3, 40, 64)]
+
+Method = Callable[[Tensor], Tensor]
+
+
+def ns_flops(shape: tuple[int, ...]) -> float:
+    """5·(4m²n + 2m³) per matrix, m = min(rows, cols), n = max."""
+    m, n = sorted(shape[-2:])
+    batch = shape[0] if len(shape) == 3 else 1
+    return batch * 5 * (4 * m * m * n + 2 * m**3)
+
+
+def sigma_range(x: Tensor) -> tuple[float, float]:
+    """(min σ, max σ) over all matrices of x, in float64: σ² are the eigenvalues of the smaller Gram."""
+    x64 = x.to(torch.float64)
+    if x64.size(-2) > x64.size(-1):
+        x64 = x64.mT
+    eig = torch.linalg.eigvalsh(x64 @ x64.mT).clamp(min=0).sqrt()
+    return eig.min().item(), eig.max().item()
+
+
+def time_ms(fn: Callable[[], object], cuda: bool) -> float:
+    """Median milliseconds: do_bench on CUDA, a few wall-clock runs on CPU."""
+    if cuda:
+        import triton.testing
+
+        return float(
+            triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+        )
+    fn()
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(runs)
+
+
+def torch_muon(g: Tensor) -> Tensor:
+    """torch.optim.Muon's own NS (2-D only: a batch goes slice by slice, as Muon does per parameter)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz as zp
+
+    if g.ndim == 2:
+        return zp(g, KELLER_COEFFICIENTS, 5, 1e-7)
+    return torch.stack([zp(s, KELLER_COEFFICIENTS, 5, 1e-7) for s in g])
+
+
+def emerging_optimizers() -> tuple[Method, str] | None:
+    """Emerging-Optimizers 0.3.0 NS with its Triton SYRK (2-D; it refuses SYRK for 3-D, so batches run
+    its batched plain step), under float32 matmul precision "medium" (its bf16 path)."""
+    try:
+        from emerging_optimizers.orthogonalized_optimizers.muon_utils import (
+            newton_schulz as eo_ns,
+        )
+    except ImportError:
+        return None
+
+    def run(g: Tensor) -> Tensor:
+        return eo_ns(g, steps=5, coefficient_type="simple", use_syrk=g.ndim == 2)
+
+    return run, "EO 0.3.0 SYRK (3-D: plain batched)"
+
+
+def plain_torch(g: Tensor) -> Tensor:
+    with use_backend("torch"):
+        return newton_schulz(g)
+
+
+def ours_forced_triton(g: Tensor) -> Tensor:
+    with use_backend("triton"):
+        return newton_schulz(g)
+
+
+def matmul_ceiling_tflops(cuda: bool) -> float:
+    size = 8192 if cuda else 512
+    a = torch.randn(size, size, device="cuda" if cuda else "cpu", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    return 2 * size**3 / time_ms(lambda: a @ b, cuda) / 1e9
+
+
+def bench_shape(
+    shape: tuple[int, ...], methods: dict[str, Method], device: str, ceiling: float
+) -> list[dict]:
+    torch.manual_seed(0)
+    g = torch.randn(shape, device=device, dtype=torch.float32)
+    cuda = device == "cuda"
+    rows = []
+    reference = plain_torch(g).to(torch.float64)
+    for name, fn in methods.items():
+        out = fn(g)
+        ms = time_ms(lambda fn=fn: fn(g), cuda)
+        tflops = ns_flops(shape) / ms / 1e9
+        lo, hi = sigma_range(out)
+        diff = ((out.to(torch.float64) - reference).norm() / reference.norm()).item()
+        rows.append(
+            {
+                "shape": "x".join(map(str, shape)),
+                "method": name,
+                "ms": ms,
+                "tflops": tflops,
+                "pct_of_matmul": 100 * tflops / ceiling,
+                "sigma_min": lo,
+                "sigma_max": hi,
+                "rel_diff_vs_torch": diff,
+            }
+        )
+        del out
+    working = g.to(torch.bfloat16)
+    working = working.mT if working.size(-2) > working.size(-1) else working
+    for row in rows:
+        row["ours_backend"] = select_backend(working).name
+    return rows
+
+
+def kernel_rows(ceiling: float) -> list[dict]:
+    """The three products alone on m=4096, k=14336 (wide and transposed view): SYRK kernels (pointer and
+    TMA loads) against cuBLAS, TFLOP/s on the FLOPs each really needs (SYRK: m²k; full product: 2m²k)."""
+    from dtensor_muon.kernels.triton_matmuls import TRITON_MATMULS
+    from dtensor_muon.kernels.triton_syrk import syrk
+
+    m, k = 4096, 14336
+    wide = torch.randn(m, k, device="cuda").div_(k**0.5).to(torch.bfloat16)
+    layouts = {"wide": wide, "transposed view": wide.mT.contiguous().mT}
+    sym = syrk(wide)
+    cases: list[
+        tuple[str, Callable[[], Tensor], float, Callable[[], Tensor] | None]
+    ] = []
+    for layout, x in layouts.items():
+        ref = lambda x=x: x.double() @ x.double().mT
+        cases += [
+            (
+                f"gram SYRK ptr, {layout}",
+                lambda x=x: syrk(x, tma=False),
+                m * m * k,
+                ref,
+            ),
+            (f"gram SYRK tma, {layout}", lambda x=x: syrk(x, tma=True), m * m * k, ref),
+            (f"gram cuBLAS, {layout}", lambda x=x: x @ x.mT, 2 * m * m * k, ref),
+            (
+                f"combine ours, {layout}",
+                lambda x=x: TRITON_MATMULS.combine(x, sym, 3.4),
+                2 * m * m * k,
+                None,
+            ),
+            (
+                f"combine addmm, {layout}",
+                lambda x=x: torch.addmm(x, sym, x, beta=3.4),
+                2 * m * m * k,
+                None,
+            ),
+        ]
+    poly_ref = lambda: -4.7 * sym.double() + 2.0 * sym.double() @ sym.double()
+    cases += [
+        ("poly SYRK ptr", lambda: syrk(sym, 2.0, -4.7, sym, tma=False), m**3, poly_ref),
+        ("poly SYRK tma", lambda: syrk(sym, 2.0, -4.7, sym, tma=True), m**3, poly_ref),
+        (
+            "poly addmm",
+            lambda: torch.addmm(sym, sym, sym, beta=-4.7, alpha=2.0),
+            2 * m**3,
+            poly_ref,
+        ),
+    ]
+    rows = []
+    for name, fn, flops, ref in cases:
+        ms = time_ms(fn, True)
+        row = {
+            "kernel": name,
+            "ms": ms,
+            "tflops": flops / ms / 1e9,
+            "pct_of_matmul": flops / ms / 1e7 / ceiling,
+        }
+        if ref is not None:
+            r = ref()
+            row["rel_err_vs_fp64"] = ((fn().double() - r).norm() / r.norm()).item()
+        rows.append(row)
+        print(
+            f"{name:<34} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  err {row.get('rel_err_vs_fp64', float('nan')):.1e}"
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny shapes (runs on CPU)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="write the rows as JSON here"
+    )
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.quick
+    device = "cuda" if cuda else "cpu"
+    torch.set_float32_matmul_precision(
+        "medium"
+    )  # Emerging-Optimizers' bf16 path; the others cast to bf16
+    methods: dict[str, Method] = {
+        "torch NS5": plain_torch,
+        "torch.optim.Muon": torch_muon,
+    }
+    eo = emerging_optimizers() if cuda else None
+    if eo is not None:
+        methods[eo[1]] = eo[0]
+    methods["ours"] = newton_schulz
+    if cuda:
+        methods["ours (forced SYRK)"] = ours_forced_triton
+    ceiling = matmul_ceiling_tflops(cuda)
+    kernels = kernel_rows(ceiling) if cuda else []
+    rows = []
+    for shape in FULL_SHAPES if cuda else QUICK_SHAPES:
+        rows += bench_shape(shape, methods, device, ceiling)
+        for row in rows[-len(methods) :]:
+            print(
+                f"{row['shape']:>14} {row['method']:<38} {row['ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s "
+                f"{row['pct_of_matmul']:5.1f}%  σ [{row['sigma_min']:.3f}, {row['sigma_max']:.3f}] "
+                f"Δtorch {row['rel_diff_vs_torch']:.1e}  ours→{row['ours_backend']}",
+                flush=True,
+            )
+    result = {
+        "device": torch.cuda.get_device_name()
+        if cuda
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "matmul_8192_tflops" if cuda else "matmul_512_tflops": ceiling,
+        "rows": rows,
+        "kernels": kernels,
+    }
+    if cuda:
+        import triton
+
+        result["triton"] = triton.__version__
+    print(f"matmul ceiling: {ceiling:.1f} TFLOP/s on {result['device']}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
