@@ -9,7 +9,9 @@ hold the device, before the trainer is built:
   (``init_process_group`` then picks gloo, the CPU's default backend);
 - the CUDA memory monitor becomes :class:`CpuMemoryMonitor` (peak resident set size);
 - ``set_pg_timeouts`` (run after step 1; its barrier passes CUDA device ids) is skipped, so the
-  process groups keep their start-up timeout.
+  process groups keep their start-up timeout;
+- ``torch.histc``, which MoE routers call on integer expert indices (CUDA counts integers, the CPU
+  kernel does not), counts integer CPU tensors through a float32 copy (exact below 2**24).
 
 gloo also lacks the AVG and PREMUL_SUM reductions that FSDP2 uses for gradients:
 :func:`use_sum_reduction` makes FSDP2 reduce with SUM and divide afterwards (called by the train
@@ -62,6 +64,16 @@ def _keep_start_up_timeouts(*args, **kwargs) -> None:
     """Replaces ``set_pg_timeouts`` on CPU (its barrier takes CUDA device ids)."""
 
 
+_float_histc = torch.histc
+
+
+def histc_any_dtype(input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``torch.histc`` that also counts integer CPU tensors (result in the input's dtype, as on CUDA)."""
+    if input.device.type == "cpu" and not input.is_floating_point():
+        return _float_histc(input.float(), *args, **kwargs).to(input.dtype)
+    return _float_histc(input, *args, **kwargs)
+
+
 def use_cpu_gloo() -> None:
     """Point torchtitan's device globals at the CPU (see the module docstring). Idempotent."""
     from torchtitan.components import metrics
@@ -74,6 +86,7 @@ def use_cpu_gloo() -> None:
     parallel_dims.device_type = "cpu"
     metrics.build_device_memory_monitor = _build_cpu_memory_monitor
     dist_utils.set_pg_timeouts = _keep_start_up_timeouts
+    torch.histc = histc_any_dtype
 
 
 def use_sum_reduction(model: nn.Module) -> None:

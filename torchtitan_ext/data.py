@@ -55,13 +55,13 @@ def stdlib_sources(root: Path | None = None) -> Iterator[str]:
             yield text
 
 
-def write_corpus(out: Path) -> Path:
-    """Write ``stdlib.jsonl`` under ``corpus_dir(out)`` and return its path."""
+def write_corpus(out: Path, root: Path | None = None) -> Path:
+    """Write ``stdlib.jsonl`` (from ``root``, default the standard library) under ``corpus_dir(out)``; return it."""
     folder = corpus_dir(out)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "stdlib.jsonl"
     with path.open("w", encoding="utf-8") as f:
-        for text in stdlib_sources():
+        for text in stdlib_sources(root):
             f.write(json.dumps({"text": text}) + "\n")
     return path
 
@@ -101,8 +101,9 @@ def train_tokenizer(corpus: Path, out: Path, vocab_size: int) -> Path:
     return folder
 
 
-def build(out: Path = DEFAULT_OUT, vocab_size: int = 2048, force: bool = False) -> Path:
-    """Build corpus and tokenizer under ``out`` unless they exist (or ``force``); return ``out``.
+def build(out: Path = DEFAULT_OUT, vocab_size: int = 2048, force: bool = False, root: Path | None = None) -> Path:
+    """Build corpus (from ``root``, default the standard library) and tokenizer under ``out`` unless they
+    exist (or ``force``); return ``out``.
 
     The files are written to a private temporary folder that is then renamed to ``out``, so
     processes that start together (torchrun ranks) never read a half-written folder.
@@ -110,7 +111,7 @@ def build(out: Path = DEFAULT_OUT, vocab_size: int = 2048, force: bool = False) 
     if is_built(out) and not force:
         return out
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    train_tokenizer(write_corpus(tmp), tmp, vocab_size)
+    train_tokenizer(write_corpus(tmp, root), tmp, vocab_size)
     if force and out.exists():
         shutil.rmtree(out)
     try:

@@ -81,6 +81,11 @@ class Muon:
         _check_choice("adjust_lr_fn", self.adjust_lr_fn, ADJUST_LR_CHOICES)
         _check_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
         _check_choice("exchange", self.exchange, EXCHANGE_CHOICES)
+        if self.wire_dtype == "bfloat16" and self.ns_dtype != "bfloat16":
+            raise ValueError(
+                f"[muon] wire_dtype = 'bfloat16' would round the {self.ns_dtype} Newton–Schulz input; "
+                "choose wire_dtype = 'float32' or ns_dtype = 'bfloat16'"
+            )
         _check_positive("bucket_size_mb", self.bucket_size_mb)
         _check_positive("diagnostics_interval", self.diagnostics_interval, allow_zero=True)
         if self.overlap:
