@@ -3,8 +3,9 @@ byte-level BPE tokenizer trained on it, written where the train configs look for
 
     python -m torchtitan_ext.data [--out data/stdlib] [--vocab-size 2048] [--force]
 
-The folder then holds ``corpus/stdlib.jsonl`` (one ``{"text": source}`` record per ``*.py`` file, in
-sorted path order, so every machine builds the same corpus from the same Python version) and
+The folder then holds ``corpus/stdlib.jsonl`` (``{"text": ...}`` records: the ``*.py`` files cut at line
+ends into pieces of about 2,000 characters, shuffled with a fixed seed so that consecutive batches
+are alike; the same Python version gives the same corpus on every machine) and
 ``tokenizer/tokenizer.json`` + ``tokenizer/tokenizer_config.json`` (bos/eos tokens). The configs
 load the corpus through torchtitan's ``c4_test`` loader (``--training.dataset_path``) and the
 tokenizer through ``--model.hf_assets_path``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import sys
 import sysconfig
@@ -23,6 +25,8 @@ from pathlib import Path
 
 DEFAULT_OUT = Path("data/stdlib")
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
+PIECE_CHARS = 2000
+SHUFFLE_SEED = 0
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 
 
@@ -55,14 +59,30 @@ def stdlib_sources(root: Path | None = None) -> Iterator[str]:
             yield text
 
 
+def pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
+    """``text`` cut at line ends into consecutive pieces of about ``size`` characters (none empty)."""
+    out, current, length = [], [], 0
+    for line in text.splitlines(keepends=True):
+        current.append(line)
+        length += len(line)
+        if length >= size:
+            out.append("".join(current))
+            current, length = [], 0
+    if current:
+        out.append("".join(current))
+    return out
+
+
 def write_corpus(out: Path, root: Path | None = None) -> Path:
     """Write ``stdlib.jsonl`` (from ``root``, default the standard library) under ``corpus_dir(out)``; return it."""
+    records = [piece for text in stdlib_sources(root) for piece in pieces(text)]
+    random.Random(SHUFFLE_SEED).shuffle(records)
     folder = corpus_dir(out)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "stdlib.jsonl"
     with path.open("w", encoding="utf-8") as f:
-        for text in stdlib_sources(root):
-            f.write(json.dumps({"text": text}) + "\n")
+        for record in records:
+            f.write(json.dumps({"text": record}) + "\n")
     return path
 
 

@@ -1,0 +1,113 @@
+"""End-to-end: torchtitan's trainer with Muon, 2 gloo processes on CPU, through ``torchrun -m torchtitan_ext.train``.
+
+Losses are read from torchtitan's log lines; optimizer metrics from the run's TensorBoard events.
+"""
+
+import glob
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+\w.]+)")
+SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "128", "--metrics.log_freq", "1", "--optimizer.lr", "0.01"]
+
+
+def torchrun(config: str, dump: Path, *overrides: str, nproc: int = 2, timeout: int = 170):
+    """Run the launcher under torchrun; return (returncode, output, {step: loss} from rank 0)."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--local-ranks-filter", "0",
+        "-m", "torchtitan_ext.train", "--job.config_file", f"train_configs/{config}",
+        "--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    losses = {int(s): float(v) for s, v in LOSS_LINE.findall(output)}
+    return proc.returncode, output, losses
+
+
+def falls(losses: dict[int, float], by: float) -> bool:
+    """True when the mean of the last three logged losses is ``by`` below the mean of the first three."""
+    values = [losses[k] for k in sorted(losses)]
+    return sum(values[-3:]) / 3 < sum(values[:3]) / 3 - by
+
+
+def scalar_tags(dump: Path) -> set[str]:
+    """Scalar tags written to the run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = glob.glob(str(dump / "tb" / "*"))
+    events = EventAccumulator(run)
+    events.Reload()
+    return set(events.Tags()["scalars"])
+
+
+@pytest.mark.slow
+def test_llama3_muon_trains_and_logs_optimizer_metrics(tmp_path):
+    code, output, losses = torchrun(
+        "llama3_tiny.toml", tmp_path, *SMALL, "--training.steps", "12", "--lr_scheduler.warmup_steps", "2",
+        "--muon.diagnostics_interval", "4",
+    )  # fmt: skip
+    assert code == 0, output[-3000:]
+    assert sorted(losses) == list(range(1, 13))
+    assert all(math.isfinite(v) for v in losses.values())
+    assert falls(losses, 0.3), losses
+    tags = scalar_tags(tmp_path)
+    assert {"loss_metrics/global_avg_loss", "muon/update_rms/muon", "muon/update_rms/adamw"} <= tags
+    assert "muon/orthogonality_error" in tags
+
+
+@pytest.mark.slow
+def test_moe_muon_trains(tmp_path):
+    code, output, losses = torchrun(
+        "moe_tiny.toml", tmp_path, *SMALL, "--training.steps", "6", "--lr_scheduler.warmup_steps", "2",
+    )  # fmt: skip
+    assert code == 0, output[-3000:]
+    assert sorted(losses) == list(range(1, 7))
+    assert all(math.isfinite(v) for v in losses.values())
+    assert falls(losses, 0.2), losses
+    assert "muon/update_rms/muon" in scalar_tags(tmp_path)
+
+
+@pytest.mark.slow
+def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
+    common = [*SMALL, "--training.steps", "8", "--lr_scheduler.warmup_steps", "2", "--checkpoint.enable",
+              "--checkpoint.interval", "4", "--checkpoint.last_save_model_only"]  # fmt: skip
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    code, output, uninterrupted = torchrun("llama3_tiny.toml", full, *common)
+    assert code == 0, output[-3000:]
+    assert sorted(uninterrupted) == list(range(1, 9))
+    shutil.copytree(full / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
+    code, output, after_resume = torchrun("llama3_tiny.toml", resumed, *common)
+    assert code == 0, output[-3000:]
+    assert "Training starts at step 5" in output
+    assert sorted(after_resume) == [5, 6, 7, 8]
+    for step in (5, 6, 7, 8):
+        assert after_resume[step] == uninterrupted[step], (step, after_resume, uninterrupted)
+
+
+@pytest.mark.slow
+def test_bad_muon_value_in_toml_fails_at_start_with_choices(tmp_path):
+    config = (ROOT / "train_configs" / "llama3_tiny.toml").read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(config.replace('ns_coefficients = "simple"', 'ns_coefficients = "magic"'))
+    cmd = [sys.executable, "-m", "torchtitan_ext.train", "--job.config_file", str(bad)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "[muon] ns_coefficients = 'magic' is not valid; choose one of: cans, polar_express" in proc.stderr
+
+
+@pytest.mark.slow
+def test_unknown_optimizer_name_fails_at_start_with_choices(tmp_path):
+    code, output, losses = torchrun("llama3_tiny.toml", tmp_path, "--optimizer.name", "Lion", nproc=1)
+    assert code != 0 and not losses
+    assert "[optimizer] name = 'Lion' is not valid; choose one of: Adam, AdamW, Muon" in output
