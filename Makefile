@@ -22,7 +22,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 train: $(STAMP)
-	$(PY) -m dtensor_muon.demo
+	$(PY) -m torchtitan_ext.data
+	@NPROC=$$($(PY) -c "import torch; print(torch.cuda.device_count() or 2)"); \
+	echo "tiny Llama3 + Muon through torchtitan on $$NPROC process(es)"; \
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m torch.distributed.run --nproc_per_node $$NPROC \
+		--local-ranks-filter 0 -m torchtitan_ext.train --job.config_file train_configs/llama3_tiny.toml $(ARGS)
+	$(PY) -m torchtitan_ext.summary outputs/llama3_tiny
 
 clean:
 	rm -rf .venv $(STAMP)
