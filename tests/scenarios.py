@@ -103,7 +103,14 @@ def train_steps(rank: int, world_size: int, kind: str, steps: int, options: dict
     for step in range(steps):
         set_gradients(params, step)
         opt.step()
+    from dtensor_muon.layout import read_layout
+
+    layout_ok = []
+    for name, p in params:
+        box = read_layout(name, p).local_box
+        layout_ok.append(torch.equal(p.to_local(), p.full_tensor()[tuple(slice(a, b) for a, b in box)]))
     return {
+        "layout_ok": layout_ok,
         "params": [p.full_tensor() for _, p in params],
         "imbalance": [plan.imbalance for plan in opt.plans],
         "metrics": opt.metrics,
@@ -170,3 +177,63 @@ def dcp_resume(rank: int, world_size: int, path: str, start: int, steps: int) ->
         set_gradients(named, step)
         opt.step()
     return [p.full_tensor() for _, p in named]
+
+
+def fsdp_training(rank: int, world_size: int, steps: int) -> dict[str, Any]:
+    """A real ``fully_shard`` model; returns, per step, the full gradients fed to Muon and the full params."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(37, 10), nn.Linear(10, 13), nn.GELU(), nn.Linear(13, 3), nn.GELU(), nn.Linear(3, 10),
+        nn.LayerNorm(10), nn.Linear(10, 37, bias=False),
+    )
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for layer in model:
+        if any(p.requires_grad for p in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = Muon(model.named_parameters(), **OPTIONS)
+    fed = []
+    for step in range(steps):
+        tokens = torch.randint(0, 37, (4, 6), generator=torch.Generator().manual_seed(100 * step + rank))
+        logits = model(tokens)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 37), tokens.roll(1, dims=1).reshape(-1))
+        loss.backward()
+        fed.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return {"initial": initial, "grads": fed, "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+            "names": [n for n, _ in model.named_parameters()]}
+
+
+def failure_cases(rank: int, world_size: int) -> dict[str, str]:
+    """Errors that must be raised on every rank (or locally, before any collective), never hang."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    out: dict[str, str] = {}
+    mesh = make_mesh("shard0", world_size)
+    partial = nn.Parameter(DTensor.from_local(torch.randn(4, 4), mesh, [Partial()]))
+    try:
+        Muon([("w_partial", partial)])
+    except ValueError as exc:
+        out["placement"] = str(exc)
+    names = [f"rank{rank}.w" if rank == 1 else "w"]
+    param = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
+    try:
+        Muon(list(zip(names, [param])))
+    except RuntimeError as exc:
+        out["plan"] = str(exc)
+    params = distributed_params("shard0", world_size)
+    opt = Muon(params, **OPTIONS)
+    set_gradients(params, 0)
+    if rank == 0:  # a gradient in the wrong layout on one rank only
+        p = params[1][1]
+        p.grad = DTensor.from_local(torch.randn(p.shape), p.device_mesh, [Replicate()], run_check=False)
+    before = [p.full_tensor() for _, p in params]
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        out["step"] = str(exc)
+    out["unchanged"] = str(all(torch.equal(a, p.full_tensor()) for a, (_, p) in zip(before, params)))
+    return out

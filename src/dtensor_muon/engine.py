@@ -155,10 +155,18 @@ class Engine:
     def step(self, state: dict[Tensor, dict[str, Any]]) -> bool:
         """One optimizer step. Returns False when the step was skipped (non-finite gradients)."""
         timer = metrics_lib.PhaseTimer()
+        failure: Exception | None = None
         with timer.phase("preflight"):
-            grads = self._preflight()
+            try:
+                grads = self._preflight()
+            except (RuntimeError, ValueError) as exc:
+                failure, grads = exc, {e.index: None for e in self.entries}
         with timer.phase("consensus"):
-            active, nonfinite = self._consensus(grads)
+            active, nonfinite, failed = self._consensus(grads, failure is not None)
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RuntimeError("another rank's optimizer step failed its local checks; no rank changed anything")
         if nonfinite:
             self.skipped_steps += 1
             self._metrics = {"muon/skipped_steps": float(self.skipped_steps), "muon/step_skipped": 1.0}
@@ -207,14 +215,15 @@ class Engine:
             grads[e.index] = g
         return grads
 
-    def _consensus(self, grads: dict[int, Tensor | None]) -> tuple[set[int], bool]:
-        """Which parameters got a gradient on any rank, and whether any rank saw inf/NaN.
+    def _consensus(self, grads: dict[int, Tensor | None], failed: bool) -> tuple[set[int], bool, bool]:
+        """Which parameters got a gradient on any rank, whether any rank saw inf/NaN, whether any rank failed.
 
-        One small all-reduce (MAX) per mesh of [has-grad flags…, non-finite flag], meshes in increasing
-        size so the last (largest) carries every flag to every rank.
+        One small all-reduce (MAX) per mesh of [has-grad flags…, non-finite flag, failure flag], meshes in
+        increasing size so the last (largest) carries every flag to every rank. A rank whose local checks
+        failed still joins, so the others learn of it instead of waiting in the exchange.
         """
         nonfinite = False
-        if self.skip_nonfinite:
+        if self.skip_nonfinite and not failed:
             local_grads = [local(g) for g in grads.values() if g is not None]
             if local_grads:
                 finite = torch.stack([torch.isfinite(g).all() for g in local_grads]).all()
@@ -227,18 +236,18 @@ class Engine:
                 by_mesh[key].append(e)
         for key in sorted(by_mesh, key=lambda k: (len(k[0]), k[0])):
             entries = by_mesh[key]
-            flags = torch.tensor([e.index in active for e in entries] + [nonfinite], dtype=torch.int32)
+            flags = torch.tensor([e.index in active for e in entries] + [nonfinite, failed], dtype=torch.int32)
             comm = mesh_group(entries[0].param.device_mesh, entries[0].layout.mesh_rank)
             if comm.group is not None:
                 device = local(entries[0].param).device
                 flags = flags.to(device)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
                 flags = flags.cpu()
-            for e, flag in zip(entries, flags[:-1].tolist()):
+            for e, flag in zip(entries, flags[:-2].tolist()):
                 if flag:
                     active.add(e.index)
-            nonfinite = bool(flags[-1])
-        return active, nonfinite
+            nonfinite, failed = bool(flags[-2]), bool(flags[-1])
+        return active, nonfinite, failed
 
     def _grad_or_zeros(self, e: Entry, grads: dict[int, Tensor | None]) -> Tensor:
         g = grads[e.index]
