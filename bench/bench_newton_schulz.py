@@ -217,6 +217,13 @@ def kernel_rows(ceiling: float) -> list[dict]:
     return rows
 
 
+def syrk_configs() -> dict[str, str]:
+    """The autotuned SYRK config per key (M, K, batch, transposed, TMA, fused C)."""
+    from dtensor_muon.kernels.triton_syrk import _syrk_tuned
+
+    return {str(key): str(cfg) for key, cfg in _syrk_tuned.cache.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -226,6 +233,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--out", type=Path, default=None, help="write the rows as JSON here"
+    )
+    parser.add_argument(
+        "--shapes", default=None, help="comma-separated, e.g. 4096x14336,8x1024x4096"
+    )
+    parser.add_argument(
+        "--skip-kernels", action="store_true", help="no per-product microbench"
     )
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
@@ -244,9 +257,26 @@ def main() -> None:
     if cuda:
         methods["ours (forced SYRK)"] = ours_forced_triton
     ceiling = matmul_ceiling_tflops(cuda)
-    kernels = kernel_rows(ceiling) if cuda else []
-    rows = []
-    for shape in FULL_SHAPES if cuda else QUICK_SHAPES:
+    kernels = kernel_rows(ceiling) if cuda and not args.skip_kernels else []
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    else:
+        shapes = FULL_SHAPES if cuda else QUICK_SHAPES
+    result = {
+        "device": torch.cuda.get_device_name()
+        if cuda
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "matmul_8192_tflops" if cuda else "matmul_512_tflops": ceiling,
+        "rows": [],
+        "kernels": kernels,
+    }
+    if cuda:
+        import triton
+
+        result["triton"] = triton.__version__
+    rows = result["rows"]
+    for shape in shapes:
         rows += bench_shape(shape, methods, device, ceiling)
         for row in rows[-len(methods) :]:
             print(
@@ -255,23 +285,14 @@ def main() -> None:
                 f"Δtorch {row['rel_diff_vs_torch']:.1e}  ours→{row['ours_backend']}",
                 flush=True,
             )
-    result = {
-        "device": torch.cuda.get_device_name()
-        if cuda
-        else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "matmul_8192_tflops" if cuda else "matmul_512_tflops": ceiling,
-        "rows": rows,
-        "kernels": kernels,
-    }
-    if cuda:
-        import triton
-
-        result["triton"] = triton.__version__
+        if cuda:
+            result["syrk_configs"] = syrk_configs()
+        if (
+            args.out is not None
+        ):  # after every shape: a run cut short keeps what it measured
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1))
     print(f"matmul ceiling: {ceiling:.1f} TFLOP/s on {result['device']}")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
