@@ -20,7 +20,7 @@ from math import prod
 
 import torch
 
-from .layout import Box, ParamLayout, box_numel
+from ..layout import Box, ParamLayout, box_numel
 
 
 def ns_iteration_flops(shape: tuple[int, int]) -> int:

@@ -1,0 +1,5 @@
+"""``python -m dtensor_muon.plan``: the plan simulator (see :mod:`dtensor_muon.simulate`)."""
+
+from ..simulate import main
+
+main()
