@@ -276,7 +276,9 @@ def main() -> None:
 
         result["triton"] = triton.__version__
     rows = result["rows"]
+    started = time.perf_counter()
     for shape in shapes:
+        print(f"[{time.perf_counter() - started:6.1f} s] {shape}", flush=True)
         rows += bench_shape(shape, methods, device, ceiling)
         for row in rows[-len(methods) :]:
             print(
@@ -287,9 +289,8 @@ def main() -> None:
             )
         if cuda:
             result["syrk_configs"] = syrk_configs()
-        if (
-            args.out is not None
-        ):  # after every shape: a run cut short keeps what it measured
+        # Written after every shape: a run cut short keeps what it measured.
+        if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1))
     print(f"matmul ceiling: {ceiling:.1f} TFLOP/s on {result['device']}")
