@@ -237,3 +237,71 @@ def failure_cases(rank: int, world_size: int) -> dict[str, str]:
         out["step"] = str(exc)
     out["unchanged"] = str(all(torch.equal(a, p.full_tensor()) for a, (_, p) in zip(before, params)))
     return out
+
+
+class Blocks(nn.Module):
+    """Embedding, four FSDP blocks of awkward widths, head; block 2 is skipped on odd steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(29, 10)
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.Linear(10, 13), nn.GELU(), nn.Linear(13, 10)) for _ in range(4)]
+        )
+        self.output = nn.Linear(10, 29, bias=False)
+        self.skip_block = -1
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for i, block in enumerate(self.blocks):
+            if i != self.skip_block:
+                h = h + block(h)
+        return self.output(h)
+
+
+def overlap_training(rank: int, world_size: int, overlap: bool, steps: int, path: str) -> dict[str, Any]:
+    """FSDP2 training with or without overlap; a DCP save after step 2; ordering observations per forward."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Blocks()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = Muon(model.named_parameters(), overlap=overlap, **OPTIONS)
+    opt.attach(model)
+    observations: list[dict[str, bool]] = []
+    snapshot: dict[int, torch.Tensor] = {}
+
+    def after_block(k: int):
+        def hook(module, args, output) -> None:
+            if snapshot and k + 1 < len(model.blocks):
+                nxt = model.blocks[k + 1][0].weight.to_local()
+                cur = model.blocks[k][0].weight.to_local()
+                observations.append({"step": current_step[0], "block": k,
+                                     "next_pending": torch.equal(nxt, snapshot[k + 1]),
+                                     "this_applied": not torch.equal(cur, snapshot[k])})
+        return hook
+
+    for k, block in enumerate(model.blocks):
+        block.register_forward_hook(after_block(k))
+    saved = None
+    current_step = [0]
+    for step in range(steps):
+        current_step[0] = step
+        model.skip_block = 2 if step % 2 == 1 else -1
+        tokens = torch.randint(0, 29, (3, 5), generator=torch.Generator().manual_seed(100 * step + rank))
+        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, 29), tokens.roll(1, dims=1).reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        snapshot = {k: b[0].weight.to_local().clone() for k, b in enumerate(model.blocks)}
+        if step == 2:
+            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+            saved = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state["model"].items()}
+            dcp.save(state, checkpoint_id=path)
+    opt.flush()
+    return {"params": {n: p.full_tensor() for n, p in model.named_parameters()}, "saved": saved,
+            "observations": observations}

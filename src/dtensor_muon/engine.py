@@ -11,7 +11,6 @@ Newton–Schulz on the same full matrix as a single process would.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from . import metrics as metrics_lib
 from .exchange import MeshGroup, PendingExchange, mesh_group, start_all_to_all
+from .pending import BackExchange, PendingUpdates
 from .layout import ParamLayout, read_layout, relative_slices
 from .newton_schulz import resolve_coefficients, resolve_ns_dtype
 from .plan import MatrixRoute, Plan, build_plan
@@ -102,6 +102,7 @@ class Engine:
         exchange: str,
         skip_nonfinite: bool,
         diagnostics_interval: int,
+        overlap: bool = False,
     ) -> None:
         if exchange not in EXCHANGE_MODES:
             raise ValueError(f"exchange: expected one of {EXCHANGE_MODES}, got {exchange!r}")
@@ -111,6 +112,9 @@ class Engine:
         self.exchange = exchange
         self.skip_nonfinite = skip_nonfinite
         self.diagnostics_interval = diagnostics_interval
+        self.overlap = overlap
+        self.pending: PendingUpdates | None = None
+        self.deferred_seconds = 0.0
         self.skipped_steps = 0
         self.steps_taken = 0
         self._metrics: dict[str, float] = {}
@@ -153,7 +157,12 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self, state: dict[Tensor, dict[str, Any]]) -> bool:
-        """One optimizer step. Returns False when the step was skipped (non-finite gradients)."""
+        """One optimizer step. Returns False when the step was skipped (non-finite gradients).
+
+        Without overlap every update is applied before returning. With overlap the return exchanges may
+        still be in flight: :meth:`finish` applies chosen parameters' updates, :meth:`flush` all of them.
+        """
+        self.flush()
         timer = metrics_lib.PhaseTimer()
         failure: Exception | None = None
         with timer.phase("preflight"):
@@ -179,15 +188,36 @@ class Engine:
             self._adamw_step(grads, active, state, stats, diagnostics)
         with timer.phase("prepare"):
             scratch = self._prepare(grads, active, state)
+        backs: list[BackExchange] = []
         for work in self.meshes:
             if self.exchange == "gather_all" and work.mesh is not None:
                 self._gather_all(work, scratch, active, timer, stats)
             else:
-                self._owner_exchange(work, scratch, active, timer, stats)
-        with timer.phase("apply"):
-            self._apply(scratch, active, stats)
+                backs.extend(self._owner_exchange(work, scratch, active, timer, stats))
+        hyper = {}
+        for e in self.entries:
+            if e.use_muon and e.index in scratch.updates_out:
+                lr = e.group["lr"]
+                adjusted = muon_rule.adjusted_lr(lr, e.group["adjust_lr_fn"], _matrix_shape(e.param.shape))
+                hyper[e.index] = (lr, e.group["weight_decay"], adjusted)
+        self.pending = PendingUpdates(self, scratch, active, backs, hyper)
+        if not self.overlap:
+            with timer.phase("finish"):
+                self.flush()
         self._metrics_source = (timer, stats)
         return True
+
+    def finish(self, indices: list[int]) -> None:
+        """Apply the pending updates of the parameters with these engine indices (no-op when none)."""
+        if self.pending is not None:
+            self.pending.finish(indices)
+
+    def flush(self) -> None:
+        """Apply every pending update (waiting for the return exchanges they need)."""
+        if self.pending is not None:
+            self.pending.finish_all()
+            self.deferred_seconds = self.pending.seconds
+            self.pending = None
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -195,6 +225,8 @@ class Engine:
         if self._metrics_source is not None:
             timer, stats = self._metrics_source
             self._metrics = metrics_lib.summarize(timer, stats, [w.plan for w in self.meshes], self.skipped_steps)
+            if self.overlap:
+                self._metrics["muon/time_deferred_finish_ms"] = 1e3 * self.deferred_seconds
             self._metrics_source = None
         return self._metrics
 
@@ -312,7 +344,8 @@ class Engine:
                 stats.add_orthogonal(o, muon_rule.adjusted_lr(entry.group["lr"], entry.group["adjust_lr_fn"], shape))
         return results  # type: ignore[return-value]
 
-    def _owner_exchange(self, work: MeshWork, scratch: StepScratch, active, timer, stats) -> None:
+    def _owner_exchange(self, work: MeshWork, scratch: StepScratch, active, timer, stats) -> list[BackExchange]:
+        """Compute local matrices, exchange out, orthogonalize owned matrices, launch the return exchanges."""
         me = work.comm.mesh_rank
         plan = work.plan
         # local matrices: computed where they are, no communication
@@ -329,23 +362,19 @@ class Engine:
                 sl = relative_slices(route.spec.box, e.layout.local_box)
                 scratch.updates_out[e.index][sl].copy_(o.reshape(scratch.updates_out[e.index][sl].shape))
         if not plan.buckets:
-            return
+            return []
         device = local(work.entries[0].param).device
         with timer.phase("exchange_out_launch"):
             pending_out = [self._launch_out(work, bucket, scratch, active, device, stats) for bucket in plan.buckets]
-        pending_back: list[tuple[list[int], PendingExchange]] = []
+        backs: list[BackExchange] = []
         for bucket, pending in zip(plan.buckets, pending_out):
             with timer.phase("exchange_out_wait"):
                 received = pending.wait()
             with timer.phase("owner_compute"):
                 updates = self._compute_owned(work, bucket, received, active, device, stats)
             with timer.phase("exchange_back_launch"):
-                pending_back.append((bucket, self._launch_back(work, bucket, updates, active, device, stats)))
-        for bucket, pending in pending_back:
-            with timer.phase("exchange_back_wait"):
-                received = pending.wait()
-            with timer.phase("unpack"):
-                self._unpack_back(work, bucket, received, scratch, active)
+                backs.append(BackExchange(work, bucket, self._launch_back(work, bucket, updates, active, device, stats)))
+        return backs
 
     def _active_routes(self, work: MeshWork, bucket: list[int], active) -> list[MatrixRoute]:
         return [work.plan.routes[i] for i in bucket if work.plan.routes[i].spec.param_index in active]
@@ -398,7 +427,8 @@ class Engine:
         stats.bytes_sent += sum(p.numel() for r, ps in send.items() if r != me for p in ps) * work.wire_dtype.itemsize
         return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
 
-    def _unpack_back(self, work, bucket, received: dict[int, Tensor], scratch: StepScratch, active) -> None:
+    def unpack_back(self, work, bucket, received: dict[int, Tensor], scratch: StepScratch, active) -> None:
+        """Copy the update pieces of one bucket's return exchange into the per-parameter update buffers."""
         me = work.comm.mesh_rank
         offsets: dict[int, int] = defaultdict(int)
         for route in self._active_routes(work, bucket, active):
@@ -442,16 +472,9 @@ class Engine:
                 scratch.updates_out[i].copy_(f[_box_slices(e.layout.local_box)])
 
     # ------------------------------------------------------------------ apply
-    def _apply(self, scratch: StepScratch, active, stats) -> None:
-        for e in self.entries:
-            if not (e.use_muon and e.index in scratch.updates_out):
-                continue
-            shape = _matrix_shape(e.param.shape)
-            lr = e.group["lr"]
-            muon_rule.apply(
-                local(e.param), scratch.updates_out[e.index], lr, e.group["weight_decay"],
-                muon_rule.adjusted_lr(lr, e.group["adjust_lr_fn"], shape),
-            )
+    def apply_one(self, index: int, update: Tensor, lr: float, weight_decay: float, lr_adjusted: float) -> None:
+        """θ ← θ·(1 − γλ) − γ'·O on this rank's shard of parameter ``index``."""
+        muon_rule.apply(local(self.entries[index].param), update, lr, weight_decay, lr_adjusted)
 
 
 def _numel(box) -> int:

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .engine import EXCHANGE_MODES, Engine, Entry
 from .layout import read_layout
+from .overlap import attach_hooks
 from .newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec, resolve_coefficients, resolve_ns_dtype
 from .routing import uses_muon
 from .rules import adamw as adamw_rule
@@ -86,6 +87,9 @@ class Muon(torch.optim.Optimizer):
         exchange: "owner" (each matrix on one owner rank) or "gather_all" (baseline: every rank computes all).
         skip_nonfinite: if any rank sees an inf/NaN gradient, every rank skips the step.
         diagnostics_interval: every N steps, measure the orthogonality error and AdamW update RMS (0: never).
+        overlap: ``step()`` returns with the return exchanges in flight; each module's updates are applied by
+            a forward pre-hook just before FSDP all-gathers it (call :meth:`attach` with the model), and
+            everything is flushed before the next step, any ``state_dict()`` and by :meth:`flush`.
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class Muon(torch.optim.Optimizer):
         exchange: str = "owner",
         skip_nonfinite: bool = False,
         diagnostics_interval: int = 0,
+        overlap: bool = False,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("lr: a Tensor lr must have one element")
@@ -145,10 +150,14 @@ class Muon(torch.optim.Optimizer):
             exchange=exchange,
             skip_nonfinite=skip_nonfinite,
             diagnostics_interval=diagnostics_interval,
+            overlap=bool(overlap),
         )
         self._engine: Engine | None = None
+        self._hook_handles: list = []
         super().__init__(params, defaults)
         self._engine = self._build_engine()
+        self.register_state_dict_pre_hook(lambda optimizer: optimizer.flush())
+        self.register_load_state_dict_pre_hook(lambda optimizer, state_dict: optimizer.flush())
         self.register_load_state_dict_post_hook(Muon._rebuild_after_load)
 
     # ---------------------------------------------------------------- groups and state
@@ -187,6 +196,7 @@ class Muon(torch.optim.Optimizer):
             for _, p in part:
                 self.state[p] = {"momentum_buffer": torch.zeros_like(p)} if use_muon else adamw_rule.init_state(p)
         if self._engine is not None:
+            self.flush()
             self._engine = self._build_engine()
 
     def _all_params(self) -> list[Tensor]:
@@ -204,6 +214,7 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def _rebuild_after_load(optimizer: "Muon") -> None:
+        optimizer.flush()
         optimizer._engine = optimizer._build_engine()
 
     # ---------------------------------------------------------------- step
@@ -215,8 +226,43 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         assert self._engine is not None
+        if self._engine.overlap and not self._hook_handles:
+            raise RuntimeError(
+                "overlap=True: call optimizer.attach(model) before the first step, so each module's update "
+                "is applied before its next forward and before any state_dict()"
+            )
         self._engine.step(self.state)
         return loss
+
+    # ---------------------------------------------------------------- overlap
+    def attach(self, *modules: torch.nn.Module) -> None:
+        """Register the overlap hooks on ``modules`` (the model, or its parts): see :mod:`dtensor_muon.overlap`.
+
+        Needed with ``overlap=True``; harmless without (every update is then applied inside ``step()``).
+        """
+        if not modules:
+            raise ValueError("attach: give the model (or its parts) whose parameters this optimizer updates")
+        assert self._engine is not None
+        index_of_param = {id(e.param): e.index for e in self._engine.entries if e.use_muon}
+        self._hook_handles.extend(attach_hooks(modules, index_of_param, self._finish, self.flush))
+
+    def detach(self) -> None:
+        """Apply pending updates and remove the overlap hooks."""
+        self.flush()
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    def _finish(self, indices: list[int]) -> None:
+        if self._engine is not None:
+            with torch.no_grad():
+                self._engine.finish(indices)
+
+    def flush(self) -> None:
+        """Apply every pending update now (overlap mode); a no-op when nothing is pending."""
+        if self._engine is not None:
+            with torch.no_grad():
+                self._engine.flush()
 
     @property
     def metrics(self) -> dict[str, float]:
