@@ -1,0 +1,142 @@
+"""Overlap on vs off: time inside ``optimizer.step()`` and per full training step, side by side in one run.
+
+    python bench/bench_overlap.py --world-size 4 --device cpu --json bench/results/overlap_gloo_ws4.json
+    python bench/bench_overlap.py --world-size 1 --device cuda --dim 2048 --hidden 5632 --blocks 8 --tokens 4096
+
+A residual MLP stack (embedding, ``blocks`` × [Linear(dim, hidden), GELU, Linear(hidden, dim)], head), each
+block and the root given to ``fully_shard``. Each mode trains ``steps`` steps after ``warmup`` and reports
+medians over steps of the slowest rank: full step (forward + backward + step) and ``step()`` alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from dtensor_muon import Muon
+
+
+class Stack(nn.Module):
+    def __init__(self, vocab: int, dim: int, hidden: int, blocks: int) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.GELU(), nn.Linear(hidden, dim, bias=False))
+             for _ in range(blocks)]
+        )
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.output(h)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return 1e3 * float(t)
+
+
+def worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // world) if args.device == "cpu" else 4)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"file://{init}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    results = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = Stack(args.vocab, args.dim, args.hidden, args.blocks).to(device)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = Muon(model.named_parameters(), lr=0.02, overlap=overlap)
+        opt.attach(model)
+        step_ms, total_ms = [], []
+        batch = args.tokens // args.seq
+        for step in range(args.warmup + args.steps):
+            gen = torch.Generator().manual_seed(1000 * step + rank)
+            tokens = torch.randint(0, args.vocab, (batch, args.seq), generator=gen).to(device)
+            sync(device)
+            dist.barrier()
+            start = time.perf_counter()
+            logits = model(tokens)
+            targets = tokens.roll(-1, dims=1)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab).float(), targets.reshape(-1))
+            loss.backward()
+            before_step = time.perf_counter()
+            opt.step()
+            after_step = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            sync(device)
+            end = time.perf_counter()
+            if step >= args.warmup:
+                step_ms.append(slowest(after_step - before_step))
+                total_ms.append(slowest(end - start))
+        opt.flush()
+        results["overlap" if overlap else "no_overlap"] = {
+            "step_call_ms_median": statistics.median(step_ms),
+            "full_step_ms_median": statistics.median(total_ms),
+            "final_loss": loss.item(),
+        }
+        del model, opt
+    if rank == 0:
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per rank per step")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(args.world_size, os.path.join(tmp, "init"), tmp, args), nprocs=args.world_size, join=True)
+        with open(os.path.join(tmp, "result.json")) as f:
+            results = json.load(f)
+    print(f"world size {args.world_size} on {args.device}; dim {args.dim}, hidden {args.hidden}, {args.blocks} blocks, "
+          f"{args.tokens} tokens/rank; median of {args.steps} steps (slowest rank)")
+    print(f"{'mode':<12}{'step() ms':>11}{'full step ms':>14}{'final loss':>12}")
+    for mode, r in results.items():
+        print(f"{mode:<12}{r['step_call_ms_median']:>11.2f}{r['full_step_ms_median']:>14.2f}{r['final_loss']:>12.4f}")
+    off, on = results["no_overlap"], results["overlap"]
+    print(f"overlap / no overlap: step() {on['step_call_ms_median'] / off['step_call_ms_median']:.2f}x, "
+          f"full step {on['full_step_ms_median'] / off['full_step_ms_median']:.2f}x")
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
