@@ -270,6 +270,8 @@ class Engine:
             entries = by_mesh[key]
             flags = torch.tensor([e.index in active for e in entries] + [nonfinite, failed], dtype=torch.int32)
             comm = mesh_group(entries[0].param.device_mesh, entries[0].layout.mesh_rank)
+            if comm.world_size == 1:  # nothing to agree on: no collective, no host sync
+                continue
             if comm.group is not None:
                 device = local(entries[0].param).device
                 flags = flags.to(device)

@@ -23,7 +23,12 @@ def _fsdp_state(module: nn.Module):
 
 
 def _fsdp_managed_params(state) -> list[nn.Parameter]:
-    return [fp.sharded_param for group in state._fsdp_param_groups for fp in group.fsdp_params]
+    """The sharded parameters an FSDP2 state manages (torch ≥ 2.12 keeps a list of groups, 2.11 one group)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return [fp.sharded_param for group in groups for fp in group.fsdp_params]
 
 
 def attach_hooks(
