@@ -69,7 +69,7 @@ def main() -> None:
         for name, start in init:
             delta_single = single[name] - start
             delta_dist = dist_result[name] - start
-            rel = float((delta_dist - delta_single).abs().max() / delta_single.abs().max().clamp(min=1e-30))
+            rel = ((delta_dist - delta_single).abs().max() / delta_single.abs().max().clamp(min=1e-30)).item()
             worst = max(worst, rel)
         rows.append({"mode": mode, "world_size": world, "max_rel_update_diff": worst, "ok": worst <= 1e-2})
     if rank == 0:
