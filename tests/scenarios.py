@@ -84,6 +84,14 @@ class ParamHolder(nn.Module):
 
 
 def distributed_params(kind: str, world_size: int) -> list[tuple[str, nn.Parameter]]:
+    if kind == "two_meshes":  # experts on sub-meshes of 2 ranks (rows split), the rest on all ranks
+        dense = init_device_mesh("cpu", (world_size,))
+        experts = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "ep"))["ep"]
+        return [
+            (name, nn.Parameter(distribute_tensor(p, experts, [Shard(1)]) if p.ndim == 3
+                                else distribute_tensor(p, dense, [Shard(0)])))
+            for name, p in initial_params()
+        ]
     mesh = make_mesh(kind, world_size)
     return [
         (name, nn.Parameter(distribute_tensor(p, mesh, placements_for(kind, p.ndim))))

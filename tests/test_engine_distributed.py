@@ -41,6 +41,7 @@ def assert_all_equal(got, want):
         (4, "hsdp", "owner"),
         (4, "2d", "owner"),
         (2, "replicate", "owner"),
+        (4, "two_meshes", "owner"),
         (2, "shard0", "gather_all"),
         (3, "shard0", "gather_all"),
         (4, "shard1", "gather_all"),
@@ -54,6 +55,8 @@ def test_distributed_equals_single_process(world_size, kind, exchange, reference
         assert_all_equal(result["params"], reference)
     if exchange == "owner" and world_size > 1 and kind != "replicate":
         assert sum(r["metrics"]["muon/bytes_sent"] for r in results) > 0
+    if kind == "two_meshes":
+        assert len(results[0]["imbalance"]) == 2  # one plan per mesh
 
 
 def test_wire_dtype_none_and_small_buckets_equal_single_process(reference):

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from . import metrics as metrics_lib
 from .exchange import MeshGroup, PendingExchange, mesh_group, start_all_to_all
 from .pending import BackExchange, PendingUpdates
-from .layout import ParamLayout, read_layout, relative_slices
+from .layout import ParamLayout, relative_slices
 from .newton_schulz import resolve_coefficients, resolve_ns_dtype
 from .plan import MatrixRoute, Plan, build_plan
 from .rules import adamw as adamw_rule
@@ -73,6 +73,17 @@ def _mesh_key(t: Tensor) -> tuple | None:
         return None
     mesh = t.device_mesh
     return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.device_type, mesh.mesh_dim_names)
+
+
+def _mesh_order(key: tuple | None) -> tuple:
+    """Order in which meshes run their collectives: plain tensors, then by rank count, then by ranks.
+
+    Every rank sorts the meshes it belongs to the same way, so two ranks never wait on each other's
+    collectives in opposite orders (e.g. expert meshes {0, 1} and {2, 3} both come before the dense mesh).
+    """
+    if key is None:
+        return (0, 0, ())
+    return (1, len(key[0]), key[0])
 
 
 def _ns_settings(group: dict[str, Any]) -> tuple:
@@ -130,7 +141,7 @@ class Engine:
             if e.use_muon:
                 by_mesh[_mesh_key(e.param)].append(e)
         self.meshes = []
-        for key, entries in sorted(by_mesh.items(), key=lambda kv: (kv[0] is not None, str(kv[0]))):
+        for key, entries in sorted(by_mesh.items(), key=lambda kv: _mesh_order(kv[0])):
             wire = self._wire_dtype(entries)
             layouts = [e.layout for e in entries]
             plan = build_plan(layouts, [e.index for e in entries], self.bucket_bytes, wire.itemsize)
@@ -266,7 +277,7 @@ class Engine:
             key = _mesh_key(e.param)
             if key is not None:
                 by_mesh[key].append(e)
-        for key in sorted(by_mesh, key=lambda k: (len(k[0]), k[0])):
+        for key in sorted(by_mesh, key=_mesh_order):
             entries = by_mesh[key]
             flags = torch.tensor([e.index in active for e in entries] + [nonfinite, failed], dtype=torch.int32)
             comm = mesh_group(entries[0].param.device_mesh, entries[0].layout.mesh_rank)
