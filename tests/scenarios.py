@@ -267,8 +267,12 @@ class Blocks(nn.Module):
         return self.output(h)
 
 
-def overlap_training(rank: int, world_size: int, overlap: bool, steps: int, path: str) -> dict[str, Any]:
-    """FSDP2 training with or without overlap; a DCP save after step 2; ordering observations per forward."""
+def overlap_training(rank: int, world_size: int, overlap: bool, steps: int, path: str,
+                     prefetch: bool = False) -> dict[str, Any]:
+    """FSDP2 training with or without overlap; a DCP save after step 2; ordering observations per forward.
+
+    With ``prefetch`` FSDP unshards block k+1 when entering block k (explicit forward prefetch).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -278,6 +282,9 @@ def overlap_training(rank: int, world_size: int, overlap: bool, steps: int, path
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
+    if prefetch:
+        for current, following in zip(model.blocks[:-1], model.blocks[1:]):
+            current.set_modules_to_forward_prefetch([following])
     opt = Muon(model.named_parameters(), overlap=overlap, **OPTIONS)
     opt.attach(model)
     observations: list[dict[str, bool]] = []

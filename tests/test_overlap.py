@@ -43,6 +43,18 @@ def test_overlap_equals_no_overlap_and_applies_each_block_before_its_forward(wor
     assert not any(o["this_applied"] for o in without[0]["observations"])  # without overlap: applied in step()
 
 
+def test_block_prefetched_by_fsdp_is_finished_by_the_hook_of_the_block_before():
+    with tempfile.TemporaryDirectory() as path:
+        results = run_distributed(scenarios.overlap_training, 2, True, 4, path, True)
+    checked = 0
+    for obs in results[0]["observations"]:
+        previous = obs["step"] - 1
+        if previous != SAVE_STEP and got_update(obs["block"] + 1, previous):
+            assert not obs["next_pending"], obs  # FSDP prefetches block k+1 from block k: already applied
+            checked += 1
+    assert checked >= 4
+
+
 def test_overlap_needs_attach_and_flushes_on_state_dict_single_process():
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 4))
     opt = Muon(model.named_parameters(), overlap=True)
