@@ -1,5 +1,6 @@
 """Fast checks of torchtitan_ext's pieces: [muon] validation, kwargs mapping, spec registration, CPU patches, data."""
 
+import copy
 import json
 
 import pytest
@@ -126,3 +127,25 @@ def test_data_build_reads_sources_and_writes_tokenizer(tmp_path):
     config = json.loads((data.tokenizer_dir(out) / "tokenizer_config.json").read_text())
     assert config["bos_token"] == data.BOS and config["eos_token"] == data.EOS
     assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_moe_muon_container_keeps_torchtitan_expert_bias_hook():
+    from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing as titan_moe_builder
+    from torchtitan.config import Optimizer as OptimizerConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_args
+
+    args = copy.deepcopy(deepseekv3_args["debugmodel"])
+    args.update_from_config(ConfigManager().parse_args([]))
+    model = DeepSeekV3Model(args)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    titan = titan_moe_builder([model], OptimizerConfig(name="AdamW", implementation="for-loop"), dims)
+    ours = optimizer.build_optimizers_with_moe_load_balancing([model], OptimizerConfig(name="Muon"), dims)
+    assert isinstance(ours, optimizer.MuonOptimizersContainer)
+    assert len(titan._optimizer_step_pre_hooks) == 1
+    assert len(ours._optimizer_step_pre_hooks) == 1
+    (muon,) = ours.optimizers
+    experts = {n for g in muon.param_groups if g["use_muon"] for n in g["param_names"] if "experts" in n}
+    assert experts and all(dict(model.named_parameters())[n].ndim == 3 for n in experts if "shared" not in n)
+    adamw = {n for g in muon.param_groups if not g["use_muon"] for n in g["param_names"]}
+    assert "tok_embeddings.weight" in adamw and "output.weight" in adamw
