@@ -18,7 +18,16 @@ pytest.importorskip("torchtitan")
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+\w.]+)")
-SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "128", "--metrics.log_freq", "1", "--optimizer.lr", "0.01"]
+SMALL = [
+    "--training.local_batch_size",
+    "2",
+    "--training.seq_len",
+    "128",
+    "--metrics.log_freq",
+    "1",
+    "--optimizer.lr",
+    "0.01",
+]
 
 
 def torchrun(config: str, dump: Path, *overrides: str, nproc: int = 2, timeout: int = 170):
@@ -64,6 +73,10 @@ def test_llama3_muon_trains_and_logs_optimizer_metrics(tmp_path):
     tags = scalar_tags(tmp_path)
     assert {"loss_metrics/global_avg_loss", "muon/update_rms/muon", "muon/update_rms/adamw"} <= tags
     assert "muon/orthogonality_error" in tags
+    from torchtitan_ext import summary
+
+    line = summary.summary_line(summary.scalars(summary.latest_events(tmp_path)))
+    assert line.startswith("summary: steps 12, ") and "update_rms/muon" in line
 
 
 @pytest.mark.slow
