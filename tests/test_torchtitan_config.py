@@ -57,11 +57,6 @@ def test_bf16_wire_with_fp32_newton_schulz_is_refused():
     assert MuonConfig(ns_dtype="float32", wire_dtype="float32").ns_dtype == "float32"
 
 
-def test_overlap_is_a_placeholder():
-    with pytest.raises(NotImplementedError, match="not yet supported"):
-        MuonConfig(overlap=True)
-
-
 def test_unknown_optimizer_name_lists_the_choices():
     with pytest.raises(ValueError, match="Adam, AdamW, Muon"):
         check_optimizer_name("Lion")
@@ -73,6 +68,9 @@ def test_muon_kwargs_come_from_both_sections():
     assert kwargs["lr"] == 0.01 and kwargs["adamw_betas"] == (0.9, 0.99)
     assert kwargs["adamw_eps"] == config.optimizer.eps and kwargs["weight_decay"] == config.optimizer.weight_decay
     assert kwargs["ns_dtype"] is torch.bfloat16 and kwargs["wire_dtype"] is torch.bfloat16
+    assert kwargs["overlap"] is False
+    with_overlap = ConfigManager().parse_args(EXT + ["--muon.overlap"])
+    assert optimizer.muon_kwargs(with_overlap.optimizer, with_overlap.muon)["overlap"] is True
 
 
 def test_specs_are_registered_with_muon_builders():

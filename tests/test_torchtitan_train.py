@@ -109,6 +109,25 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_overlap_gives_the_same_losses_and_checkpoints_applied_updates(tmp_path):
+    common = [*SMALL, "--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "3",
+              "--checkpoint.last_save_model_only"]  # fmt: skip
+    plain, overlapped, resumed = tmp_path / "plain", tmp_path / "overlap", tmp_path / "resumed"
+    code, output, reference = torchrun("llama3_tiny.toml", plain, *common)
+    assert code == 0, output[-3000:]
+    code, output, with_overlap = torchrun(
+        "llama3_tiny.toml", overlapped, *common, "--muon.overlap", "--checkpoint.enable"
+    )
+    assert code == 0, output[-3000:]
+    assert with_overlap == reference and sorted(reference) == list(range(1, 7))
+    # saved right after step 3's step() returned with updates pending: the checkpoint must hold them applied
+    shutil.copytree(overlapped / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
+    code, output, after_resume = torchrun("llama3_tiny.toml", resumed, *common, "--checkpoint.enable")
+    assert code == 0, output[-3000:]
+    assert after_resume == {step: reference[step] for step in (4, 5, 6)}
+
+
+@pytest.mark.slow
 def test_bad_muon_value_in_toml_fails_at_start_with_choices(tmp_path):
     config = (ROOT / "train_configs" / "llama3_tiny.toml").read_text()
     bad = tmp_path / "bad.toml"

@@ -68,7 +68,8 @@ class Muon:
     """Every N steps also compute the costly diagnostics (orthogonality error); 0 turns them off."""
 
     overlap: bool = False
-    """Defer parameter updates into the next forward pass (not yet supported: true raises)."""
+    """Let ``step()`` return with the updates' return exchanges in flight; each module's update is applied
+    by a forward pre-hook just before FSDP all-gathers it (hooks attached to every model part)."""
 
     def __post_init__(self) -> None:
         """Reject bad values with the list of valid ones."""
@@ -88,10 +89,6 @@ class Muon:
             )
         _check_positive("bucket_size_mb", self.bucket_size_mb)
         _check_positive("diagnostics_interval", self.diagnostics_interval, allow_zero=True)
-        if self.overlap:
-            raise NotImplementedError(
-                "[muon] overlap = true is not yet supported (deferred updates land later); set overlap = false"
-            )
 
 
 def check_optimizer_name(name: str) -> None:

@@ -44,6 +44,7 @@ def muon_kwargs(optimizer_config: OptimizerConfig, muon_config: MuonConfig) -> d
         "exchange": muon_config.exchange,
         "skip_nonfinite": muon_config.skip_nonfinite,
         "diagnostics_interval": muon_config.diagnostics_interval,
+        "overlap": muon_config.overlap,
     }
 
 
@@ -63,7 +64,10 @@ class MuonOptimizersContainer(OptimizersContainer):
         all_params: list[nn.Parameter] = []
         for model in model_parts:
             named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-            self.optimizers.append(Muon(named, **optimizer_kwargs))
+            opt = Muon(named, **optimizer_kwargs)
+            if optimizer_kwargs.get("overlap"):
+                opt.attach(model)
+            self.optimizers.append(opt)
             all_params.extend(p for _, p in named)
         self._validate_length(len(model_parts))
         self._post_init(all_params, optimizer_kwargs)
