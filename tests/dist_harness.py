@@ -17,11 +17,11 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callab
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
     )
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    result = fn(rank, world_size, *args)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    # every rank leaves its collectives before any rank tears gloo down (a peer closing early aborts gloo)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:

@@ -53,12 +53,16 @@ class MeshWork:
     plan: Plan
     comm: MeshGroup
     wire_dtype: torch.dtype
+    fully_local: set[int] = field(default_factory=set)
+    """Parameters all of whose matrices are local: computed in chunks and applied at once, no buffers."""
 
 
 @dataclass
 class StepScratch:
     """Per-step tensors: the matrix to orthogonalize (U) and the received update (O), per parameter."""
 
+    grads: dict[int, Tensor | None]
+    state: dict[Tensor, dict[str, Any]]
     updates_in: dict[int, Tensor] = field(default_factory=dict)
     updates_out: dict[int, Tensor] = field(default_factory=dict)
 
@@ -148,7 +152,11 @@ class Engine:
             mesh = entries[0].param.device_mesh if key is not None else None
             comm = mesh_group(mesh, entries[0].layout.mesh_rank)
             _check_same_plan_everywhere(plan, comm)
-            self.meshes.append(MeshWork(mesh, entries, plan, comm, wire))
+            fully_local: set[int] = set()
+            if self.exchange == "owner" or mesh is None:
+                routed = {r.spec.param_index for r in plan.routes if not r.is_local}
+                fully_local = {e.index for e in entries} - routed
+            self.meshes.append(MeshWork(mesh, entries, plan, comm, wire, fully_local))
 
     def _wire_dtype(self, entries: list[Entry]) -> torch.dtype:
         wire = self.wire_dtype_option
@@ -199,18 +207,14 @@ class Engine:
             self._adamw_step(grads, active, state, stats, diagnostics)
         with timer.phase("prepare"):
             scratch = self._prepare(grads, active, state)
+        # parameters with every matrix local are prepared, orthogonalized and applied in chunks
         backs: list[BackExchange] = []
         for work in self.meshes:
             if self.exchange == "gather_all" and work.mesh is not None:
                 self._gather_all(work, scratch, active, timer, stats)
             else:
                 backs.extend(self._owner_exchange(work, scratch, active, timer, stats))
-        hyper = {}
-        for e in self.entries:
-            if e.use_muon and e.index in scratch.updates_out:
-                lr = e.group["lr"]
-                adjusted = muon_rule.adjusted_lr(lr, e.group["adjust_lr_fn"], _matrix_shape(e.param.shape))
-                hyper[e.index] = (lr, e.group["weight_decay"], adjusted)
+        hyper = {e.index: _hyperparameters(e) for e in self.entries if e.index in scratch.updates_out}
         self.pending = PendingUpdates(self, scratch, active, backs, hyper)
         if not self.overlap:
             with timer.phase("finish"):
@@ -323,15 +327,19 @@ class Engine:
                     stats.add_update("adamw", p - b)
 
     def _prepare(self, grads, active, state) -> StepScratch:
-        scratch = StepScratch()
+        """Momentum on the shards of the parameters that are exchanged, and their update buffers."""
+        scratch = StepScratch(grads, state)
+        fully_local = set().union(*(w.fully_local for w in self.meshes))
         for e in self.entries:
-            if e.use_muon and e.index in active:
-                buf = local(state[e.param]["momentum_buffer"])
-                scratch.updates_in[e.index] = muon_rule.prepare(
-                    self._grad_or_zeros(e, grads), buf, e.group["momentum"], e.group["nesterov"]
-                )
+            if e.use_muon and e.index in active and e.index not in fully_local:
+                scratch.updates_in[e.index] = self._momentum(e, scratch)
                 scratch.updates_out[e.index] = torch.empty_like(local(e.param), dtype=self._out_dtype(e))
         return scratch
+
+    def _momentum(self, e: Entry, scratch: StepScratch) -> Tensor:
+        """U for parameter ``e`` (updating its momentum buffer in place)."""
+        buf = local(scratch.state[e.param]["momentum_buffer"])
+        return muon_rule.prepare(self._grad_or_zeros(e, scratch.grads), buf, e.group["momentum"], e.group["nesterov"])
 
     def _out_dtype(self, e: Entry) -> torch.dtype:
         for work in self.meshes:
@@ -359,21 +367,9 @@ class Engine:
 
     def _owner_exchange(self, work: MeshWork, scratch: StepScratch, active, timer, stats) -> list[BackExchange]:
         """Compute local matrices, exchange out, orthogonalize owned matrices, launch the return exchanges."""
-        me = work.comm.mesh_rank
         plan = work.plan
-        # local matrices: computed where they are, no communication
         with timer.phase("local_compute"):
-            jobs = []
-            for i in plan.local_to(me):
-                route = plan.routes[i]
-                e = self.entries[route.spec.param_index]
-                if e.index not in active:
-                    continue
-                sl = relative_slices(route.spec.box, e.layout.local_box)
-                jobs.append((route, e, scratch.updates_in[e.index][sl]))
-            for (route, e, _), o in zip(jobs, self._orthogonalize(jobs, stats)):
-                sl = relative_slices(route.spec.box, e.layout.local_box)
-                scratch.updates_out[e.index][sl].copy_(o.reshape(scratch.updates_out[e.index][sl].shape))
+            self._compute_local(work, scratch, active, stats)
         if not plan.buckets:
             return []
         device = local(work.entries[0].param).device
@@ -388,6 +384,41 @@ class Engine:
             with timer.phase("exchange_back_launch"):
                 backs.append(BackExchange(work, bucket, self._launch_back(work, bucket, updates, active, device, stats)))
         return backs
+
+    def _compute_local(self, work: MeshWork, scratch: StepScratch, active, stats) -> None:
+        """Local matrices, in chunks of at most ``bucket_bytes`` of Newton–Schulz input (batched by shape).
+
+        Matrices of fully local parameters are applied as soon as they are orthogonalized, and a parameter's
+        U lives only until its last matrix is done, so peak memory is about one chunk, not the model.
+        """
+        routes = [work.plan.routes[i] for i in work.plan.local_to(work.comm.mesh_rank)]
+        routes = [r for r in routes if r.spec.param_index in active]
+        left = defaultdict(int)
+        for r in routes:
+            left[r.spec.param_index] += 1
+        momentum: dict[int, Tensor] = {}
+        for chunk in _chunks(routes, self.bucket_bytes, lambda r: r.spec.numel * self._ns_itemsize(r)):
+            jobs = []
+            for route in chunk:
+                e = self.entries[route.spec.param_index]
+                if e.index in work.fully_local and e.index not in momentum:
+                    momentum[e.index] = self._momentum(e, scratch)
+                u = momentum[e.index] if e.index in work.fully_local else scratch.updates_in[e.index]
+                jobs.append((route, e, u[relative_slices(route.spec.box, e.layout.local_box)]))
+            for (route, e, _), o in zip(jobs, self._orthogonalize(jobs, stats)):
+                sl = relative_slices(route.spec.box, e.layout.local_box)
+                if e.index in work.fully_local:
+                    target = local(e.param)[sl]
+                    muon_rule.apply(target, o.reshape(target.shape), *_hyperparameters(e))
+                    left[e.index] -= 1
+                    if left[e.index] == 0:
+                        del momentum[e.index]
+                else:
+                    target = scratch.updates_out[e.index][sl]
+                    target.copy_(o.reshape(target.shape))
+
+    def _ns_itemsize(self, route: MatrixRoute) -> int:
+        return resolve_ns_dtype(self.entries[route.spec.param_index].group["ns_dtype"]).itemsize
 
     def _active_routes(self, work: MeshWork, bucket: list[int], active) -> list[MatrixRoute]:
         return [work.plan.routes[i] for i in bucket if work.plan.routes[i].spec.param_index in active]
@@ -488,6 +519,29 @@ class Engine:
     def apply_one(self, index: int, update: Tensor, lr: float, weight_decay: float, lr_adjusted: float) -> None:
         """θ ← θ·(1 − γλ) − γ'·O on this rank's shard of parameter ``index``."""
         muon_rule.apply(local(self.entries[index].param), update, lr, weight_decay, lr_adjusted)
+
+
+def _hyperparameters(e: Entry) -> tuple[float, float, float]:
+    """(γ, λ, γ') of a Muon parameter, read from its group now (schedulers may change them later)."""
+    lr = e.group["lr"]
+    return lr, e.group["weight_decay"], muon_rule.adjusted_lr(lr, e.group["adjust_lr_fn"], _matrix_shape(e.param.shape))
+
+
+def _chunks(items: list, budget: int, size) -> list[list]:
+    """Consecutive groups of ``items`` whose ``size`` sums to at most ``budget`` (at least one item each)."""
+    out: list[list] = []
+    current: list = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if current and total + n > budget:
+            out.append(current)
+            current, total = [], 0
+        current.append(item)
+        total += n
+    if current:
+        out.append(current)
+    return out
 
 
 def _numel(box) -> int:
