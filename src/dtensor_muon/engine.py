@@ -25,7 +25,7 @@ from .exchange import MeshGroup, PendingExchange, mesh_group, start_all_to_all
 from .pending import BackExchange, PendingUpdates
 from .layout import ParamLayout, relative_slices
 from .newton_schulz import resolve_coefficients, resolve_ns_dtype
-from .plan import MatrixRoute, Plan, build_plan
+from .plan import MatrixRoute, Plan, build_plan, chunk_by_budget
 from .rules import adamw as adamw_rule
 from .rules import muon as muon_rule
 
@@ -397,7 +397,7 @@ class Engine:
         for r in routes:
             left[r.spec.param_index] += 1
         momentum: dict[int, Tensor] = {}
-        for chunk in _chunks(routes, self.bucket_bytes, lambda r: r.spec.numel * self._ns_itemsize(r)):
+        for chunk in chunk_by_budget(routes, self.bucket_bytes, lambda r: r.spec.numel * self._ns_itemsize(r)):
             jobs = []
             for route in chunk:
                 e = self.entries[route.spec.param_index]
@@ -525,23 +525,6 @@ def _hyperparameters(e: Entry) -> tuple[float, float, float]:
     """(γ, λ, γ') of a Muon parameter, read from its group now (schedulers may change them later)."""
     lr = e.group["lr"]
     return lr, e.group["weight_decay"], muon_rule.adjusted_lr(lr, e.group["adjust_lr_fn"], _matrix_shape(e.param.shape))
-
-
-def _chunks(items: list, budget: int, size) -> list[list]:
-    """Consecutive groups of ``items`` whose ``size`` sums to at most ``budget`` (at least one item each)."""
-    out: list[list] = []
-    current: list = []
-    total = 0
-    for item in items:
-        n = size(item)
-        if current and total + n > budget:
-            out.append(current)
-            current, total = [], 0
-        current.append(item)
-        total += n
-    if current:
-        out.append(current)
-    return out
 
 
 def _numel(box) -> int:

@@ -15,7 +15,9 @@ world size, so every rank builds the same one; its digest is compared across ran
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 from math import prod
 
 import torch
@@ -173,24 +175,29 @@ def build_plan(
                 received[rank] += nbytes
         routes.append(MatrixRoute(s, owner, tuple(pieces.items()), tuple(h)))
 
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    current_bytes = 0
-    for i, route in enumerate(routes):
-        if route.is_local:
-            continue
-        nbytes = route.spec.numel * wire_itemsize
-        if current and current_bytes + nbytes > bucket_bytes:
-            buckets.append(current)
-            current, current_bytes = [], 0
-        current.append(i)
-        current_bytes += nbytes
-    if current:
-        buckets.append(current)
+    routed = [i for i, route in enumerate(routes) if not route.is_local]
+    buckets = chunk_by_budget(routed, bucket_bytes, lambda i: routes[i].spec.numel * wire_itemsize)
 
     plan = Plan(world, routes, buckets, load, sent, received)
     plan.digest = _digest(plan)
     return plan
+
+
+def chunk_by_budget(items: list, budget: int, size: Callable[[Any], int]) -> list[list]:
+    """Consecutive groups of ``items`` whose ``size`` sums to at most ``budget`` (at least one item each)."""
+    out: list[list] = []
+    current: list = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if current and total + n > budget:
+            out.append(current)
+            current, total = [], 0
+        current.append(item)
+        total += n
+    if current:
+        out.append(current)
+    return out
 
 
 def _digest(plan: Plan) -> str:
