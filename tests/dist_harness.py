@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import tempfile
 from datetime import timedelta
@@ -13,12 +15,15 @@ import torch.multiprocessing as mp
 
 
 def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args: tuple) -> None:
+    faulthandler.enable()  # a crash inside torch/gloo prints every thread's Python stack
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
     )
     result = fn(rank, world_size, *args)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    del result
+    gc.collect()  # optimizers, meshes and their groups go while gloo is still up
     # every rank leaves its collectives before any rank tears gloo down (a peer closing early aborts gloo)
     dist.barrier()
     dist.destroy_process_group()

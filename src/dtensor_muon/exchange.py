@@ -8,6 +8,7 @@ order; :class:`MeshGroup` maps mesh ranks (flat index in ``mesh.mesh``) to group
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,20 +37,23 @@ class MeshGroup:
         return order
 
 
-_GROUP_CACHE: dict[tuple, MeshGroup] = {}
+# Cached per mesh object and dropped with it: a module-level cache would keep process groups alive past
+# destroy_process_group(), to be destroyed during interpreter shutdown, which can abort gloo.
+_GROUP_CACHE: "weakref.WeakKeyDictionary[DeviceMesh, MeshGroup]" = weakref.WeakKeyDictionary()
 
 
 def mesh_group(mesh: DeviceMesh | None, mesh_rank: int) -> MeshGroup:
     """The group of all ranks of ``mesh`` (flattened when it has several dims); None mesh: a world of one."""
     if mesh is None:
         return MeshGroup(None, 0, [0])
-    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.device_type)
-    if key not in _GROUP_CACHE:
+    cached = _GROUP_CACHE.get(mesh)
+    if cached is None:
         flat = mesh if mesh.ndim == 1 else mesh._flatten()
         group = flat.get_group()
         global_ranks = mesh.mesh.flatten().tolist()
-        _GROUP_CACHE[key] = MeshGroup(group, mesh_rank, [dist.get_group_rank(group, r) for r in global_ranks])
-    return _GROUP_CACHE[key]
+        cached = MeshGroup(group, mesh_rank, [dist.get_group_rank(group, r) for r in global_ranks])
+        _GROUP_CACHE[mesh] = cached
+    return cached
 
 
 @dataclass
