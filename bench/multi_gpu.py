@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ PEAK_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16, torchtitan's MFU denominat
 def torchrun(nproc: int, args: list[str], log: Path) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *args]
     with open(log, "w") as f:
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ}).returncode
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
 
 
 def median_after_warmup(series: list[tuple[int, float]], skip: int = 2) -> float | None:

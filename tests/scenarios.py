@@ -125,6 +125,12 @@ def train_steps(rank: int, world_size: int, kind: str, steps: int, options: dict
     }
 
 
+def full_state(opt: Muon, params: list[tuple[str, nn.Parameter]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's optimizer state, gathered whole (DTensors) or copied (plain tensors)."""
+    return {n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v.clone()) for k, v in opt.state[p].items()}
+            for n, p in params}
+
+
 def nonfinite_step(rank: int, world_size: int) -> dict[str, Any]:
     """Step 0 normal; step 1 with a NaN in rank 1's shard only (skip_nonfinite); step 2 normal."""
     params = distributed_params("shard0", world_size)
@@ -132,15 +138,13 @@ def nonfinite_step(rank: int, world_size: int) -> dict[str, Any]:
     set_gradients(params, 0)
     opt.step()
     before = [p.full_tensor() for _, p in params]
-    state_before = {n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v.clone()) for k, v in opt.state[p].items()}
-                    for n, p in params}
+    state_before = full_state(opt, params)
     set_gradients(params, 1)
     if rank == 1:
         params[1][1].grad.to_local().view(-1)[0] = float("nan")
     opt.step()
     after = [p.full_tensor() for _, p in params]
-    state_after = {n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v.clone()) for k, v in opt.state[p].items()}
-                   for n, p in params}
+    state_after = full_state(opt, params)
     skipped = opt.skipped_steps
     set_gradients(params, 1)
     opt.step()

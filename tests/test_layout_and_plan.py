@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from dtensor_muon.layout import ParamLayout, box_numel, chunk_range, intersect
+from dtensor_muon.layout import box_numel, chunk_range, intersect
 from dtensor_muon.plan import build_plan, matrices_of, ns_iteration_flops
+from dtensor_muon.simulate import fsdp_layout
 
 
 @pytest.mark.parametrize("length, n", [(10, 3), (3, 8), (16, 4), (1, 2), (0, 3), (7, 7)])
@@ -20,15 +21,6 @@ def test_intersect_and_numel():
     assert intersect(((0, 4), (0, 5)), ((2, 6), (1, 3))) == ((2, 4), (1, 3))
     assert intersect(((0, 2),), ((2, 4),)) is None
     assert box_numel(((2, 4), (1, 3))) == 4
-
-
-def fsdp_layout(name: str, shape: tuple[int, ...], world: int, rank: int = 0) -> ParamLayout:
-    boxes = []
-    for r in range(world):
-        box = [(0, s) for s in shape]
-        box[0] = chunk_range(0, shape[0], world, r)
-        boxes.append(tuple(box))
-    return ParamLayout(name, shape, tuple(boxes), rank)
 
 
 def test_matrices_of_2d_3d_4d():

@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 from . import metrics as metrics_lib
 from .exchange import MeshGroup, PendingExchange, mesh_group, start_all_to_all
 from .pending import BackExchange, PendingUpdates
-from .layout import ParamLayout, relative_slices
+from .layout import ParamLayout, box_numel, box_shape, box_slices, relative_slices
 from .newton_schulz import resolve_coefficients, resolve_ns_dtype
-from .plan import MatrixRoute, Plan, build_plan, chunk_by_budget
+from .plan import MatrixRoute, Plan, build_plan, chunk_by_budget, matrix_shape
 from .rules import adamw as adamw_rule
 from .rules import muon as muon_rule
 
@@ -55,6 +55,18 @@ class MeshWork:
     wire_dtype: torch.dtype
     fully_local: set[int] = field(default_factory=set)
     """Parameters all of whose matrices are local: computed in chunks and applied at once, no buffers."""
+
+    def update_dtype(self, e: Entry) -> torch.dtype:
+        """dtype of a parameter's received update: the wire dtype, or the Newton–Schulz dtype without a mesh."""
+        return self.wire_dtype if self.mesh is not None else resolve_ns_dtype(e.group["ns_dtype"])
+
+
+@dataclass
+class ConsensusGroup:
+    """The DTensor parameters (Muon and AdamW) of one mesh with more than one rank, and that mesh's group."""
+
+    entries: list[Entry]
+    comm: MeshGroup
 
 
 @dataclass
@@ -135,6 +147,8 @@ class Engine:
         self._metrics: dict[str, float] = {}
         self._metrics_source: tuple | None = None
         self.meshes: list[MeshWork] = []
+        self.mesh_of: dict[int, MeshWork] = {}
+        self.consensus_groups: list[ConsensusGroup] = []
         self.rebuild_plans()
 
     # ------------------------------------------------------------------ plans
@@ -157,6 +171,18 @@ class Engine:
                 routed = {r.spec.param_index for r in plan.routes if not r.is_local}
                 fully_local = {e.index for e in entries} - routed
             self.meshes.append(MeshWork(mesh, entries, plan, comm, wire, fully_local))
+        self.mesh_of = {e.index: work for work in self.meshes for e in work.entries}
+        dtensors: dict[tuple, list[Entry]] = defaultdict(list)
+        for e in self.entries:
+            key = _mesh_key(e.param)
+            if key is not None:
+                dtensors[key].append(e)
+        self.consensus_groups = []
+        for key in sorted(dtensors, key=_mesh_order):
+            entries = dtensors[key]
+            comm = mesh_group(entries[0].param.device_mesh, entries[0].layout.mesh_rank)
+            if comm.world_size > 1:  # a one-rank mesh has nothing to agree on: no collective, no host sync
+                self.consensus_groups.append(ConsensusGroup(entries, comm))
 
     def _wire_dtype(self, entries: list[Entry]) -> torch.dtype:
         wire = self.wire_dtype_option
@@ -276,22 +302,12 @@ class Engine:
                 finite = torch.stack([torch.isfinite(g).all() for g in local_grads]).all()
                 nonfinite = not bool(finite)
         active = {i for i, g in grads.items() if g is not None}
-        by_mesh: dict[tuple, list[Entry]] = defaultdict(list)
-        for e in self.entries:
-            key = _mesh_key(e.param)
-            if key is not None:
-                by_mesh[key].append(e)
-        for key in sorted(by_mesh, key=_mesh_order):
-            entries = by_mesh[key]
+        for group in self.consensus_groups:
+            entries = group.entries
             flags = torch.tensor([e.index in active for e in entries] + [nonfinite, failed], dtype=torch.int32)
-            comm = mesh_group(entries[0].param.device_mesh, entries[0].layout.mesh_rank)
-            if comm.world_size == 1:  # nothing to agree on: no collective, no host sync
-                continue
-            if comm.group is not None:
-                device = local(entries[0].param).device
-                flags = flags.to(device)
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
-                flags = flags.cpu()
+            flags = flags.to(local(entries[0].param).device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.comm.group)
+            flags = flags.cpu()
             for e, flag in zip(entries, flags[:-2].tolist()):
                 if flag:
                     active.add(e.index)
@@ -333,19 +349,13 @@ class Engine:
         for e in self.entries:
             if e.use_muon and e.index in active and e.index not in fully_local:
                 scratch.updates_in[e.index] = self._momentum(e, scratch)
-                scratch.updates_out[e.index] = torch.empty_like(local(e.param), dtype=self._out_dtype(e))
+                scratch.updates_out[e.index] = torch.empty_like(local(e.param), dtype=self.mesh_of[e.index].update_dtype(e))
         return scratch
 
     def _momentum(self, e: Entry, scratch: StepScratch) -> Tensor:
         """U for parameter ``e`` (updating its momentum buffer in place)."""
         buf = local(scratch.state[e.param]["momentum_buffer"])
         return muon_rule.prepare(self._grad_or_zeros(e, scratch.grads), buf, e.group["momentum"], e.group["nesterov"])
-
-    def _out_dtype(self, e: Entry) -> torch.dtype:
-        for work in self.meshes:
-            if any(x is e for x in work.entries):
-                return work.wire_dtype if work.mesh is not None else resolve_ns_dtype(e.group["ns_dtype"])
-        raise KeyError(e.name)
 
     # ------------------------------------------------------------------ Newton–Schulz on owners
     def _orthogonalize(self, jobs: list[tuple[MatrixRoute, Entry, Tensor]], stats) -> list[Tensor]:
@@ -433,7 +443,7 @@ class Engine:
                 if source == me:
                     send[route.owner].append(scratch.updates_in[e.index][relative_slices(box, e.layout.local_box)])
                 if route.owner == me:
-                    recv[source] += _numel(box)
+                    recv[source] += box_numel(box)
         stats.bytes_sent += sum(p.numel() for r, ps in send.items() if r != me for p in ps) * work.wire_dtype.itemsize
         return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
 
@@ -446,16 +456,16 @@ class Engine:
             if route.owner != me:
                 continue
             e = self.entries[route.spec.param_index]
-            full = torch.empty(_box_shape(route.spec.box), dtype=work.wire_dtype, device=device)
+            full = torch.empty(box_shape(route.spec.box), dtype=work.wire_dtype, device=device)
             for box, source in route.pieces:
-                n = _numel(box)
+                n = box_numel(box)
                 chunk = received[source][offsets[source]: offsets[source] + n]
                 offsets[source] += n
                 target = full[relative_slices(box, route.spec.box)]
                 target.copy_(chunk.view(target.shape))
             jobs.append((route, e, full))
         outs = self._orthogonalize(jobs, stats)
-        return {id(route): o.reshape(_box_shape(route.spec.box))
+        return {id(route): o.reshape(box_shape(route.spec.box))
                 for (route, _, _), o in zip(jobs, outs)}
 
     def _launch_back(self, work, bucket, updates: dict[int, Tensor], active, device, stats) -> PendingExchange:
@@ -467,7 +477,7 @@ class Engine:
                 if route.owner == me:
                     send[holder].append(updates[id(route)][relative_slices(box, route.spec.box)])
                 if holder == me:
-                    recv[route.owner] += _numel(box)
+                    recv[route.owner] += box_numel(box)
         stats.bytes_sent += sum(p.numel() for r, ps in send.items() if r != me for p in ps) * work.wire_dtype.itemsize
         return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
 
@@ -480,7 +490,7 @@ class Engine:
             for holder, box in route.holders:
                 if holder != me:
                     continue
-                n = _numel(box)
+                n = box_numel(box)
                 chunk = received[route.owner][offsets[route.owner]: offsets[route.owner] + n]
                 offsets[route.owner] += n
                 target = scratch.updates_out[e.index][relative_slices(box, e.layout.local_box)]
@@ -505,15 +515,15 @@ class Engine:
             for route in work.plan.routes:
                 e = self.entries[route.spec.param_index]
                 if e.index in fulls:
-                    jobs.append((route, e, fulls[e.index][_box_slices(route.spec.box)]))
+                    jobs.append((route, e, fulls[e.index][box_slices(route.spec.box)]))
             outs = self._orthogonalize(jobs, stats)
             full_out = {i: torch.empty_like(f, dtype=work.wire_dtype) for i, f in fulls.items()}
             for (route, e, _), o in zip(jobs, outs):
-                target = full_out[e.index][_box_slices(route.spec.box)]
+                target = full_out[e.index][box_slices(route.spec.box)]
                 target.copy_(o.reshape(target.shape))
             for i, f in full_out.items():
                 e = self.entries[i]
-                scratch.updates_out[i].copy_(f[_box_slices(e.layout.local_box)])
+                scratch.updates_out[i].copy_(f[box_slices(e.layout.local_box)])
 
     # ------------------------------------------------------------------ apply
     def apply_one(self, index: int, update: Tensor, lr: float, weight_decay: float, lr_adjusted: float) -> None:
@@ -524,34 +534,7 @@ class Engine:
 def _hyperparameters(e: Entry) -> tuple[float, float, float]:
     """(γ, λ, γ') of a Muon parameter, read from its group now (schedulers may change them later)."""
     lr = e.group["lr"]
-    return lr, e.group["weight_decay"], muon_rule.adjusted_lr(lr, e.group["adjust_lr_fn"], _matrix_shape(e.param.shape))
-
-
-def _numel(box) -> int:
-    n = 1
-    for start, stop in box:
-        n *= stop - start
-    return n
-
-
-def _box_slices(box) -> tuple[slice, ...]:
-    return tuple(slice(start, stop) for start, stop in box)
-
-
-def _box_shape(box) -> tuple[int, ...]:
-    return tuple(stop - start for start, stop in box)
-
-
-def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
-    """Shape of one matrix of a parameter: itself (2-D), one expert (3-D), (shape[0], rest) (≥4-D)."""
-    if len(shape) == 2:
-        return (shape[0], shape[1])
-    if len(shape) == 3:
-        return (shape[1], shape[2])
-    rest = 1
-    for s in shape[1:]:
-        rest *= s
-    return (shape[0], rest)
+    return lr, e.group["weight_decay"], muon_rule.adjusted_lr(lr, e.group["adjust_lr_fn"], matrix_shape(e.param.shape))
 
 
 def _check_same_plan_everywhere(plan: Plan, comm: MeshGroup) -> None:

@@ -45,6 +45,16 @@ def box_numel(box: Box) -> int:
     return prod(max(0, stop - start) for start, stop in box)
 
 
+def box_shape(box: Box) -> tuple[int, ...]:
+    """The tensor shape of a box."""
+    return tuple(stop - start for start, stop in box)
+
+
+def box_slices(box: Box) -> tuple[slice, ...]:
+    """Slices selecting a global ``box`` inside the whole tensor."""
+    return tuple(slice(start, stop) for start, stop in box)
+
+
 def intersect(a: Box, b: Box) -> Box | None:
     """The common box of ``a`` and ``b``, or None when they share no element."""
     out = tuple((max(sa, sb), min(ea, eb)) for (sa, ea), (sb, eb) in zip(a, b))

@@ -214,7 +214,6 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def _rebuild_after_load(optimizer: "Muon") -> None:
-        optimizer.flush()
         optimizer._engine = optimizer._build_engine()
 
     # ---------------------------------------------------------------- step

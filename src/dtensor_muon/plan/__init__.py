@@ -49,20 +49,27 @@ class MatrixSpec:
         return ns_iteration_flops(self.shape)
 
 
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """Shape of one matrix of a parameter: itself (2-D), one expert (3-D), (shape[0], rest) (≥4-D)."""
+    if len(shape) < 2:
+        raise ValueError(f"Muon needs ≥2 dims, got shape {tuple(shape)}")
+    if len(shape) == 3:
+        return (shape[1], shape[2])
+    return (shape[0], prod(shape[1:]))
+
+
 def matrices_of(param_index: int, layout: ParamLayout) -> list[MatrixSpec]:
     """The matrices of one parameter: itself (2-D), one per expert (3-D), or a (shape[0], -1) view (≥4-D)."""
     shape = layout.global_shape
+    if len(shape) < 2:
+        raise ValueError(f"parameter {layout.name!r}: Muon needs ≥2 dims, got shape {shape}")
     full: Box = tuple((0, s) for s in shape)
-    if len(shape) == 2:
-        return [MatrixSpec(layout.name, param_index, full, (shape[0], shape[1]))]
     if len(shape) == 3:
         return [
-            MatrixSpec(f"{layout.name}[{e}]", param_index, ((e, e + 1),) + full[1:], (shape[1], shape[2]))
+            MatrixSpec(f"{layout.name}[{e}]", param_index, ((e, e + 1),) + full[1:], matrix_shape(shape))
             for e in range(shape[0])
         ]
-    if len(shape) >= 4:
-        return [MatrixSpec(layout.name, param_index, full, (shape[0], prod(shape[1:])))]
-    raise ValueError(f"parameter {layout.name!r}: Muon needs ≥2 dims, got shape {shape}")
+    return [MatrixSpec(layout.name, param_index, full, matrix_shape(shape))]
 
 
 @dataclass(frozen=True)
