@@ -104,8 +104,8 @@ def plain_torch(g: Tensor) -> Tensor:
         return newton_schulz(g)
 
 
-def ours_forced_triton(g: Tensor) -> Tensor:
-    with use_backend("triton"):
+def ours_forced_syrk(g: Tensor) -> Tensor:
+    with use_backend("syrk"):
         return newton_schulz(g)
 
 
@@ -150,73 +150,6 @@ def bench_shape(
     return rows
 
 
-def kernel_rows(ceiling: float) -> list[dict]:
-    """The three products alone on m=4096, k=14336 (wide and transposed view): SYRK kernels (pointer and
-    TMA loads) against cuBLAS, TFLOP/s on the FLOPs each really needs (SYRK: m²k; full product: 2m²k)."""
-    from dtensor_muon.kernels.triton_matmuls import TRITON_MATMULS
-    from dtensor_muon.kernels.triton_syrk import syrk
-
-    m, k = 4096, 14336
-    wide = torch.randn(m, k, device="cuda").div_(k**0.5).to(torch.bfloat16)
-    layouts = {"wide": wide, "transposed view": wide.mT.contiguous().mT}
-    sym = syrk(wide)
-    cases: list[
-        tuple[str, Callable[[], Tensor], float, Callable[[], Tensor] | None]
-    ] = []
-    for layout, x in layouts.items():
-        ref = lambda x=x: x.double() @ x.double().mT
-        cases += [
-            (
-                f"gram SYRK ptr, {layout}",
-                lambda x=x: syrk(x, tma=False),
-                m * m * k,
-                ref,
-            ),
-            (f"gram SYRK tma, {layout}", lambda x=x: syrk(x, tma=True), m * m * k, ref),
-            (f"gram cuBLAS, {layout}", lambda x=x: x @ x.mT, 2 * m * m * k, ref),
-            (
-                f"combine ours, {layout}",
-                lambda x=x: TRITON_MATMULS.combine(x, sym, 3.4),
-                2 * m * m * k,
-                None,
-            ),
-            (
-                f"combine addmm, {layout}",
-                lambda x=x: torch.addmm(x, sym, x, beta=3.4),
-                2 * m * m * k,
-                None,
-            ),
-        ]
-    poly_ref = lambda: -4.7 * sym.double() + 2.0 * sym.double() @ sym.double()
-    cases += [
-        ("poly SYRK ptr", lambda: syrk(sym, 2.0, -4.7, sym, tma=False), m**3, poly_ref),
-        ("poly SYRK tma", lambda: syrk(sym, 2.0, -4.7, sym, tma=True), m**3, poly_ref),
-        (
-            "poly addmm",
-            lambda: torch.addmm(sym, sym, sym, beta=-4.7, alpha=2.0),
-            2 * m**3,
-            poly_ref,
-        ),
-    ]
-    rows = []
-    for name, fn, flops, ref in cases:
-        ms = time_ms(fn, True)
-        row = {
-            "kernel": name,
-            "ms": ms,
-            "tflops": flops / ms / 1e9,
-            "pct_of_matmul": flops / ms / 1e7 / ceiling,
-        }
-        if ref is not None:
-            r = ref()
-            row["rel_err_vs_fp64"] = ((fn().double() - r).norm() / r.norm()).item()
-        rows.append(row)
-        print(
-            f"{name:<34} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  err {row.get('rel_err_vs_fp64', float('nan')):.1e}"
-        )
-    return rows
-
-
 def syrk_configs() -> dict[str, str]:
     """The autotuned SYRK config per key (M, K, batch, transposed, TMA, fused C)."""
     from dtensor_muon.kernels.triton_syrk import _syrk_tuned
@@ -237,9 +170,6 @@ def main() -> None:
     parser.add_argument(
         "--shapes", default=None, help="comma-separated, e.g. 4096x14336,8x1024x4096"
     )
-    parser.add_argument(
-        "--skip-kernels", action="store_true", help="no per-product microbench"
-    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     device = "cuda" if cuda else "cpu"
@@ -255,9 +185,8 @@ def main() -> None:
         methods[eo[1]] = eo[0]
     methods["ours"] = newton_schulz
     if cuda:
-        methods["ours (forced SYRK)"] = ours_forced_triton
+        methods["ours (SYRK at every size)"] = ours_forced_syrk
     ceiling = matmul_ceiling_tflops(cuda)
-    kernels = kernel_rows(ceiling) if cuda and not args.skip_kernels else []
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     else:
@@ -269,7 +198,6 @@ def main() -> None:
         "torch": torch.__version__,
         "matmul_8192_tflops" if cuda else "matmul_512_tflops": ceiling,
         "rows": [],
-        "kernels": kernels,
     }
     if cuda:
         import triton

@@ -64,7 +64,7 @@ def _patch_interpreter_bf16() -> None:
 def _interpreter_checks() -> Numbers:
     """Runs in the child process. Max errors (abs or norm-relative) of each kernel against float64."""
     _patch_interpreter_bf16()
-    from dtensor_muon.kernels.triton_matmuls import TRITON_MATMULS
+    from dtensor_muon.kernels.triton_matmuls import SYRK_MATMULS
     from dtensor_muon.kernels.triton_syrk import syrk
 
     torch.manual_seed(0)
@@ -84,60 +84,67 @@ def _interpreter_checks() -> Numbers:
     def gram_ref(x: torch.Tensor) -> torch.Tensor:
         return x.to(f64) @ x.to(f64).mT
 
-    def poly_ref(a: torch.Tensor, b: float, c: float) -> torch.Tensor:
-        return b * a.to(f64) + c * a.to(f64) @ a.to(f64)
+    def poly_ref(a: torch.Tensor, b: float, c: float, d: float = 0.0) -> torch.Tensor:
+        eye = torch.eye(a.size(-1), dtype=f64)
+        return d * eye + b * a.to(f64) + c * a.to(f64) @ a.to(f64)
 
-    # Random inputs, odd sizes (not multiples of the 32-wide interpreter tile), pointer and TMA paths.
-    for tma in (False, True):
-        tag = "tma" if tma else "ptr"
-        x = torch.randn(72, 136).to(bf16) if tma else torch.randn(70, 101).to(bf16)
-        out[f"gram_random_rel_{tag}"] = rel(syrk(x, tma=tma), gram_ref(x))
+    # Each way of reading tiles (pointers, device-built and host-built descriptors) with square 32×32 tiles,
+    # and host descriptors with 32×16 tiles (RATIO 2). Odd sizes: not multiples of the tiles.
+    paths = {
+        "off": ("off", {"RATIO": 1, "BLOCK_N": 32, "BLOCK_K": 32}),
+        "device": ("device", {"RATIO": 1, "BLOCK_N": 32, "BLOCK_K": 32}),
+        "host": ("host", {"RATIO": 1, "BLOCK_N": 32, "BLOCK_K": 32}),
+        "host_ratio2": ("host", {"RATIO": 2, "BLOCK_N": 16, "BLOCK_K": 32}),
+    }
+    for tag, (tma, cfg) in paths.items():
+        aligned = tma != "off"  # descriptors need 16-byte strides: multiples of 8 elements
+
+        def run(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            return syrk(x, *args, tma=tma, config=cfg, **kwargs)  # noqa: B023
+
+        x = torch.randn(72, 136).to(bf16) if aligned else torch.randn(70, 101).to(bf16)
+        out[f"gram_random_rel_{tag}"] = rel(run(x), gram_ref(x))
         out[f"gram_random_rel_{tag}_torch"] = rel(TORCH_MATMULS.gram(x), gram_ref(x))
         a = (torch.randn(72, 72) / 8).to(bf16)
         a = ((a + a.mT) / 2).to(bf16)
-        out[f"poly_random_rel_{tag}"] = rel(
-            syrk(a, 1.7, -0.6, a, tma=tma), poly_ref(a, -0.6, 1.7)
-        )
+        out[f"poly_random_rel_{tag}"] = rel(run(a, 1.7, -0.6, a), poly_ref(a, -0.6, 1.7))
         out[f"poly_random_rel_{tag}_torch"] = rel(
             TORCH_MATMULS.gram_poly(a, -0.6, 1.7), poly_ref(a, -0.6, 1.7)
         )
-        # Small integers: bit-exact, wide and transposed-view (tall storage) layouts.
-        x = ints(72, 136) if tma else ints(45, 77)
-        out[f"gram_exact_absdiff_{tag}"] = absdiff(syrk(x, tma=tma), gram_ref(x))
-        xt = ints(136, 72).mT if tma else ints(77, 45).mT
-        out[f"gram_transposed_exact_absdiff_{tag}"] = absdiff(
-            syrk(xt, tma=tma), gram_ref(xt)
-        )
-        s = ints(40, 40) if tma else ints(39, 39)
+        # Small integers: bit-exact, wide and transposed-view (tall storage) layouts, a·I fused.
+        x = ints(72, 136) if aligned else ints(45, 77)
+        out[f"gram_exact_absdiff_{tag}"] = absdiff(run(x), gram_ref(x))
+        xt = ints(136, 72).mT if aligned else ints(77, 45).mT
+        out[f"gram_transposed_exact_absdiff_{tag}"] = absdiff(run(xt), gram_ref(xt))
+        s = ints(40, 40) if aligned else ints(39, 39)
         s = torch.tril(s) + torch.tril(s, -1).mT
         out[f"poly_exact_absdiff_{tag}"] = absdiff(
-            syrk(s, 0.5, 2.0, s, tma=tma), poly_ref(s, 2.0, 0.5)
+            run(s, 0.5, 2.0, s, diag=3.0), poly_ref(s, 2.0, 0.5, 3.0)
         )
-        # Batched == per slice (bitwise), for a contiguous batch and a transposed-view batch.
-        xb = torch.randn(3, 40, 56).to(bf16) if tma else torch.randn(3, 37, 50).to(bf16)
+        # Batched == per slice (bitwise), for a contiguous batch and a transposed-view batch (K = 128:
+        # the host path reads the transposed batch as one stacked matrix only when K is a multiple of 128).
+        xb = torch.randn(3, 40, 128).to(bf16) if aligned else torch.randn(3, 37, 50).to(bf16)
         for name, xs in (("", xb), ("_transposed", xb.mT.contiguous().mT)):
-            whole = syrk(xs, tma=tma)
-            per_slice = torch.stack([syrk(xs[i], tma=tma) for i in range(xs.size(0))])
-            out[f"batched{name}_vs_slices_absdiff_{tag}"] = absdiff(
-                whole, per_slice.to(f64)
-            )
+            whole = run(xs)
+            per_slice = torch.stack([run(xs[i]) for i in range(xs.size(0))])
+            out[f"batched{name}_vs_slices_absdiff_{tag}"] = absdiff(whole, per_slice.to(f64))
             out[f"batched{name}_rel_{tag}"] = rel(whole, gram_ref(xs))
         ab = ints(2, 24, 24)
         ab = torch.tril(ab) + torch.tril(ab, -1).mT
         out[f"poly_batched_exact_absdiff_{tag}"] = absdiff(
-            syrk(ab, 0.5, 2.0, ab, tma=tma), poly_ref(ab, 2.0, 0.5)
+            run(ab, 0.5, 2.0, ab, diag=-1.0), poly_ref(ab, 2.0, 0.5, -1.0)
         )
         out[f"exactly_symmetric_{tag}"] = float(torch.equal(whole, whole.mT))
 
-    # The backend's three products on a transposed view (a tall gradient), and five NS iterations.
+    # The GPU backend's iteration (SYRK at every size) on a transposed view (a tall gradient): result and
+    # layout; and five NS iterations against the float64 iteration, next to the torch backend's.
     g = torch.randn(100, 48)
     x = (g / g.norm()).to(bf16).mT
-    bmat = TRITON_MATMULS.gram_poly(TRITON_MATMULS.gram(x), -4.775, 2.0315)
-    combined = TRITON_MATMULS.combine(x, bmat, 3.4445)
-    out["combine_rel"] = rel(combined, 3.4445 * x.to(f64) + bmat.to(f64) @ x.to(f64))
-    out["combine_keeps_layout"] = float(
-        combined.mT.is_contiguous() and combined.shape == x.shape
-    )
+    stepped = SYRK_MATMULS.iteration(x, 3.4445, -4.775, 2.0315)
+    a64 = x.to(f64) @ x.to(f64).mT
+    out["iteration_rel"] = rel(stepped, (3.4445 * torch.eye(48, dtype=f64) - 4.775 * a64 + 2.0315 * a64 @ a64)
+                               @ x.to(f64))
+    out["iteration_keeps_layout"] = float(stepped.mT.is_contiguous() and stepped.shape == x.shape)
     for name, g in (("tall", torch.randn(96, 40)), ("batched", torch.randn(2, 33, 64))):
         y = (g / torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)).to(bf16)
         y = y.mT if name == "tall" else y
@@ -145,12 +152,10 @@ def _interpreter_checks() -> Numbers:
         for _ in range(5):
             a64 = y64 @ y64.mT
             y64 = 3.4445 * y64 + (-4.775 * a64 + 2.0315 * a64 @ a64) @ y64
-        for backend in (TRITON_MATMULS, TORCH_MATMULS):
+        for backend in (SYRK_MATMULS, TORCH_MATMULS):
             z = y
             for _ in range(5):
-                z = backend.combine(
-                    z, backend.gram_poly(backend.gram(z), -4.775, 2.0315), 3.4445
-                )
+                z = backend.iteration(z, 3.4445, -4.775, 2.0315)
             out[f"ns5_{name}_rel_{backend.name}"] = rel(z, y64)
     return out
 
@@ -170,7 +175,7 @@ def interp() -> Numbers:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-PATHS = ("ptr", "tma")
+PATHS = ("off", "device", "host", "host_ratio2")
 
 
 def _close_to_torch(ours: float, torchs: float, bound: float = 1e-2) -> bool:
@@ -209,13 +214,13 @@ def test_batched_equals_per_slice(interp: Numbers, path: str) -> None:
     assert interp[f"exactly_symmetric_{path}"] == 1.0
 
 
-def test_backend_products_and_iteration(interp: Numbers) -> None:
-    assert interp["combine_rel"] < 1e-2
-    assert interp["combine_keeps_layout"] == 1.0
+def test_backend_iteration(interp: Numbers) -> None:
+    assert interp["iteration_rel"] < 1e-2
+    assert interp["iteration_keeps_layout"] == 1.0
     # Five bf16 iterations against the float64 iteration: bf16 rounding, compounded, as with torch.
     for name in ("tall", "batched"):
         assert _close_to_torch(
-            interp[f"ns5_{name}_rel_triton"],
+            interp[f"ns5_{name}_rel_syrk"],
             interp[f"ns5_{name}_rel_torch"],
             bound=4e-2,
         )
@@ -237,6 +242,25 @@ def test_dispatcher_picks_torch_on_cpu(make: Callable[[], torch.Tensor]) -> None
     assert select_backend(x) is TORCH_MATMULS
     with use_backend("triton"):
         assert select_backend(x) is TORCH_MATMULS
+
+
+@pytest.mark.parametrize(
+    ("shape", "syrk", "gpu_backend"),
+    [
+        ((4096, 14336), True, True),
+        ((64, 1408, 2048), True, True),  # SYRK measured faster from m = 1408 (64 experts)
+        ((8, 1024, 4096), False, True),  # cuBLAS products, a·I folded into P
+        ((1024, 4096), False, False),  # too little work per product: plain torch is faster
+        ((2, 4096, 4096), True, True),
+    ],
+)
+def test_routing_by_shape(shape: tuple[int, ...], syrk: bool, gpu_backend: bool) -> None:
+    from dtensor_muon.kernels.dispatch import MIN_GPU_BACKEND_WORK, gram_work
+    from dtensor_muon.kernels.triton_matmuls import syrk_pays
+
+    x = torch.empty(shape, device="meta")
+    assert syrk_pays(x) is syrk
+    assert (gram_work(x) >= MIN_GPU_BACKEND_WORK) is gpu_backend
 
 
 def test_use_backend_rejects_unknown_name() -> None:

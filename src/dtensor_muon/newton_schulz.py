@@ -142,8 +142,7 @@ def newton_schulz(
     backend = select_backend(x)
     for i in range(steps):
         a, b, c = coefficients_at(triples, i)
-        gram = backend.gram(x)
-        x = backend.combine(x, backend.gram_poly(gram, b, c), a)
+        x = backend.iteration(x, a, b, c)
     return x.mT if tall else x
 
 

@@ -1,9 +1,11 @@
-"""Chooses the Newton–Schulz product backend for a given input (shape, dtype, device).
+"""Chooses the Newton–Schulz backend for a given input (dtype, device).
 
-Triton SYRK kernels (:mod:`.triton_matmuls`) where they win: a CUDA device of compute capability 8.0 or
-newer, bf16/fp16, Triton importable, and enough lower-triangle tiles to fill the GPU. Plain torch
-matmuls (:mod:`.torch_matmuls`) everywhere else: CPU, fp32, old GPUs, small matrices. Both compute the
-same products; they differ only by fp32 accumulation order, i.e. within bf16 rounding.
+The GPU backend (:mod:`.triton_matmuls`: Triton SYRK kernels where they pay, cuBLAS elsewhere) on a CUDA
+device of compute capability 8.0 or newer, for bf16/fp16, when Triton imports and the matrices are large
+enough to keep the GPU busy. Plain torch matmuls
+(:mod:`.torch_matmuls`, bitwise torch.optim.Muon) everywhere else: CPU, fp32, old GPUs. Both compute the
+same iteration; they differ by fp32 accumulation order and one bf16 rounding of a·I + B, i.e. within bf16
+rounding.
 """
 
 from __future__ import annotations
@@ -18,28 +20,21 @@ from torch import Tensor
 from .torch_matmuls import TORCH_MATMULS
 
 try:
-    from .triton_matmuls import TRITON_MATMULS
+    from .triton_matmuls import SYRK_MATMULS, TRITON_MATMULS
 except ImportError:  # no triton
-    TRITON_MATMULS = None
+    SYRK_MATMULS = TRITON_MATMULS = None
 
-# Smallest Gram side for the SYRK path, and fewest 128×128 lower-triangle tiles (all matrices of a batch
-# together) to fill the GPU: below these the plain products are as fast (measured on the H200).
-MIN_SYRK_DIM = 2048
-MIN_SYRK_TILES = 264
-
+BACKEND_NAMES = ("torch", "triton", "syrk")
+MIN_GPU_BACKEND_WORK = 2**33
 _forced: list[str] = []
 
 
 class Backend(Protocol):
-    """The three Newton–Schulz products (see :class:`.torch_matmuls.TorchMatmuls`)."""
+    """One Newton–Schulz iteration X' = a·X + (b·A + c·A·A)·X, A = X·Xᵀ, on [m, n] or [B, m, n]."""
 
     name: str
 
-    def gram(self, x: Tensor) -> Tensor: ...
-
-    def gram_poly(self, a: Tensor, b: float, c: float) -> Tensor: ...
-
-    def combine(self, x: Tensor, bmat: Tensor, a: float) -> Tensor: ...
+    def iteration(self, x: Tensor, a: float, b: float, c: float) -> Tensor: ...
 
 
 def triton_eligible(x: Tensor) -> bool:
@@ -52,34 +47,36 @@ def triton_eligible(x: Tensor) -> bool:
     )
 
 
-def _syrk_tiles(x: Tensor) -> int:
-    tiles = -(-x.size(-2) // 128)
+def gram_work(x: Tensor) -> int:
+    """B·m²·n multiply-adds of one Gram matrix of ``x`` ([m, n] or [B, m, n])."""
     batch = x.size(0) if x.ndim == 3 else 1
-    return batch * tiles * (tiles + 1) // 2
+    return batch * x.size(-2) ** 2 * x.size(-1)
 
 
 def select_backend(x: Tensor) -> Backend:
-    """Backend for the (already transposed to wide) working matrix ``x`` of shape [m, n] or [B, m, n]."""
-    if _forced:
-        forced = _forced[-1]
-        if forced == "triton" and triton_eligible(x):
-            return TRITON_MATMULS
+    """Backend for the (already transposed to wide) working matrix ``x`` of shape [m, n] or [B, m, n].
+
+    By default the GPU backend takes eligible inputs with at least MIN_GPU_BACKEND_WORK multiply-adds per
+    Gram matrix. Below that the products take microseconds, Newton–Schulz is bound by kernel launches, and
+    the GPU backend gained nothing on the H200 (1024×4096: 0.64 ms against plain torch's 0.28 ms).
+    """
+    forced = _forced[-1] if _forced else None
+    if forced == "torch" or (forced is None and gram_work(x) < MIN_GPU_BACKEND_WORK):
+        return TORCH_MATMULS  # decided before any CUDA query: small inputs pay nothing for the choice
+    if not triton_eligible(x):
         return TORCH_MATMULS
-    if (
-        triton_eligible(x)
-        and x.size(-2) >= MIN_SYRK_DIM
-        and _syrk_tiles(x) >= MIN_SYRK_TILES
-    ):
-        return TRITON_MATMULS
-    return TORCH_MATMULS
+    if forced == "syrk":
+        return SYRK_MATMULS
+    return TRITON_MATMULS
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Within the block, ``select_backend`` returns the named backend ("torch" or "triton"); "triton"
-    still falls back to torch where it cannot run (CPU, fp32, no Triton)."""
-    if name not in ("torch", "triton"):
-        raise ValueError(f"use_backend: expected 'torch' or 'triton', got {name!r}")
+    """Within the block, ``select_backend`` returns the named backend: "torch", "triton" (the GPU backend at
+    every size) or "syrk" (the GPU backend with SYRK kernels at every size); the last two still fall back
+    to torch where they cannot run (CPU, fp32, no Triton)."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"use_backend: expected one of {BACKEND_NAMES}, got {name!r}")
     _forced.append(name)
     try:
         yield

@@ -1,4 +1,6 @@
-"""The three Newton–Schulz products with plain torch matmuls (any device, any dtype).
+"""One Newton–Schulz iteration with plain torch matmuls (any device, any dtype).
+
+    A = X·Xᵀ;  B = b·A + c·A·A;  X' = a·X + B·X
 
 For 2-D inputs these are exactly the calls torch.optim.Muon makes (``addmm``), so results match it bit
 for bit; 3-D inputs (a batch of matrices) use the batched equivalents (``baddbmm``).
@@ -11,7 +13,7 @@ from torch import Tensor
 
 
 class TorchMatmuls:
-    """Plain-matmul backend: ``gram``, ``gram_poly`` and ``combine`` for 2-D or batched 3-D inputs."""
+    """Plain-matmul backend for 2-D or batched 3-D inputs."""
 
     name = "torch"
 
@@ -30,6 +32,10 @@ class TorchMatmuls:
         if x.ndim == 2:
             return torch.addmm(x, bmat, x, beta=a)
         return torch.baddbmm(x, bmat, x, beta=a)
+
+    def iteration(self, x: Tensor, a: float, b: float, c: float) -> Tensor:
+        """X' = a·X + (b·A + c·A·A)·X with A = X·Xᵀ."""
+        return self.combine(x, self.gram_poly(self.gram(x), b, c), a)
 
 
 TORCH_MATMULS = TorchMatmuls()

@@ -1,12 +1,16 @@
-"""The three Newton–Schulz products with Triton SYRK kernels (CUDA, bf16/fp16, 2-D or batched).
+"""One Newton–Schulz iteration on the GPU: Triton SYRK kernels where they pay, cuBLAS elsewhere.
 
-    gram:      A = X·Xᵀ                 (SYRK: lower-triangle tiles only, mirrored)
-    gram_poly: B = b·A + c·A·A          (SYRK on the symmetric A, b·A fused into the epilogue)
-    combine:   X' = a·X + B·X           (cuBLAS addmm/baddbmm: a full product, nothing to save)
+    gram:   A = X·Xᵀ                       (SYRK: lower-triangle tiles only, mirrored; or cuBLAS)
+    poly:   P = a·I + b·A + c·A·A          (SYRK on the symmetric A, b·A and a·I fused into the epilogue)
+    apply:  X' = P·X  (= a·X + B·X)        (cuBLAS: a full product, nothing to save)
+
+Folding a·X into P turns the third product into a plain matmul, which cuBLAS runs faster than the
+``addmm`` with a C term (0.68 vs 0.75 ms on 4096×14336, 0.78 vs 0.99 ms on 64×1408×2048, H200); the cost
+is that a + B_ii is rounded to bf16 once, within bf16 rounding of the result, not bitwise torch's.
 
 A tall gradient reaches the iteration as X = Gᵀ, a transposed view. ``gram`` reads it in place, and
-``combine`` computes X'ᵀ = a·Xᵀ + Xᵀ·B on the contiguous Gᵀ's storage (B is exactly symmetric), so the
-iteration never materializes a transpose and hands back a view of the same layout.
+``apply`` computes X'ᵀ = Xᵀ·P on the contiguous Gᵀ's storage (P is exactly symmetric), so the iteration
+never materializes a transpose and hands back a view of the same layout.
 """
 
 from __future__ import annotations
@@ -14,35 +18,56 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .triton_syrk import is_transposed_view, syrk
+from .triton_syrk import is_transposed_view, lower_tile_count, syrk
+
+# Smallest Gram side for the SYRK kernels, and fewest 128×128 lower-triangle tiles (all matrices of a batch
+# together) to fill the GPU: below these cuBLAS's full products are as fast. Measured on the H200: SYRK
+# loses on 8×1024×4096 (1.49 vs 1.41 ms for NS5) and wins on 64×1408×2048 (11.99 vs 12.84 ms).
+MIN_SYRK_DIM = 1280
+MIN_SYRK_TILES = 264
+
+
+def syrk_pays(x: Tensor) -> bool:
+    """Whether the SYRK kernels beat cuBLAS on the Gram matrix of ``x`` ([m, k] or [B, m, k])."""
+    batch = x.size(0) if x.ndim == 3 else 1
+    return x.size(-2) >= MIN_SYRK_DIM and batch * lower_tile_count(x.size(-2), 128, 1) >= MIN_SYRK_TILES
 
 
 class TritonMatmuls:
-    """SYRK backend: ``gram`` and ``gram_poly`` in Triton, ``combine`` through cuBLAS."""
+    """GPU backend (CUDA, bf16/fp16): SYRK ``gram`` and ``poly`` where they pay, ``apply`` through cuBLAS."""
 
-    name = "triton"
+    def __init__(self, always_syrk: bool = False) -> None:
+        """``always_syrk``: the SYRK kernels for every size (tests, benchmarks), not only where they pay."""
+        self.always_syrk = always_syrk
+        self.name = "syrk" if always_syrk else "triton"
+
+    def _use_syrk(self, x: Tensor) -> bool:
+        return self.always_syrk or syrk_pays(x)
 
     def gram(self, x: Tensor) -> Tensor:
-        """A = X·Xᵀ (per matrix of a batch), exactly symmetric."""
-        return syrk(x)
+        """A = X·Xᵀ (per matrix of a batch), exactly symmetric on the SYRK path."""
+        return syrk(x) if self._use_syrk(x) else x @ x.mT
 
-    def gram_poly(self, a: Tensor, b: float, c: float) -> Tensor:
-        """B = b·A + c·A·A for a symmetric A, exactly symmetric."""
-        return syrk(a, alpha=c, beta=b, c=a)
+    def poly(self, gram: Tensor, a: float, b: float, c: float) -> Tensor:
+        """P = a·I + b·A + c·A·A for a symmetric A."""
+        if self._use_syrk(gram):
+            return syrk(gram, alpha=c, beta=b, c=gram, diag=a)
+        p = torch.addmm(gram, gram, gram, beta=b, alpha=c) if gram.ndim == 2 else torch.baddbmm(
+            gram, gram, gram, beta=b, alpha=c
+        )
+        p.diagonal(dim1=-2, dim2=-1).add_(a)
+        return p
 
-    def combine(self, x: Tensor, bmat: Tensor, a: float) -> Tensor:
-        """X' = a·X + B·X (B symmetric); keeps x's layout when x is a transposed view."""
+    def apply(self, p: Tensor, x: Tensor) -> Tensor:
+        """X' = P·X (P symmetric); keeps x's layout when x is a transposed view."""
         if is_transposed_view(x):
-            xt = x.mT
-            out = (
-                torch.addmm(xt, xt, bmat, beta=a)
-                if x.ndim == 2
-                else torch.baddbmm(xt, xt, bmat, beta=a)
-            )
-            return out.mT
-        if x.ndim == 2:
-            return torch.addmm(x, bmat, x, beta=a)
-        return torch.baddbmm(x, bmat, x, beta=a)
+            return (x.mT @ p).mT
+        return p @ x
+
+    def iteration(self, x: Tensor, a: float, b: float, c: float) -> Tensor:
+        """X' = (a·I + b·A + c·A·A)·X with A = X·Xᵀ."""
+        return self.apply(self.poly(self.gram(x), a, b, c), x)
 
 
 TRITON_MATMULS = TritonMatmuls()
+SYRK_MATMULS = TritonMatmuls(always_syrk=True)

@@ -1,11 +1,15 @@
 """Triton symmetric rank-k kernel (SYRK) with a fused epilogue, for 2-D and batched matrices.
 
-    out = alpha·X·Xᵀ + beta·C          X: [m, k] or [B, m, k] (bf16/fp16, any strides), C: [.., m, m] symmetric
+    out = alpha·X·Xᵀ + beta·C + d·I      X: [m, k] or [B, m, k] (bf16/fp16, any strides), C: [.., m, m] symmetric
 
-Accumulation is in fp32. Only the tiles of the lower triangle are computed (tile row I ≥ tile column J);
-each one is stored twice, as itself and transposed into the upper triangle, so the result is exactly
-symmetric and costs m²k instead of 2m²k FLOPs. Newton–Schulz uses it twice per iteration:
-``A = X·Xᵀ`` (alpha = 1, no C) and ``B = b·A + c·A·A`` (A symmetric, so A·A = A·Aᵀ: X = C = A).
+Accumulation is in fp32. Only the tiles that touch the lower triangle are computed; each is stored twice,
+as itself (its part on or below the diagonal) and transposed into the upper triangle, so the result is
+exactly symmetric and costs about m²k instead of 2m²k FLOPs. Newton–Schulz uses it twice per iteration:
+``A = X·Xᵀ`` (alpha = 1, no C) and ``P = a·I + b·A + c·A·A`` (A symmetric, so A·A = A·Aᵀ: X = C = A).
+
+Tiles are BLOCK_M × BLOCK_N with BLOCK_M = RATIO·BLOCK_N (RATIO 1 or 2: 256×128 tiles keep Hopper's
+tensor cores busier than 128×128 ones). Tile row I (BLOCK_M rows) holds the RATIO·(I + 1) column tiles
+that reach the diagonal, so the tiles before row I number S(I) = RATIO·I·(I + 1)/2, inverted in the kernel.
 
 Tiles are read either through pointers (any strides, any size; masks at the edges) or, on Hopper and
 newer when the strides allow it, through tensor-memory descriptors (TMA). A matrix whose rows are not
@@ -20,19 +24,47 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+# (RATIO, BLOCK_N, BLOCK_K, num_warps, num_stages): square 128² tiles and Hopper-sized 256×128 tiles.
+# Chosen from bench/bench_syrk_configs.py on the H200 (BENCHMARKS.md): the 128×128×64 tile at 3 to 5 stages
+# wins every m = 4096 product, 256×128 the m = 8192 ones.
+SYRK_SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
+    (1, 128, 64, 8, 3),
+    (1, 128, 64, 8, 4),
+    (1, 128, 64, 8, 5),
+    (2, 128, 64, 8, 4),
+)
+
+
+def _set_host_blocks(nargs: dict) -> None:
+    """Autotuning pre-hook: host-built descriptors take the block shape of the config being run."""
+    if nargs["host_desc_a"] is None:
+        return
+    block_m, block_n, block_k = nargs["RATIO"] * nargs["BLOCK_N"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    transposed = nargs["TRANSPOSED"]
+    nargs["host_desc_a"].block_shape = [block_k, block_m] if transposed else [block_m, block_k]
+    nargs["host_desc_b"].block_shape = [block_k, block_n] if transposed else [block_n, block_k]
+
 
 def _configs() -> list[triton.Config]:
-    """Square tiles (the triangle mapping needs BLOCK_M = BLOCK_N); a few Hopper-friendly shapes."""
-    shapes = [(128, 64, 8, 4), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4)]
     return [
-        triton.Config({"BLOCK": bm, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bm, bk, w, s in shapes
+        triton.Config(
+            {"RATIO": r, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s, pre_hook=_set_host_blocks
+        )
+        for r, bn, bk, w, s in SYRK_SHAPES
     ]
+
+
+def lower_tile_count(m: int, block_n: int, ratio: int) -> int:
+    """Tiles of BLOCK_M = ratio·block_n rows and block_n columns that touch the lower triangle of m×m."""
+    rows = triton.cdiv(m, ratio * block_n)
+    return ratio * rows * (rows + 1) // 2
 
 
 @triton.jit
 def _syrk_kernel(
     x_ptr,
+    host_desc_a,  # TMA_MODE 2: descriptors built on the host over the batch flattened into rows
+    host_desc_b,
     c_ptr,
     out_ptr,
     M,
@@ -47,51 +79,69 @@ def _syrk_kernel(
     stride_om,
     alpha,
     beta,
+    diag,
     TRANSPOSED: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    TMA_MODE: tl.constexpr,
     HAS_C: tl.constexpr,
-    BLOCK: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
+    RATIO: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,  # host descriptors only: producer/consumer warp groups
 ):
-    # Tile t of the lower triangle, row-major: tile row I holds tiles t = I(I+1)/2 .. I(I+1)/2 + I.
+    BLOCK_M: tl.constexpr = RATIO * BLOCK_N
+    # Tile t: row I is the largest with S(I) = RATIO·I(I+1)/2 <= t (float estimate, then exact fix-ups).
     t = tl.program_id(0)
     batch = tl.program_id(1)
-    ti = ((tl.sqrt((8 * t + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
-    ti = tl.where((ti + 1) * (ti + 2) // 2 <= t, ti + 1, ti)
-    ti = tl.where(ti * (ti + 1) // 2 > t, ti - 1, ti)
-    tj = t - ti * (ti + 1) // 2
-    row0 = ti * BLOCK
-    col0 = tj * BLOCK
+    ti = ((tl.sqrt((8 * t // RATIO + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+    ti = tl.where(RATIO * (ti + 1) * (ti + 2) // 2 <= t, ti + 1, ti)
+    ti = tl.where(RATIO * ti * (ti + 1) // 2 > t, ti - 1, ti)
+    tj = t - RATIO * ti * (ti + 1) // 2
+    row0 = ti * BLOCK_M
+    col0 = tj * BLOCK_N
+    if col0 >= M:  # the last tile row's columns past the matrix (m not a multiple of BLOCK_M)
+        return
 
     x_base = x_ptr + batch.to(tl.int64) * stride_xb
-    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    if USE_TMA:
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA_MODE == 2:
+        if TRANSPOSED:  # rows of the flattened [B·K, M] storage: batch b's Xᵀ starts at row b·K
+            for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+                a_t = host_desc_a.load([batch * K + k0, row0])
+                b_t = host_desc_b.load([batch * K + k0, col0])
+                acc = tl.dot(tl.trans(a_t), b_t, acc)
+        else:  # rows of the flattened [B·M, K] matrix; rows past M only reach masked outputs
+            for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+                a = host_desc_a.load([batch * M + row0, k0])
+                b = host_desc_b.load([batch * M + col0, k0])
+                acc = tl.dot(a, tl.trans(b), acc)
+    elif TMA_MODE == 1:
         if TRANSPOSED:
             # Xᵀ is a contiguous [K, M] matrix: load [BLOCK_K, BLOCK] tiles of it.
-            desc = tl.make_tensor_descriptor(
-                x_base,
-                shape=[K, M],
-                strides=[stride_xk, 1],
-                block_shape=[BLOCK_K, BLOCK],
+            desc_a = tl.make_tensor_descriptor(
+                x_base, shape=[K, M], strides=[stride_xk, 1], block_shape=[BLOCK_K, BLOCK_M]
+            )
+            desc_b = tl.make_tensor_descriptor(
+                x_base, shape=[K, M], strides=[stride_xk, 1], block_shape=[BLOCK_K, BLOCK_N]
             )
             for k0 in range(0, K, BLOCK_K):
-                a_t = desc.load([k0, row0])
-                b_t = desc.load([k0, col0])
+                a_t = desc_a.load([k0, row0])
+                b_t = desc_b.load([k0, col0])
                 acc = tl.dot(tl.trans(a_t), b_t, acc)
         else:
-            desc = tl.make_tensor_descriptor(
-                x_base,
-                shape=[M, K],
-                strides=[stride_xm, 1],
-                block_shape=[BLOCK, BLOCK_K],
+            desc_a = tl.make_tensor_descriptor(
+                x_base, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K]
+            )
+            desc_b = tl.make_tensor_descriptor(
+                x_base, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_N, BLOCK_K]
             )
             for k0 in range(0, K, BLOCK_K):
-                a = desc.load([row0, k0])
-                b = desc.load([col0, k0])
+                a = desc_a.load([row0, k0])
+                b = desc_b.load([col0, k0])
                 acc = tl.dot(a, tl.trans(b), acc)
     else:
-        rows_a = row0 + tl.arange(0, BLOCK)
-        rows_b = col0 + tl.arange(0, BLOCK)
+        rows_a = row0 + tl.arange(0, BLOCK_M)
+        rows_b = col0 + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = x_base + rows_a[:, None] * stride_xm + ks[None, :] * stride_xk
         b_ptrs = x_base + rows_b[:, None] * stride_xm + ks[None, :] * stride_xk
@@ -103,8 +153,8 @@ def _syrk_kernel(
             a_ptrs += BLOCK_K * stride_xk
             b_ptrs += BLOCK_K * stride_xk
 
-    rows = row0 + tl.arange(0, BLOCK)[:, None]
-    cols = col0 + tl.arange(0, BLOCK)[None, :]
+    rows = row0 + tl.arange(0, BLOCK_M)[:, None]
+    cols = col0 + tl.arange(0, BLOCK_N)[None, :]
     in_bounds = (rows < M) & (cols < M)
     result = acc * alpha
     if HAS_C:
@@ -114,14 +164,14 @@ def _syrk_kernel(
             other=0.0,
         )
         result += beta * c_tile.to(tl.float32)
+    if HAS_DIAG:
+        result += tl.where(rows == cols, diag, 0.0)
     result = result.to(out_ptr.dtype.element_ty)
     out_base = out_ptr + batch.to(tl.int64) * stride_ob
-    # The tile itself (on a diagonal tile only its lower half) and its mirror image (strict upper half).
-    tl.store(
-        out_base + rows * stride_om + cols, result, mask=in_bounds & (rows >= cols)
-    )
-    mirror_rows = col0 + tl.arange(0, BLOCK)[:, None]
-    mirror_cols = row0 + tl.arange(0, BLOCK)[None, :]
+    # The tile's part on or below the diagonal, and its mirror image (the strict upper part).
+    tl.store(out_base + rows * stride_om + cols, result, mask=in_bounds & (rows >= cols))
+    mirror_rows = col0 + tl.arange(0, BLOCK_N)[:, None]
+    mirror_cols = row0 + tl.arange(0, BLOCK_M)[None, :]
     tl.store(
         out_base + mirror_rows * stride_om + mirror_cols,
         tl.trans(result),
@@ -130,11 +180,11 @@ def _syrk_kernel(
 
 
 _syrk_tuned = triton.autotune(
-    configs=_configs(), key=["M", "K", "BATCH", "TRANSPOSED", "USE_TMA", "HAS_C"]
+    configs=_configs(), key=["M", "K", "BATCH", "TRANSPOSED", "TMA_MODE", "HAS_C"]
 )(_syrk_kernel)
 
 # Under the Triton interpreter (CPU tensors) there is nothing to tune: one small tile.
-_INTERPRETER_CONFIG = {"BLOCK": 32, "BLOCK_K": 32}
+_INTERPRETER_CONFIG = {"RATIO": 1, "BLOCK_N": 32, "BLOCK_K": 32}
 
 
 def _tma_allocator(size: int, alignment: int, stream: int | None) -> Tensor:
@@ -155,23 +205,76 @@ def is_transposed_view(x: Tensor) -> bool:
     return x.stride(-2) == 1 and x.stride(-1) != 1
 
 
+TMA_MODES = ("off", "device", "host")
+
+
+def on_hopper(x: Tensor) -> bool:
+    return x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _flattens(x3: Tensor, transposed: bool) -> bool:
+    """Whether the batch can be read as one 2-D matrix of stacked rows ([B·M, K], or [B·K, M] storage for a
+    transposed view) by a host-built descriptor: batches adjacent in memory, and for the transposed layout
+    K a multiple of every BLOCK_K (its rows past K would belong to the next matrix)."""
+    batch, m, k = x3.shape
+    if batch == 1:
+        return True
+    if transposed:
+        return x3.stride(0) == k * x3.stride(2) and k % 128 == 0
+    return x3.stride(0) == m * x3.stride(1)
+
+
+def tma_mode_for(x3: Tensor, tma: str | None) -> int:
+    """0 pointers, 1 descriptors built per program on the device, 2 descriptors built on the host.
+
+    ``tma`` None picks host descriptors on Hopper and newer where the layout allows, else device ones where
+    the strides allow, else pointers; "off", "device" or "host" ask for one (falling back to pointers
+    where the strides do not allow it)."""
+    if tma is not None and tma not in TMA_MODES:
+        raise ValueError(f"syrk: tma must be None or one of {TMA_MODES}, got {tma!r}")
+    transposed = is_transposed_view(x3)
+    if tma == "off" or not _can_use_tma(x3, transposed) or (tma is None and not on_hopper(x3)):
+        return 0
+    if x3.device.type == "cuda":
+        triton.set_allocator(_tma_allocator)
+    if tma == "device" or not _flattens(x3, transposed):
+        return 1
+    return 2
+
+
+def _host_descriptors(x3: Tensor, transposed: bool, config: dict | None) -> tuple:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    batch, m, k = x3.shape
+    if transposed:
+        flat = x3.mT.reshape(batch * k, m)  # a view: the storage is [B, K, M] with contiguous rows
+    else:
+        flat = x3.reshape(batch * m, k)
+    # Placeholder blocks; the config (explicit here, or the autotuner's pre-hook) sets the real ones.
+    descs = tuple(TensorDescriptor.from_tensor(flat, [16, 16]) for _ in range(2))
+    if config is not None:
+        _set_host_blocks({"host_desc_a": descs[0], "host_desc_b": descs[1], "TRANSPOSED": transposed, **config})
+    return descs
+
+
 def syrk(
     x: Tensor,
     alpha: float = 1.0,
     beta: float = 0.0,
     c: Tensor | None = None,
-    tma: bool | None = None,
+    diag: float = 0.0,
+    tma: str | None = None,
+    config: dict | None = None,
 ) -> Tensor:
-    """``alpha·X·Xᵀ + beta·C`` for X [m, k] or [B, m, k]; C (optional) symmetric [.., m, m], contiguous rows.
+    """``alpha·X·Xᵀ + beta·C + diag·I`` for X [m, k] or [B, m, k]; C (optional) symmetric [.., m, m], rows
+    contiguous.
 
     Returns a new contiguous, exactly symmetric [.., m, m] tensor in x's dtype (fp32 accumulation).
-    ``tma``: read tiles through tensor descriptors; None picks them on CUDA devices of compute capability
-    9.0+ when the strides are 16-byte aligned (True uses them wherever the strides allow, e.g. under the Triton interpreter).
+    ``tma``: how tiles are read (see :func:`tma_mode_for`). ``config``: fixed tile parameters (RATIO, BLOCK_N, BLOCK_K, and
+    optionally num_warps, num_stages) instead of autotuning; on CPU (the interpreter) a 32×32 tile.
     """
     if x.ndim not in (2, 3):
-        raise ValueError(
-            f"syrk expects a 2-D or 3-D tensor, got shape {tuple(x.shape)}"
-        )
+        raise ValueError(f"syrk expects a 2-D or 3-D tensor, got shape {tuple(x.shape)}")
     x3 = x if x.ndim == 3 else x.unsqueeze(0)
     batch, m, k = x3.shape
     if x3.stride(-1) != 1 and x3.stride(-2) != 1:
@@ -186,21 +289,20 @@ def syrk(
             )
     else:
         c3 = out
-    on_hopper = (
-        x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
-    )
-    use_tma = (on_hopper if tma is None else tma) and _can_use_tma(x3, transposed)
-    if use_tma and x.device.type == "cuda":
-        triton.set_allocator(_tma_allocator)
+    mode = tma_mode_for(x3, tma)
 
     def grid(meta: dict) -> tuple[int, int]:
-        tiles = triton.cdiv(m, meta["BLOCK"])
-        return (tiles * (tiles + 1) // 2, batch)
+        return (lower_tile_count(m, meta["BLOCK_N"], meta["RATIO"]), batch)
 
     on_cpu = x.device.type == "cpu"
-    kernel = _syrk_kernel if on_cpu else _syrk_tuned
+    if config is None and on_cpu:
+        config = _INTERPRETER_CONFIG
+    kernel = _syrk_tuned if config is None else _syrk_kernel
+    desc_a, desc_b = _host_descriptors(x3, transposed, config) if mode == 2 else (None, None)
     kernel[grid](
         x3,
+        desc_a,
+        desc_b,
         c3,
         out,
         m,
@@ -215,9 +317,11 @@ def syrk(
         out.stride(1),
         float(alpha),
         float(beta),
+        float(diag),
         TRANSPOSED=transposed,
-        USE_TMA=use_tma,
+        TMA_MODE=mode,
         HAS_C=c is not None,
-        **(_INTERPRETER_CONFIG if on_cpu else {}),
+        HAS_DIAG=diag != 0.0,
+        **(config or {}),
     )
     return out if x.ndim == 3 else out.squeeze(0)

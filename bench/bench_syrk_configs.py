@@ -1,0 +1,171 @@
+"""Every tile configuration of the Newton–Schulz product kernels, timed one by one (no autotuning), on GPU.
+
+    python bench/bench_syrk_configs.py --out bench/results/syrk_configs_h200.json
+
+Rows: the product (gram A = X·Xᵀ, poly P = a·I + b·A + c·A·A, combine X' = a·X + B·X), the shape and
+layout, the implementation (our SYRK kernel with one fixed config and one way of reading tiles: pointers,
+descriptors built per program on the device, or built once on the host; or cuBLAS through torch), median
+ms of triton.testing.do_bench, TFLOP/s on the FLOPs the product needs (SYRK m²k per matrix, a full product
+2mkn), and the relative error against float64. This is the search space the autotuner's configs are
+chosen from; BENCHMARKS.md quotes the winners.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+from torch import Tensor
+
+from dtensor_muon.kernels.triton_syrk import syrk
+
+SYRK_CANDIDATES = [
+    {"RATIO": r, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
+    for r, bn, bk, w, st in [
+        (1, 128, 64, 8, 3),
+        (1, 128, 64, 8, 4),
+        (1, 128, 64, 8, 5),
+        (1, 128, 128, 8, 3),
+        (1, 128, 64, 4, 4),
+        (2, 128, 64, 8, 3),
+        (2, 128, 64, 8, 4),
+    ]
+]
+TMA_MODES = ("off", "device", "host")
+# Warp-specialized main loop (host descriptors only): tried on the best tiles.
+WS_CANDIDATES = [
+    {"RATIO": 1, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": st, "WARP_SPECIALIZE": True}
+    for st in (3, 4)
+]
+
+
+def name_of(cfg: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in cfg.items())
+
+
+def rel_err(out: Tensor, ref: Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def measure(rows: list[dict], product: str, case: str, impl: str, fn: Callable[[], Tensor],
+            flops: float, ref: Tensor | None) -> None:
+    try:
+        out = fn()
+        ms = float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+    except Exception as exc:  # a config that does not fit (shared memory, registers) is a result too
+        print(f"{product:8} {case:34} {impl:70} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        rows.append({"product": product, "case": case, "impl": impl, "error": f"{type(exc).__name__}"})
+        return
+    err = rel_err(out, ref) if ref is not None else float("nan")
+    tflops = flops / ms / 1e9
+    rows.append({"product": product, "case": case, "impl": impl, "ms": ms, "tflops": tflops, "rel_err": err})
+    print(f"{product:8} {case:34} {impl:70} {ms:8.4f} ms {tflops:6.1f} TFLOP/s err {err:.1e}", flush=True)
+
+
+def normalized(*shape: int, transposed: bool) -> Tensor:
+    """A bf16 X with σ ≤ 1 (Frobenius-normalized Gaussian); ``transposed``: a view of contiguous storage
+    whose last two dims are swapped (how a tall gradient reaches the iteration)."""
+    store = (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
+    g = torch.randn(store, device="cuda")
+    g = g / torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)
+    g = g.to(torch.bfloat16)
+    return g.mT if transposed else g
+
+
+def run_case(rows: list[dict], label: str, x: Tensor, coeffs: tuple[float, float, float]) -> None:
+    a, b, c = coeffs
+    batch = x.size(0) if x.ndim == 3 else 1
+    m, k = x.shape[-2:]
+    x64 = x.double()
+    gram_ref = x64 @ x64.mT
+    gram = syrk(x, config=SYRK_CANDIDATES[0])
+    g64 = gram.double()
+    eye = torch.eye(m, device="cuda", dtype=torch.float64)
+    poly_ref = a * eye + b * g64 + c * g64 @ g64
+    bmat = syrk(gram, c, b, gram, config=SYRK_CANDIDATES[0])
+    pmat = syrk(gram, c, b, gram, diag=a, config=SYRK_CANDIDATES[0])
+    comb_ref = a * x64 + bmat.double() @ x64
+    sy_flops = batch * m * m * k
+    poly_flops = batch * m**3
+    full = 2 * batch * m * m * k
+    for cfg in SYRK_CANDIDATES:
+        for mode in TMA_MODES:
+            measure(rows, "gram", label, f"syrk tma={mode} " + name_of(cfg),
+                    lambda cfg=cfg, mode=mode: syrk(x, config=cfg, tma=mode), sy_flops, gram_ref)
+    for cfg in WS_CANDIDATES:
+        measure(rows, "gram", label, "syrk tma=host " + name_of(cfg),
+                lambda cfg=cfg: syrk(x, config=cfg, tma="host"), sy_flops, gram_ref)
+    measure(rows, "gram", label, "cuBLAS x@x.mT", lambda: x @ x.mT, full, gram_ref)
+    for cfg in SYRK_CANDIDATES:
+        for mode in TMA_MODES:
+            measure(rows, "poly", label, f"syrk tma={mode} " + name_of(cfg),
+                    lambda cfg=cfg, mode=mode: syrk(gram, c, b, gram, diag=a, config=cfg, tma=mode), poly_flops,
+                    poly_ref)
+    for cfg in WS_CANDIDATES:
+        measure(rows, "poly", label, "syrk tma=host " + name_of(cfg),
+                lambda cfg=cfg: syrk(gram, c, b, gram, diag=a, config=cfg, tma="host"), poly_flops, poly_ref)
+    if gram.ndim == 2:
+        measure(rows, "poly", label, "cuBLAS addmm (no a·I)", lambda: torch.addmm(gram, gram, gram, beta=b, alpha=c),
+                2 * m**3, None)
+    else:
+        measure(rows, "poly", label, "cuBLAS baddbmm (no a·I)",
+                lambda: torch.baddbmm(gram, gram, gram, beta=b, alpha=c), 2 * batch * m**3, None)
+    transposed = x.stride(-2) == 1 and x.stride(-1) != 1
+    if transposed:
+        xt = x.mT  # contiguous [.., k, m]: X'ᵀ = a·Xᵀ + Xᵀ·B
+        add = (lambda: torch.addmm(xt, xt, bmat, beta=a)) if x.ndim == 2 else (
+            lambda: torch.baddbmm(xt, xt, bmat, beta=a))
+        measure(rows, "combine", label, "cuBLAS addmm a·Xᵀ + Xᵀ·B", lambda: add().mT, full, comb_ref)
+        measure(rows, "combine", label, "cuBLAS mm Xᵀ·P", lambda: (xt @ pmat).mT, full, comb_ref)
+    else:
+        add = (lambda: torch.addmm(x, bmat, x, beta=a)) if x.ndim == 2 else (
+            lambda: torch.baddbmm(x, bmat, x, beta=a))
+        measure(rows, "combine", label, "cuBLAS addmm a·X + B·X", add, full, comb_ref)
+        measure(rows, "combine", label, "cuBLAS mm P·X", lambda: pmat @ x, full, comb_ref)
+
+
+CASES = {
+    "4096x14336": ((4096, 14336), False),
+    "14336x4096 (transposed view)": ((4096, 14336), True),
+    "4096x4096": ((4096, 4096), False),
+    "64x2048x1408 (transposed view)": ((64, 1408, 2048), True),
+    "8x1024x4096": ((8, 1024, 4096), False),
+    "8192x8192": ((8192, 8192), False),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated keys of CASES")
+    parser.add_argument("--only-warp-specialized", action="store_true",
+                        help="SYRK rows only for the warp-specialized candidates (and cuBLAS)")
+    args = parser.parse_args()
+    if args.only_warp_specialized:
+        SYRK_CANDIDATES[1:] = []  # keep the one non-specialized tile the reference products use
+    torch.manual_seed(0)
+    rows: list[dict] = []
+    for label in args.cases.split(","):
+        shape, transposed = CASES[label]
+        run_case(rows, label, normalized(*shape, transposed=transposed), (3.4445, -4.775, 2.0315))
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                            "triton": triton.__version__, "rows": rows}, indent=1))
+    best: dict[tuple[str, str], dict] = {}
+    for row in rows:
+        key = (row["product"], row["case"])
+        if "ms" in row and (key not in best or row["ms"] < best[key]["ms"]):
+            best[key] = row
+    print("\nfastest per product and case:")
+    for (product, case), row in best.items():
+        print(f"{product:8} {case:34} {row['ms']:8.4f} ms {row['tflops']:6.1f} TFLOP/s  {row['impl']}")
+
+
+if __name__ == "__main__":
+    main()
