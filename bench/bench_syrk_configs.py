@@ -37,11 +37,6 @@ SYRK_CANDIDATES = [
     ]
 ]
 TMA_MODES = ("off", "device", "host")
-# Warp-specialized main loop (host descriptors only): tried on the best tiles.
-WS_CANDIDATES = [
-    {"RATIO": 1, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": st, "WARP_SPECIALIZE": True}
-    for st in (3, 4)
-]
 
 
 def name_of(cfg: dict) -> str:
@@ -97,18 +92,12 @@ def run_case(rows: list[dict], label: str, x: Tensor, coeffs: tuple[float, float
         for mode in TMA_MODES:
             measure(rows, "gram", label, f"syrk tma={mode} " + name_of(cfg),
                     lambda cfg=cfg, mode=mode: syrk(x, config=cfg, tma=mode), sy_flops, gram_ref)
-    for cfg in WS_CANDIDATES:
-        measure(rows, "gram", label, "syrk tma=host " + name_of(cfg),
-                lambda cfg=cfg: syrk(x, config=cfg, tma="host"), sy_flops, gram_ref)
     measure(rows, "gram", label, "cuBLAS x@x.mT", lambda: x @ x.mT, full, gram_ref)
     for cfg in SYRK_CANDIDATES:
         for mode in TMA_MODES:
             measure(rows, "poly", label, f"syrk tma={mode} " + name_of(cfg),
                     lambda cfg=cfg, mode=mode: syrk(gram, c, b, gram, diag=a, config=cfg, tma=mode), poly_flops,
                     poly_ref)
-    for cfg in WS_CANDIDATES:
-        measure(rows, "poly", label, "syrk tma=host " + name_of(cfg),
-                lambda cfg=cfg: syrk(gram, c, b, gram, diag=a, config=cfg, tma="host"), poly_flops, poly_ref)
     if gram.ndim == 2:
         measure(rows, "poly", label, "cuBLAS addmm (no a·I)", lambda: torch.addmm(gram, gram, gram, beta=b, alpha=c),
                 2 * m**3, None)
@@ -143,11 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated keys of CASES")
-    parser.add_argument("--only-warp-specialized", action="store_true",
-                        help="SYRK rows only for the warp-specialized candidates (and cuBLAS)")
     args = parser.parse_args()
-    if args.only_warp_specialized:
-        SYRK_CANDIDATES[1:] = []  # keep the one non-specialized tile the reference products use
     torch.manual_seed(0)
     rows: list[dict] = []
     for label in args.cases.split(","):

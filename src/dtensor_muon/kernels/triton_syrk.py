@@ -11,8 +11,9 @@ Tiles are BLOCK_M × BLOCK_N with BLOCK_M = RATIO·BLOCK_N (RATIO 1 or 2: 256×1
 tensor cores busier than 128×128 ones). Tile row I (BLOCK_M rows) holds the RATIO·(I + 1) column tiles
 that reach the diagonal, so the tiles before row I number S(I) = RATIO·I·(I + 1)/2, inverted in the kernel.
 
-Tiles are read either through pointers (any strides, any size; masks at the edges) or, on Hopper and
-newer when the strides allow it, through tensor-memory descriptors (TMA). A matrix whose rows are not
+Tiles are read through pointers (any strides, any size; masks at the edges) or, on Hopper and newer when
+the strides allow it, through tensor-memory descriptors (TMA): built once on the host over the whole batch
+read as one stacked matrix where its layout allows, else built per program on the device. A matrix whose rows are not
 contiguous but whose columns are (a transposed view of a contiguous tall matrix) is read in its own
 layout: the kernel loads Xᵀ tiles and transposes them in registers/shared memory, never in global memory.
 """
@@ -87,7 +88,6 @@ def _syrk_kernel(
     RATIO: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,  # host descriptors only: producer/consumer warp groups
 ):
     BLOCK_M: tl.constexpr = RATIO * BLOCK_N
     # Tile t: row I is the largest with S(I) = RATIO·I(I+1)/2 <= t (float estimate, then exact fix-ups).
@@ -106,12 +106,12 @@ def _syrk_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA_MODE == 2:
         if TRANSPOSED:  # rows of the flattened [B·K, M] storage: batch b's Xᵀ starts at row b·K
-            for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+            for k0 in range(0, K, BLOCK_K):
                 a_t = host_desc_a.load([batch * K + k0, row0])
                 b_t = host_desc_b.load([batch * K + k0, col0])
                 acc = tl.dot(tl.trans(a_t), b_t, acc)
         else:  # rows of the flattened [B·M, K] matrix; rows past M only reach masked outputs
-            for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+            for k0 in range(0, K, BLOCK_K):
                 a = host_desc_a.load([batch * M + row0, k0])
                 b = host_desc_b.load([batch * M + col0, k0])
                 acc = tl.dot(a, tl.trans(b), acc)
@@ -209,6 +209,7 @@ TMA_MODES = ("off", "device", "host")
 
 
 def on_hopper(x: Tensor) -> bool:
+    """Whether ``x`` lives on a CUDA device of compute capability 9.0 or newer (TMA available)."""
     return x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
@@ -242,7 +243,8 @@ def tma_mode_for(x3: Tensor, tma: str | None) -> int:
     return 2
 
 
-def _host_descriptors(x3: Tensor, transposed: bool, config: dict | None) -> tuple:
+def _host_descriptors(x3: Tensor, transposed: bool, config: dict | None) -> tuple[object, object]:
+    """The two descriptors (row tiles, column tiles) over the batch as one stacked matrix."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     batch, m, k = x3.shape
@@ -270,8 +272,9 @@ def syrk(
     contiguous.
 
     Returns a new contiguous, exactly symmetric [.., m, m] tensor in x's dtype (fp32 accumulation).
-    ``tma``: how tiles are read (see :func:`tma_mode_for`). ``config``: fixed tile parameters (RATIO, BLOCK_N, BLOCK_K, and
-    optionally num_warps, num_stages) instead of autotuning; on CPU (the interpreter) a 32×32 tile.
+    ``tma``: how tiles are read (see :func:`tma_mode_for`). ``config``: fixed tile parameters (RATIO,
+    BLOCK_N, BLOCK_K, and optionally num_warps, num_stages) instead of autotuning; on CPU (the interpreter)
+    a 32×32 tile.
     """
     if x.ndim not in (2, 3):
         raise ValueError(f"syrk expects a 2-D or 3-D tensor, got shape {tuple(x.shape)}")
