@@ -1,4 +1,5 @@
-"""Newton–Schulz (5 Keller steps, bf16) side by side: plain torch, torch.optim.Muon, Emerging-Optimizers, ours.
+"""Newton–Schulz (5 Keller steps, bf16) side by side: plain torch, torch.optim.Muon, Emerging-Optimizers, ours
+(as dispatched, and forced to the standard and the Gram form).
 
     python bench/bench_newton_schulz.py                 # on a GPU: the full table, JSON to --out
     python bench/bench_newton_schulz.py --quick         # anywhere (CPU too): tiny shapes, smoke check
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dtensor_muon.kernels import select_backend, use_backend
+from dtensor_muon.kernels import select_backend, use_backend, use_gram
 from dtensor_muon.newton_schulz import KELLER_COEFFICIENTS, newton_schulz
 
 FULL_SHAPES: list[tuple[int, ...]] = [
@@ -104,9 +105,12 @@ def plain_torch(g: Tensor) -> Tensor:
         return newton_schulz(g)
 
 
-def ours_forced_syrk(g: Tensor) -> Tensor:
-    with use_backend("syrk"):
-        return newton_schulz(g)
+def ours_standard(g: Tensor) -> Tensor:
+    return newton_schulz(g, algorithm="standard")
+
+
+def ours_gram(g: Tensor) -> Tensor:
+    return newton_schulz(g, algorithm="gram")
 
 
 def matmul_ceiling_tflops(cuda: bool) -> float:
@@ -145,8 +149,10 @@ def bench_shape(
         del out
     working = g.to(torch.bfloat16)
     working = working.mT if working.size(-2) > working.size(-1) else working
+    backend = select_backend(working)
+    form = "gram" if use_gram("auto", working, backend) else "standard"
     for row in rows:
-        row["ours_backend"] = select_backend(working).name
+        row["ours_backend"] = f"{backend.name}/{form}"
     return rows
 
 
@@ -184,8 +190,8 @@ def main() -> None:
     if eo is not None:
         methods[eo[1]] = eo[0]
     methods["ours"] = newton_schulz
-    if cuda:
-        methods["ours (SYRK at every size)"] = ours_forced_syrk
+    methods["ours, standard form"] = ours_standard
+    methods["ours, Gram form"] = ours_gram
     ceiling = matmul_ceiling_tflops(cuda)
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]

@@ -2,9 +2,10 @@
 
     python bench/bench_syrk_configs.py --out bench/results/syrk_configs_h200.json
 
-Rows: the product (gram A = X·Xᵀ, poly P = a·I + b·A + c·A·A, combine X' = a·X + B·X), the shape and
-layout, the implementation (our SYRK kernel with one fixed config and one way of reading tiles: pointers,
-descriptors built per program on the device, or built once on the host; or cuBLAS through torch), median
+Rows: the product (gram A = X·Xᵀ, poly P = a·I + b·A + c·A·A, product R·Z of two commuting symmetric
+matrices as Gram Newton–Schulz needs it, combine X' = a·X + B·X), the shape and layout, the implementation
+(our kernel with one fixed config, stores through descriptors or pointers, and one way of reading tiles:
+pointers, descriptors built per program on the device, or built once on the host; or cuBLAS), median
 ms of triton.testing.do_bench, TFLOP/s on the FLOPs the product needs (SYRK m²k per matrix, a full product
 2mkn), and the relative error against float64. This is the search space the autotuner's configs are
 chosen from; BENCHMARKS.md quotes the winners.
@@ -22,21 +23,18 @@ import triton
 import triton.testing
 from torch import Tensor
 
-from dtensor_muon.kernels.triton_syrk import syrk
+from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
 
+TILE_SHAPES = [(1, 128, 64, 8, 3), (1, 128, 64, 8, 4), (1, 128, 64, 8, 5), (2, 128, 64, 8, 4)]
 SYRK_CANDIDATES = [
-    {"RATIO": r, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
-    for r, bn, bk, w, st in [
-        (1, 128, 64, 8, 3),
-        (1, 128, 64, 8, 4),
-        (1, 128, 64, 8, 5),
-        (1, 128, 128, 8, 3),
-        (1, 128, 64, 4, 4),
-        (2, 128, 64, 8, 3),
-        (2, 128, 64, 8, 4),
-    ]
+    {"RATIO": r, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st, "TMA_STORE": store}
+    for r, bn, bk, w, st in TILE_SHAPES
+    for store in (True, False)
+] + [
+    # At most 128 registers per thread: two 8-warp programs per SM, one's epilogue under the other's loop.
+    {"RATIO": 1, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA_STORE": True, "maxnreg": 128},
+    {"RATIO": 1, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "TMA_STORE": True},
 ]
-TMA_MODES = ("off", "device", "host")
 
 
 def name_of(cfg: dict) -> str:
@@ -72,7 +70,9 @@ def normalized(*shape: int, transposed: bool) -> Tensor:
     return g.mT if transposed else g
 
 
-def run_case(rows: list[dict], label: str, x: Tensor, coeffs: tuple[float, float, float]) -> None:
+def run_case(
+    rows: list[dict], label: str, x: Tensor, coeffs: tuple[float, float, float], modes: list[str]
+) -> None:
     a, b, c = coeffs
     batch = x.size(0) if x.ndim == 3 else 1
     m, k = x.shape[-2:]
@@ -89,12 +89,19 @@ def run_case(rows: list[dict], label: str, x: Tensor, coeffs: tuple[float, float
     poly_flops = batch * m**3
     full = 2 * batch * m * m * k
     for cfg in SYRK_CANDIDATES:
-        for mode in TMA_MODES:
+        for mode in modes:
             measure(rows, "gram", label, f"syrk tma={mode} " + name_of(cfg),
                     lambda cfg=cfg, mode=mode: syrk(x, config=cfg, tma=mode), sy_flops, gram_ref)
     measure(rows, "gram", label, "cuBLAS x@x.mT", lambda: x @ x.mT, full, gram_ref)
+    product_ref = g64 @ pmat.double()
     for cfg in SYRK_CANDIDATES:
-        for mode in TMA_MODES:
+        for mode in modes:
+            measure(rows, "product", label, f"syrk tma={mode} " + name_of(cfg),
+                    lambda cfg=cfg, mode=mode: symmetric_product(gram, pmat, config=cfg, tma=mode), poly_flops,
+                    product_ref)
+    measure(rows, "product", label, "cuBLAS R@Z", lambda: gram @ pmat, 2 * batch * m**3, product_ref)
+    for cfg in SYRK_CANDIDATES:
+        for mode in modes:
             measure(rows, "poly", label, f"syrk tma={mode} " + name_of(cfg),
                     lambda cfg=cfg, mode=mode: syrk(gram, c, b, gram, diag=a, config=cfg, tma=mode), poly_flops,
                     poly_ref)
@@ -132,12 +139,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated keys of CASES")
+    parser.add_argument("--modes", default="host", help="comma-separated ways of reading tiles: off,device,host")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows: list[dict] = []
     for label in args.cases.split(","):
         shape, transposed = CASES[label]
-        run_case(rows, label, normalized(*shape, transposed=transposed), (3.4445, -4.775, 2.0315))
+        run_case(rows, label, normalized(*shape, transposed=transposed), (3.4445, -4.775, 2.0315),
+                 args.modes.split(","))
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

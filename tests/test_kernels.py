@@ -65,7 +65,8 @@ def _interpreter_checks() -> Numbers:
     """Runs in the child process. Max errors (abs or norm-relative) of each kernel against float64."""
     _patch_interpreter_bf16()
     from dtensor_muon.kernels.triton_matmuls import SYRK_MATMULS
-    from dtensor_muon.kernels.triton_syrk import syrk
+    from dtensor_muon.gram_newton_schulz import gram_newton_schulz
+    from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
 
     torch.manual_seed(0)
     bf16, f64 = torch.bfloat16, torch.float64
@@ -102,6 +103,9 @@ def _interpreter_checks() -> Numbers:
         def run(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
             return syrk(x, *args, tma=tma, config=cfg, **kwargs)  # noqa: B023
 
+        def run_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return symmetric_product(x, y, tma=tma, config=cfg)  # noqa: B023
+
         x = torch.randn(72, 136).to(bf16) if aligned else torch.randn(70, 101).to(bf16)
         out[f"gram_random_rel_{tag}"] = rel(run(x), gram_ref(x))
         out[f"gram_random_rel_{tag}_torch"] = rel(TORCH_MATMULS.gram(x), gram_ref(x))
@@ -135,6 +139,24 @@ def _interpreter_checks() -> Numbers:
             run(ab, 0.5, 2.0, ab, diag=-1.0), poly_ref(ab, 2.0, 0.5, -1.0)
         )
         out[f"exactly_symmetric_{tag}"] = float(torch.equal(whole, whole.mT))
+        # X·Yᵀ for commuting symmetric X, Y (Y a polynomial in X): small integers exact, random ones within
+        # bf16 rounding of float64, a batch equal to its slices; sizes 40 (host: tiles stored through
+        # descriptors below the diagonal) and 39 (pointers).
+        for m in (40, 39):
+            r = ints(2, m, m)
+            r = torch.tril(r) + torch.tril(r, -1).mT
+            z = r + 2 * torch.eye(m, dtype=bf16)  # R·Z = R² + 2R: integers below 43, exact in bf16
+            both = run_product(r, z)
+            out[f"product_exact_absdiff_{tag}_{m}"] = absdiff(both, r.to(f64) @ z.to(f64))
+            out[f"product_vs_slices_absdiff_{tag}_{m}"] = absdiff(
+                both, torch.stack([run_product(r[i], z[i]) for i in range(2)]).to(f64)
+            )
+        r = (torch.randn(72, 72) / 8).to(bf16)
+        r = torch.tril(r) + torch.tril(r, -1).mT
+        z = (0.5 * r.to(f64) + r.to(f64) @ r.to(f64)).to(bf16)
+        ref = r.to(f64) @ z.to(f64)
+        out[f"product_random_rel_{tag}"] = rel(run_product(r, z), (ref + ref.mT) / 2)
+        out[f"product_random_rel_{tag}_torch"] = rel(TORCH_MATMULS.symmetric_product(r, z), (ref + ref.mT) / 2)
 
     # The GPU backend's iteration (SYRK at every size) on a transposed view (a tall gradient): result and
     # layout; and five NS iterations against the float64 iteration, next to the torch backend's.
@@ -157,6 +179,12 @@ def _interpreter_checks() -> Numbers:
             for _ in range(5):
                 z = backend.iteration(z, 3.4445, -4.775, 2.0315)
             out[f"ns5_{name}_rel_{backend.name}"] = rel(z, y64)
+            # The same five iterations in Gram form (segments of 3 + 2).
+            gram_form = gram_newton_schulz(y, [(3.4445, -4.775, 2.0315)] * 5, backend)
+            out[f"gram_ns5_{name}_rel_{backend.name}"] = rel(gram_form, y64)
+            out[f"gram_ns5_{name}_keeps_layout_{backend.name}"] = float(
+                gram_form.shape == y.shape and gram_form.stride() == y.stride()
+            )
     return out
 
 
@@ -224,6 +252,23 @@ def test_backend_iteration(interp: Numbers) -> None:
             interp[f"ns5_{name}_rel_torch"],
             bound=4e-2,
         )
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_symmetric_product(interp: Numbers, path: str) -> None:
+    for m in (40, 39):
+        assert interp[f"product_exact_absdiff_{path}_{m}"] == 0.0
+        assert interp[f"product_vs_slices_absdiff_{path}_{m}"] == 0.0
+    assert _close_to_torch(interp[f"product_random_rel_{path}"], interp[f"product_random_rel_{path}_torch"])
+
+
+def test_gram_form_on_the_syrk_backend(interp: Numbers) -> None:
+    # Gram Newton–Schulz with SYRK products against the float64 standard iteration: within the bound
+    # tests/test_gram_newton_schulz.py holds the torch products' Gram form to (2× the standard form's error).
+    for name in ("tall", "batched"):
+        assert 0 < interp[f"gram_ns5_{name}_rel_syrk"] <= 2 * interp[f"ns5_{name}_rel_torch"]
+        assert 0 < interp[f"gram_ns5_{name}_rel_torch"] <= 2 * interp[f"ns5_{name}_rel_torch"]
+        assert interp[f"gram_ns5_{name}_keeps_layout_syrk"] == 1.0
 
 
 @pytest.mark.parametrize(

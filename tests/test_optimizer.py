@@ -199,6 +199,7 @@ def test_closure_and_metrics():
         (dict(adamw_eps=-1.0), "adamw_eps"),
         (dict(adamw_lr=-1.0), "adamw_lr"),
         (dict(ns_dtype="float64"), "ns_dtype"),
+        (dict(ns_algorithm="fast"), "ns_algorithm"),
         (dict(exchange="p2p"), "exchange"),
         (dict(bucket_size_mb=0), "bucket_size_mb"),
         (dict(wire_dtype=torch.int8), "wire_dtype"),

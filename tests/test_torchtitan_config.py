@@ -38,6 +38,7 @@ def test_muon_section_reads_the_toml_of_a_config(tmp_path):
     [
         ("exchange", "everyone", "owner, gather_all"),
         ("ns_coefficients", "magic", "cans, polar_express, quintic, simple"),
+        ("ns_algorithm", "fast", "auto, standard, gram"),
         ("adjust_lr_fn", "sqrt", "match_rms_adamw, original"),
         ("wire_dtype", "int8", "bfloat16, float32"),
         ("momentum", 1.0, "[0, 1)"),
@@ -68,7 +69,7 @@ def test_muon_kwargs_come_from_both_sections():
     assert kwargs["lr"] == 0.01 and kwargs["adamw_betas"] == (0.9, 0.99)
     assert kwargs["adamw_eps"] == config.optimizer.eps and kwargs["weight_decay"] == config.optimizer.weight_decay
     assert kwargs["ns_dtype"] is torch.bfloat16 and kwargs["wire_dtype"] is torch.bfloat16
-    assert kwargs["overlap"] is False
+    assert kwargs["overlap"] is False and kwargs["ns_algorithm"] == "auto"
     with_overlap = ConfigManager().parse_args(EXT + ["--muon.overlap"])
     assert optimizer.muon_kwargs(with_overlap.optimizer, with_overlap.muon)["overlap"] is True
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dtensor_muon.newton_schulz import NAMED_COEFFICIENTS, SUPPORTED_NS_DTYPES
+from dtensor_muon.kernels import NS_ALGORITHMS
 
 OPTIMIZER_NAMES = ("Adam", "AdamW", "Muon")
 ADJUST_LR_CHOICES = ("match_rms_adamw", "original")
@@ -47,6 +48,10 @@ class Muon:
     ns_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Working dtype of the Newton–Schulz iteration."""
 
+    ns_algorithm: Literal["auto", "standard", "gram"] = "auto"
+    """Newton–Schulz form: "gram" iterates on X·Xᵀ (fewer FLOPs on rectangular matrices), "auto" uses it where
+    it is faster on the GPU backend."""
+
     adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     """Per-matrix learning-rate scaling: "match_rms_adamw" (0.2·√max(A, B): the same [optimizer] lr
     suits both Muon and AdamW parameters) or "original" (√max(1, A/B))."""
@@ -79,6 +84,7 @@ class Muon:
             raise ValueError(f"[muon] ns_steps = {self.ns_steps!r} is not valid; it must be an integer >= 1")
         _check_choice("ns_coefficients", self.ns_coefficients, sorted(NAMED_COEFFICIENTS))
         _check_choice("ns_dtype", self.ns_dtype, sorted(SUPPORTED_NS_DTYPES))
+        _check_choice("ns_algorithm", self.ns_algorithm, NS_ALGORITHMS)
         _check_choice("adjust_lr_fn", self.adjust_lr_fn, ADJUST_LR_CHOICES)
         _check_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
         _check_choice("exchange", self.exchange, EXCHANGE_CHOICES)

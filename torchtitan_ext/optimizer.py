@@ -39,6 +39,7 @@ def muon_kwargs(optimizer_config: OptimizerConfig, muon_config: MuonConfig) -> d
         "adamw_betas": (optimizer_config.beta1, optimizer_config.beta2),
         "adamw_eps": optimizer_config.eps,
         "ns_dtype": getattr(torch, muon_config.ns_dtype),
+        "ns_algorithm": muon_config.ns_algorithm,
         "wire_dtype": getattr(torch, muon_config.wire_dtype),
         "bucket_size_mb": muon_config.bucket_size_mb,
         "exchange": muon_config.exchange,

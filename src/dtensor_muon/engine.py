@@ -24,6 +24,7 @@ from . import metrics as metrics_lib
 from .exchange import MeshGroup, PendingExchange, mesh_group, start_all_to_all
 from .pending import BackExchange, PendingUpdates
 from .layout import ParamLayout, box_numel, box_shape, box_slices, relative_slices
+from .kernels import resolve_ns_algorithm
 from .newton_schulz import resolve_coefficients, resolve_ns_dtype
 from .plan import MatrixRoute, Plan, build_plan, chunk_by_budget, matrix_shape
 from .rules import adamw as adamw_rule
@@ -109,6 +110,7 @@ def _ns_settings(group: dict[str, Any]) -> tuple:
         int(group["ns_steps"]),
         float(group["eps"]),
         resolve_ns_dtype(group["ns_dtype"]),
+        resolve_ns_algorithm(group["ns_algorithm"]),
     )
 
 
@@ -364,10 +366,10 @@ class Engine:
         batches: dict[tuple, list[int]] = defaultdict(list)
         for j, (route, entry, _) in enumerate(jobs):
             batches[(route.spec.shape, _ns_settings(entry.group))].append(j)
-        for (shape, (coefficients, steps, eps, ns_dtype)), members in batches.items():
+        for (shape, (coefficients, steps, eps, ns_dtype, algorithm)), members in batches.items():
             mats = [jobs[j][2].reshape(shape) for j in members]
             stacked = mats[0] if len(mats) == 1 else torch.stack(mats)
-            out = muon_rule.direction(stacked, coefficients, steps, eps, ns_dtype)
+            out = muon_rule.direction(stacked, coefficients, steps, eps, ns_dtype, algorithm)
             outs = [out] if len(mats) == 1 else list(out.unbind(0))
             for j, o in zip(members, outs):
                 results[j] = o

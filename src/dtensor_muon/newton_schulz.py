@@ -9,7 +9,9 @@ approximates it with matrix products only:
     X ← a·X + B·X                                 (one iteration; coefficients (a, b, c) per iteration)
 
 Each iteration maps every singular value σ of X to p(σ) = aσ + bσ³ + cσ⁵; the coefficient sets trade how
-fast small σ grow against how close to 1 the result lands.
+fast small σ grow against how close to 1 the result lands. The same iterations can run in Gram form
+(:mod:`.gram_newton_schulz`: on the m×m X·Xᵀ, touching X once per few iterations), fewer FLOPs on
+rectangular matrices and equal in exact arithmetic.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from .kernels import select_backend
+from .gram_newton_schulz import gram_newton_schulz
+from .kernels import select_backend, use_gram
 
 Triple = tuple[float, float, float]
 CoefficientSpec = Union[str, Triple, Sequence[Triple]]
@@ -118,13 +121,16 @@ def newton_schulz(
     steps: int = 5,
     eps: float = 1e-7,
     dtype: torch.dtype = torch.bfloat16,
+    algorithm: str = "auto",
 ) -> Tensor:
     """Approximate the polar factor U·Vᵀ of ``g`` ([m, n], or a batch [B, m, n] of matrices).
 
     Returns a tensor of ``g``'s shape in ``dtype``. Tall matrices (m > n) are transposed before the
     iteration and back after, so the Gram matrix is always the smaller min(m, n)². Each matrix of a batch
-    is normalized by its own Frobenius norm. For 2-D input with the default arguments the result equals
-    ``torch.optim.Muon``'s bit for bit (same operations in the same order).
+    is normalized by its own Frobenius norm. ``algorithm``: "standard" (X ← a·X + (b·A + c·A²)·X),
+    "gram" (the same iterations in Gram form, restarted every 3) or "auto" (Gram form where it is faster:
+    rectangular matrices on the GPU backend, see :func:`.kernels.use_gram`). On CPU, and for 2-D input
+    with the default arguments, the result equals ``torch.optim.Muon``'s bit for bit.
     """
     if g.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects a 2-D matrix or a 3-D batch, got shape {tuple(g.shape)}")
@@ -140,9 +146,12 @@ def newton_schulz(
     else:
         x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
     backend = select_backend(x)
-    for i in range(steps):
-        a, b, c = coefficients_at(triples, i)
-        x = backend.iteration(x, a, b, c)
+    if use_gram(algorithm, x, backend):
+        x = gram_newton_schulz(x, [coefficients_at(triples, i) for i in range(steps)], backend)
+    else:
+        for i in range(steps):
+            a, b, c = coefficients_at(triples, i)
+            x = backend.iteration(x, a, b, c)
     return x.mT if tall else x
 
 

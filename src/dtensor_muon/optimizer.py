@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .engine import EXCHANGE_MODES, Engine, Entry
+from .kernels import resolve_ns_algorithm
 from .layout import read_layout
 from .overlap import attach_hooks
 from .newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec, resolve_coefficients, resolve_ns_dtype
@@ -47,6 +48,7 @@ def validate_hyperparameters(group: dict[str, Any]) -> None:
     _require(1 <= steps <= MAX_NS_STEPS, f"ns_steps must be in [1, {MAX_NS_STEPS}], got {steps}")
     resolve_coefficients(group["ns_coefficients"])
     resolve_ns_dtype(group["ns_dtype"])
+    resolve_ns_algorithm(group["ns_algorithm"])
     fn = group["adjust_lr_fn"]
     _require(
         fn is None or fn in ADJUST_LR_NAMES or (callable(fn) and not isinstance(fn, str)),
@@ -81,6 +83,8 @@ class Muon(torch.optim.Optimizer):
     Keyword-only:
         adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.
         ns_dtype: Newton–Schulz working dtype (bfloat16, float32, float16).
+        ns_algorithm: "auto" (Gram Newton–Schulz where it is faster: rectangular matrices on the GPU
+            backend), "standard" or "gram"; see :func:`dtensor_muon.newton_schulz.newton_schulz`.
         wire_dtype: dtype of the exchange (bf16 by default; None = parameter dtype). Must not round the
             Newton–Schulz input: bf16 with float32 ns_dtype is refused.
         bucket_size_mb: full-matrix megabytes per exchange bucket.
@@ -109,6 +113,7 @@ class Muon(torch.optim.Optimizer):
         adamw_lr: float | None = None,
         adamw_weight_decay: float | None = None,
         ns_dtype: torch.dtype | str = torch.bfloat16,
+        ns_algorithm: str = "auto",
         wire_dtype: torch.dtype | None = torch.bfloat16,
         bucket_size_mb: float = 64.0,
         exchange: str = "owner",
@@ -142,6 +147,7 @@ class Muon(torch.optim.Optimizer):
             adamw_lr=adamw_lr,
             adamw_weight_decay=adamw_weight_decay,
             ns_dtype=ns_dtype,
+            ns_algorithm=ns_algorithm,
             use_muon=None,
         )
         self._engine_options = dict(

@@ -1,13 +1,24 @@
 """Matrix-product backends for Newton–Schulz: plain torch matmuls and (on CUDA) Triton SYRK kernels."""
 
-from .dispatch import Backend, select_backend, triton_eligible, use_backend
+from .dispatch import (
+    NS_ALGORITHMS,
+    Backend,
+    resolve_ns_algorithm,
+    select_backend,
+    triton_eligible,
+    use_backend,
+    use_gram,
+)
 from .torch_matmuls import TORCH_MATMULS, TorchMatmuls
 
 __all__ = [
+    "NS_ALGORITHMS",
     "TORCH_MATMULS",
     "Backend",
     "TorchMatmuls",
+    "resolve_ns_algorithm",
     "select_backend",
     "triton_eligible",
     "use_backend",
+    "use_gram",
 ]

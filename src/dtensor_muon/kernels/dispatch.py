@@ -26,15 +26,27 @@ except ImportError:  # no triton
 
 BACKEND_NAMES = ("torch", "triton", "syrk")
 MIN_GPU_BACKEND_WORK = 2**33
+NS_ALGORITHMS = ("auto", "standard", "gram")
+# "auto" takes Gram Newton–Schulz on the GPU backend for X (m×n, m ≤ n) with n ≥ GRAM_MIN_ASPECT·m.
+GRAM_MIN_ASPECT = 1.25
 _forced: list[str] = []
 
 
 class Backend(Protocol):
-    """One Newton–Schulz iteration X' = a·X + (b·A + c·A·A)·X, A = X·Xᵀ, on [m, n] or [B, m, n]."""
+    """One Newton–Schulz iteration X' = a·X + (b·A + c·A·A)·X, A = X·Xᵀ, on [m, n] or [B, m, n], and the
+    products of its Gram form: A = X·Xᵀ, P = a·I + b·A + c·A·A, X·Yᵀ known symmetric, P·X."""
 
     name: str
 
     def iteration(self, x: Tensor, a: float, b: float, c: float) -> Tensor: ...
+
+    def gram(self, x: Tensor) -> Tensor: ...
+
+    def poly(self, gram: Tensor, a: float, b: float, c: float) -> Tensor: ...
+
+    def symmetric_product(self, x: Tensor, y: Tensor) -> Tensor: ...
+
+    def apply(self, p: Tensor, x: Tensor) -> Tensor: ...
 
 
 def triton_eligible(x: Tensor) -> bool:
@@ -68,6 +80,25 @@ def select_backend(x: Tensor) -> Backend:
     if forced == "syrk":
         return SYRK_MATMULS
     return TRITON_MATMULS
+
+
+def resolve_ns_algorithm(name: str) -> str:
+    """Validates a Newton–Schulz algorithm name: "auto", "standard" or "gram"."""
+    if name not in NS_ALGORITHMS:
+        raise ValueError(f"ns_algorithm: expected one of {NS_ALGORITHMS}, got {name!r}")
+    return name
+
+
+def use_gram(algorithm: str, x: Tensor, backend: Backend) -> bool:
+    """Whether Newton–Schulz on the wide working matrix ``x`` runs in Gram form.
+
+    "standard" never, "gram" always; "auto" where it pays: on the GPU backend (plain torch keeps the standard
+    form, bitwise torch.optim.Muon) for n ≥ GRAM_MIN_ASPECT·m, where the m²n products it saves outweigh the
+    extra m³ ones (:mod:`..gram_newton_schulz`).
+    """
+    if resolve_ns_algorithm(algorithm) != "auto":
+        return algorithm == "gram"
+    return backend.name != "torch" and x.size(-1) >= GRAM_MIN_ASPECT * x.size(-2)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
     A = X·Xᵀ;  B = b·A + c·A·A;  X' = a·X + B·X
 
 For 2-D inputs these are exactly the calls torch.optim.Muon makes (``addmm``), so results match it bit
-for bit; 3-D inputs (a batch of matrices) use the batched equivalents (``baddbmm``).
+for bit; 3-D inputs (a batch of matrices) use the batched equivalents (``baddbmm``). ``poly``,
+``symmetric_product`` and ``apply`` are the products of Gram Newton–Schulz (:mod:`..gram_newton_schulz`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,24 @@ class TorchMatmuls:
     def iteration(self, x: Tensor, a: float, b: float, c: float) -> Tensor:
         """X' = a·X + (b·A + c·A·A)·X with A = X·Xᵀ."""
         return self.combine(x, self.gram_poly(self.gram(x), b, c), a)
+
+    def poly(self, gram: Tensor, a: float, b: float, c: float) -> Tensor:
+        """P = a·I + b·A + c·A·A for a symmetric A, in fp32 (or wider) and rounded once to A's dtype (as the SYRK
+        epilogue does; rounding b·A + c·A·A before adding a·I more than doubles Gram Newton–Schulz's error)."""
+        a32 = gram.to(torch.promote_types(gram.dtype, torch.float32))
+        p = torch.addmm(a32, a32, a32, beta=b, alpha=c) if gram.ndim == 2 else torch.baddbmm(
+            a32, a32, a32, beta=b, alpha=c
+        )
+        p.diagonal(dim1=-2, dim2=-1).add_(a)
+        return p.to(gram.dtype)
+
+    def symmetric_product(self, x: Tensor, y: Tensor) -> Tensor:
+        """X·Yᵀ (a full product; the caller knows the result is symmetric)."""
+        return x @ y.mT
+
+    def apply(self, p: Tensor, x: Tensor) -> Tensor:
+        """P·X."""
+        return p @ x
 
 
 TORCH_MATMULS = TorchMatmuls()

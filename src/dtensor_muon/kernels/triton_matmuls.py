@@ -1,8 +1,10 @@
 """One Newton–Schulz iteration on the GPU: Triton SYRK kernels where they pay, cuBLAS elsewhere.
 
     gram:   A = X·Xᵀ                       (SYRK: lower-triangle tiles only, mirrored; or cuBLAS)
-    poly:   P = a·I + b·A + c·A·A          (SYRK on the symmetric A, b·A and a·I fused into the epilogue)
+    poly:   P = a·I + b·A + c·A·A          (SYRK on the symmetric A, b·A and a·I fused into the epilogue;
+                                            or cuBLAS A·A, then the sum in fp32, rounded once)
     apply:  X' = P·X  (= a·X + B·X)        (cuBLAS: a full product, nothing to save)
+    symmetric_product: X·Yᵀ known symmetric (Gram Newton–Schulz's R·Z, Q·Z; lower tiles, or cuBLAS)
 
 Folding a·X into P turns the third product into a plain matmul, which cuBLAS runs faster than the
 ``addmm`` with a C term (0.68 vs 0.75 ms on 4096×14336, 0.78 vs 0.99 ms on 64×1408×2048, H200); the cost
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .triton_syrk import is_transposed_view, lower_tile_count, syrk
+from .triton_syrk import is_transposed_view, lower_tile_count, symmetric_product, syrk
 
 # Smallest Gram side for the SYRK kernels, and fewest 128×128 lower-triangle tiles (all matrices of a batch
 # together) to fill the GPU: below these cuBLAS's full products are as fast. Measured on the H200: SYRK
@@ -49,14 +51,17 @@ class TritonMatmuls:
         return syrk(x) if self._use_syrk(x) else x @ x.mT
 
     def poly(self, gram: Tensor, a: float, b: float, c: float) -> Tensor:
-        """P = a·I + b·A + c·A·A for a symmetric A."""
+        """P = a·I + b·A + c·A·A for a symmetric A, rounded once from fp32 (SYRK epilogue), or from the
+        rounded A·A (cuBLAS); rounding b·A + c·A·A before adding a·I doubles Gram Newton–Schulz's error."""
         if self._use_syrk(gram):
             return syrk(gram, alpha=c, beta=b, c=gram, diag=a)
-        p = torch.addmm(gram, gram, gram, beta=b, alpha=c) if gram.ndim == 2 else torch.baddbmm(
-            gram, gram, gram, beta=b, alpha=c
-        )
+        p = (gram @ gram).float().mul_(c).add_(gram.float(), alpha=b)
         p.diagonal(dim1=-2, dim2=-1).add_(a)
-        return p
+        return p.to(gram.dtype)
+
+    def symmetric_product(self, x: Tensor, y: Tensor) -> Tensor:
+        """X·Yᵀ for a product known to be symmetric (exactly symmetric on the SYRK path)."""
+        return symmetric_product(x, y) if self._use_syrk(x) else x @ y.mT
 
     def apply(self, p: Tensor, x: Tensor) -> Tensor:
         """X' = P·X (P symmetric); keeps x's layout when x is a transposed view."""

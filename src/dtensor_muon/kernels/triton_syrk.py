@@ -1,11 +1,14 @@
-"""Triton symmetric rank-k kernel (SYRK) with a fused epilogue, for 2-D and batched matrices.
+"""Triton kernel for products known to be symmetric (SYRK, and GEMMT-style X·Yᵀ), 2-D and batched.
 
-    out = alpha·X·Xᵀ + beta·C + d·I      X: [m, k] or [B, m, k] (bf16/fp16, any strides), C: [.., m, m] symmetric
+    out = alpha·X·Yᵀ + beta·C + d·I      X, Y: [m, k] or [B, m, k] (bf16/fp16), Y = X by default (SYRK),
+                                         C: [.., m, m] symmetric
 
 Accumulation is in fp32. Only the tiles that touch the lower triangle are computed; each is stored twice,
 as itself (its part on or below the diagonal) and transposed into the upper triangle, so the result is
-exactly symmetric and costs about m²k instead of 2m²k FLOPs. Newton–Schulz uses it twice per iteration:
-``A = X·Xᵀ`` (alpha = 1, no C) and ``P = a·I + b·A + c·A·A`` (A symmetric, so A·A = A·Aᵀ: X = C = A).
+exactly symmetric and costs about m²k instead of 2m²k FLOPs. Newton–Schulz uses it for ``A = X·Xᵀ``
+(alpha = 1, no C) and ``P = a·I + b·A + c·A·A`` (A symmetric, so A·A = A·Aᵀ: X = C = A); Gram
+Newton–Schulz also for products of commuting symmetric matrices (R·Z = R·Zᵀ, symmetric in exact arithmetic),
+where the lower triangle stands for the whole.
 
 Tiles are BLOCK_M × BLOCK_N with BLOCK_M = RATIO·BLOCK_N (RATIO 1 or 2: 256×128 tiles keep Hopper's
 tensor cores busier than 128×128 ones). Tile row I (BLOCK_M rows) holds the RATIO·(I + 1) column tiles
@@ -16,6 +19,8 @@ the strides allow it, through tensor-memory descriptors (TMA): built once on the
 read as one stacked matrix where its layout allows, else built per program on the device. A matrix whose rows are not
 contiguous but whose columns are (a transposed view of a contiguous tall matrix) is read in its own
 layout: the kernel loads Xᵀ tiles and transposes them in registers/shared memory, never in global memory.
+With host descriptors, tiles strictly below the diagonal and inside the matrix are also stored through
+descriptors (the mirror image as one transposed tile store); the others through masked pointer stores.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ def _set_host_blocks(nargs: dict) -> None:
     transposed = nargs["TRANSPOSED"]
     nargs["host_desc_a"].block_shape = [block_k, block_m] if transposed else [block_m, block_k]
     nargs["host_desc_b"].block_shape = [block_k, block_n] if transposed else [block_n, block_k]
+    if nargs["host_desc_out"] is not None:
+        nargs["host_desc_out"].block_shape = [block_m, block_n]
+        nargs["host_desc_out_t"].block_shape = [block_n, block_m]
 
 
 def _configs() -> list[triton.Config]:
@@ -62,10 +70,29 @@ def lower_tile_count(m: int, block_n: int, ratio: int) -> int:
 
 
 @triton.jit
+def _store_lower_and_mirror(out_base, result, row0, col0, M, stride_om, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """Masked pointer stores: the tile's part on or below the diagonal, and its mirror image above."""
+    rows = row0 + tl.arange(0, BLOCK_M)[:, None]
+    cols = col0 + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(out_base + rows * stride_om + cols, result, mask=(rows < M) & (cols < M) & (rows >= cols))
+    mirror_rows = col0 + tl.arange(0, BLOCK_N)[:, None]
+    mirror_cols = row0 + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(
+        out_base + mirror_rows * stride_om + mirror_cols,
+        tl.trans(result),
+        mask=(mirror_rows < M) & (mirror_cols < M) & (mirror_rows < mirror_cols),
+    )
+
+
+@triton.jit
 def _syrk_kernel(
     x_ptr,
+    y_ptr,  # the right factor (Y = X for SYRK); same shape and strides as X
     host_desc_a,  # TMA_MODE 2: descriptors built on the host over the batch flattened into rows
     host_desc_b,
+    host_desc_out,  # TMA_STORE: the output flattened into rows, tile and transposed-tile blocks
+    host_desc_out_t,
     c_ptr,
     out_ptr,
     M,
@@ -83,6 +110,7 @@ def _syrk_kernel(
     diag,
     TRANSPOSED: tl.constexpr,
     TMA_MODE: tl.constexpr,
+    TMA_STORE: tl.constexpr,
     HAS_C: tl.constexpr,
     HAS_DIAG: tl.constexpr,
     RATIO: tl.constexpr,
@@ -103,6 +131,7 @@ def _syrk_kernel(
         return
 
     x_base = x_ptr + batch.to(tl.int64) * stride_xb
+    y_base = y_ptr + batch.to(tl.int64) * stride_xb
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA_MODE == 2:
         if TRANSPOSED:  # rows of the flattened [B·K, M] storage: batch b's Xᵀ starts at row b·K
@@ -122,7 +151,7 @@ def _syrk_kernel(
                 x_base, shape=[K, M], strides=[stride_xk, 1], block_shape=[BLOCK_K, BLOCK_M]
             )
             desc_b = tl.make_tensor_descriptor(
-                x_base, shape=[K, M], strides=[stride_xk, 1], block_shape=[BLOCK_K, BLOCK_N]
+                y_base, shape=[K, M], strides=[stride_xk, 1], block_shape=[BLOCK_K, BLOCK_N]
             )
             for k0 in range(0, K, BLOCK_K):
                 a_t = desc_a.load([k0, row0])
@@ -133,7 +162,7 @@ def _syrk_kernel(
                 x_base, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K]
             )
             desc_b = tl.make_tensor_descriptor(
-                x_base, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_N, BLOCK_K]
+                y_base, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_N, BLOCK_K]
             )
             for k0 in range(0, K, BLOCK_K):
                 a = desc_a.load([row0, k0])
@@ -144,7 +173,7 @@ def _syrk_kernel(
         rows_b = col0 + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = x_base + rows_a[:, None] * stride_xm + ks[None, :] * stride_xk
-        b_ptrs = x_base + rows_b[:, None] * stride_xm + ks[None, :] * stride_xk
+        b_ptrs = y_base + rows_b[:, None] * stride_xm + ks[None, :] * stride_xk
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + ks)[None, :] < K
             a = tl.load(a_ptrs, mask=(rows_a[:, None] < M) & k_ok, other=0.0)
@@ -153,34 +182,35 @@ def _syrk_kernel(
             a_ptrs += BLOCK_K * stride_xk
             b_ptrs += BLOCK_K * stride_xk
 
-    rows = row0 + tl.arange(0, BLOCK_M)[:, None]
-    cols = col0 + tl.arange(0, BLOCK_N)[None, :]
-    in_bounds = (rows < M) & (cols < M)
     result = acc * alpha
     if HAS_C:
+        rows = row0 + tl.arange(0, BLOCK_M)[:, None]
+        cols = col0 + tl.arange(0, BLOCK_N)[None, :]
         c_tile = tl.load(
             c_ptr + batch.to(tl.int64) * stride_cb + rows * stride_cm + cols,
-            mask=in_bounds,
+            mask=(rows < M) & (cols < M),
             other=0.0,
         )
         result += beta * c_tile.to(tl.float32)
     if HAS_DIAG:
+        rows = row0 + tl.arange(0, BLOCK_M)[:, None]
+        cols = col0 + tl.arange(0, BLOCK_N)[None, :]
         result += tl.where(rows == cols, diag, 0.0)
     result = result.to(out_ptr.dtype.element_ty)
     out_base = out_ptr + batch.to(tl.int64) * stride_ob
-    # The tile's part on or below the diagonal, and its mirror image (the strict upper part).
-    tl.store(out_base + rows * stride_om + cols, result, mask=in_bounds & (rows >= cols))
-    mirror_rows = col0 + tl.arange(0, BLOCK_N)[:, None]
-    mirror_cols = row0 + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(
-        out_base + mirror_rows * stride_om + mirror_cols,
-        tl.trans(result),
-        mask=(mirror_rows < M) & (mirror_cols < M) & (mirror_rows < mirror_cols),
-    )
+    if TMA_STORE:
+        # Strictly below the diagonal and inside the matrix: two whole-tile stores, no masks.
+        if (col0 + BLOCK_N <= row0) & (row0 + BLOCK_M <= M):
+            host_desc_out.store([batch * M + row0, col0], result)
+            host_desc_out_t.store([batch * M + col0, row0], tl.trans(result))
+        else:
+            _store_lower_and_mirror(out_base, result, row0, col0, M, stride_om, BLOCK_M, BLOCK_N)
+    else:
+        _store_lower_and_mirror(out_base, result, row0, col0, M, stride_om, BLOCK_M, BLOCK_N)
 
 
 _syrk_tuned = triton.autotune(
-    configs=_configs(), key=["M", "K", "BATCH", "TRANSPOSED", "TMA_MODE", "HAS_C"]
+    configs=_configs(), key=["M", "K", "BATCH", "TRANSPOSED", "TMA_MODE", "TMA_STORE", "HAS_C"]
 )(_syrk_kernel)
 
 # Under the Triton interpreter (CPU tensors) there is nothing to tune: one small tile.
@@ -243,45 +273,65 @@ def tma_mode_for(x3: Tensor, tma: str | None) -> int:
     return 2
 
 
-def _host_descriptors(x3: Tensor, transposed: bool, config: dict | None) -> tuple[object, object]:
-    """The two descriptors (row tiles, column tiles) over the batch as one stacked matrix."""
+def _flat_rows(t3: Tensor, transposed: bool) -> Tensor:
+    """The batch as one stacked 2-D matrix: [B·M, K], or for a transposed view its [B·K, M] storage."""
+    batch, m, k = t3.shape
+    return t3.mT.reshape(batch * k, m) if transposed else t3.reshape(batch * m, k)
+
+
+def _host_descriptors(
+    x3: Tensor, y3: Tensor, out: Tensor, transposed: bool, store: bool, config: dict | None
+) -> tuple[object, object, object, object]:
+    """Descriptors over the stacked batch: X's row tiles, Y's column tiles, and (``store``) the output's
+    tiles and transposed tiles; the last two are None without ``store``."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    batch, m, k = x3.shape
-    if transposed:
-        flat = x3.mT.reshape(batch * k, m)  # a view: the storage is [B, K, M] with contiguous rows
-    else:
-        flat = x3.reshape(batch * m, k)
     # Placeholder blocks; the config (explicit here, or the autotuner's pre-hook) sets the real ones.
-    descs = tuple(TensorDescriptor.from_tensor(flat, [16, 16]) for _ in range(2))
+    def over(t: Tensor) -> object:
+        return TensorDescriptor.from_tensor(t, [16, 16])
+
+    flat_out = out.reshape(-1, out.size(-1))
+    descs = (
+        over(_flat_rows(x3, transposed)),
+        over(_flat_rows(y3, transposed)),
+        over(flat_out) if store else None,
+        over(flat_out) if store else None,
+    )
     if config is not None:
-        _set_host_blocks({"host_desc_a": descs[0], "host_desc_b": descs[1], "TRANSPOSED": transposed, **config})
+        names = ("host_desc_a", "host_desc_b", "host_desc_out", "host_desc_out_t")
+        _set_host_blocks({**dict(zip(names, descs)), "TRANSPOSED": transposed, **config})
     return descs
 
 
-def syrk(
-    x: Tensor,
-    alpha: float = 1.0,
-    beta: float = 0.0,
-    c: Tensor | None = None,
-    diag: float = 0.0,
-    tma: str | None = None,
-    config: dict | None = None,
-) -> Tensor:
-    """``alpha·X·Xᵀ + beta·C + diag·I`` for X [m, k] or [B, m, k]; C (optional) symmetric [.., m, m], rows
-    contiguous.
+def _as_batch(t: Tensor, what: str) -> Tensor:
+    if t.ndim not in (2, 3):
+        raise ValueError(f"{what} must be a 2-D or 3-D tensor, got shape {tuple(t.shape)}")
+    t3 = t if t.ndim == 3 else t.unsqueeze(0)
+    return t3 if t3.stride(-1) == 1 or t3.stride(-2) == 1 else t3.contiguous()
 
-    Returns a new contiguous, exactly symmetric [.., m, m] tensor in x's dtype (fp32 accumulation).
-    ``tma``: how tiles are read (see :func:`tma_mode_for`). ``config``: fixed tile parameters (RATIO,
-    BLOCK_N, BLOCK_K, and optionally num_warps, num_stages) instead of autotuning; on CPU (the interpreter)
-    a 32×32 tile.
-    """
-    if x.ndim not in (2, 3):
-        raise ValueError(f"syrk expects a 2-D or 3-D tensor, got shape {tuple(x.shape)}")
-    x3 = x if x.ndim == 3 else x.unsqueeze(0)
+
+def _launch(
+    x: Tensor,
+    y: Tensor | None,
+    alpha: float,
+    beta: float,
+    c: Tensor | None,
+    diag: float,
+    tma: str | None,
+    config: dict | None,
+) -> Tensor:
+    """``alpha·X·Yᵀ + beta·C + diag·I`` (Y = X when None), lower tiles computed and mirrored."""
+    x3 = _as_batch(x, "X")
     batch, m, k = x3.shape
-    if x3.stride(-1) != 1 and x3.stride(-2) != 1:
-        x3 = x3.contiguous()
+    if y is None:
+        y3 = x3
+    else:
+        y3 = _as_batch(y, "Y")
+        if y3.shape != x3.shape or y3.stride() != x3.stride() or y3.dtype != x3.dtype:
+            raise ValueError(
+                f"symmetric_product: Y must match X in shape, strides and dtype, got {tuple(y.shape)} "
+                f"{y.stride()} {y.dtype} against {tuple(x.shape)} {x.stride()} {x.dtype}"
+            )
     transposed = is_transposed_view(x3)
     out = torch.empty((batch, m, m), device=x.device, dtype=x.dtype)
     if c is not None:
@@ -293,19 +343,24 @@ def syrk(
     else:
         c3 = out
     mode = tma_mode_for(x3, tma)
+    if y3 is not x3 and mode != tma_mode_for(y3, tma):  # Y's base alignment differs: read both by pointers
+        mode = 0
 
     def grid(meta: dict) -> tuple[int, int]:
         return (lower_tile_count(m, meta["BLOCK_N"], meta["RATIO"]), batch)
 
-    on_cpu = x.device.type == "cpu"
-    if config is None and on_cpu:
+    if config is None and x.device.type == "cpu":
         config = _INTERPRETER_CONFIG
     kernel = _syrk_tuned if config is None else _syrk_kernel
-    desc_a, desc_b = _host_descriptors(x3, transposed, config) if mode == 2 else (None, None)
+    launch_options = dict(config or {})
+    # Stores through descriptors need host descriptors and 16-byte aligned output rows; a config may
+    # turn them off (benchmarks compare both).
+    store = bool(launch_options.pop("TMA_STORE", True)) and mode == 2 and m % 8 == 0
+    descs = _host_descriptors(x3, y3, out, transposed, store, config) if mode == 2 else (None,) * 4
     kernel[grid](
         x3,
-        desc_a,
-        desc_b,
+        y3,
+        *descs,
         c3,
         out,
         m,
@@ -323,8 +378,41 @@ def syrk(
         float(diag),
         TRANSPOSED=transposed,
         TMA_MODE=mode,
+        TMA_STORE=store,
         HAS_C=c is not None,
         HAS_DIAG=diag != 0.0,
-        **(config or {}),
+        **launch_options,
     )
     return out if x.ndim == 3 else out.squeeze(0)
+
+
+def syrk(
+    x: Tensor,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    c: Tensor | None = None,
+    diag: float = 0.0,
+    tma: str | None = None,
+    config: dict | None = None,
+) -> Tensor:
+    """``alpha·X·Xᵀ + beta·C + diag·I`` for X [m, k] or [B, m, k]; C (optional) symmetric [.., m, m], rows
+    contiguous.
+
+    Returns a new contiguous, exactly symmetric [.., m, m] tensor in x's dtype (fp32 accumulation).
+    ``tma``: how tiles are read (see :func:`tma_mode_for`). ``config``: fixed tile parameters (RATIO,
+    BLOCK_N, BLOCK_K, and optionally num_warps, num_stages, maxnreg, TMA_STORE) instead of autotuning; on
+    CPU (the interpreter) a 32×32 tile.
+    """
+    return _launch(x, None, alpha, beta, c, diag, tma, config)
+
+
+def symmetric_product(
+    x: Tensor, y: Tensor, tma: str | None = None, config: dict | None = None
+) -> Tensor:
+    """X·Yᵀ for a product the caller knows to be symmetric (e.g. R·Z with R, Z symmetric and commuting):
+    its lower triangle, computed in about half the FLOPs, mirrored into the upper one.
+
+    X and Y: [m, m] or [B, m, m] with the same shape, strides and dtype. Returns a new contiguous, exactly
+    symmetric tensor; ``tma`` and ``config`` as for :func:`syrk`.
+    """
+    return _launch(x, y, 1.0, 0.0, None, 0.0, tma, config)

@@ -32,10 +32,15 @@ def prepare(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bo
 
 
 def direction(
-    update: Tensor, coefficients: CoefficientSpec, steps: int, eps: float, dtype: torch.dtype
+    update: Tensor,
+    coefficients: CoefficientSpec,
+    steps: int,
+    eps: float,
+    dtype: torch.dtype,
+    algorithm: str = "auto",
 ) -> Tensor:
-    """O = NS(U) for one matrix [m, n] or a batch [B, m, n]."""
-    return newton_schulz(update, coefficients, steps, eps, dtype)
+    """O = NS(U) for one matrix [m, n] or a batch [B, m, n] (``algorithm``: see :func:`newton_schulz`)."""
+    return newton_schulz(update, coefficients, steps, eps, dtype, algorithm)
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: AdjustLrFn, matrix_shape: tuple[int, int]) -> float:
