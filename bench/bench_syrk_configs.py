@@ -4,7 +4,8 @@
 
 Rows: the product (gram A = X·Xᵀ, poly P = a·I + b·A + c·A·A, product R·Z of two commuting symmetric
 matrices as Gram Newton–Schulz needs it, combine X' = a·X + B·X), the shape and layout, the implementation
-(our kernel with one fixed config, stores through descriptors or pointers, and one way of reading tiles:
+(our kernel with one fixed config, epilogue (C loads, stores) through descriptors or pointers, and one way
+of reading tiles:
 pointers, descriptors built per program on the device, or built once on the host; or cuBLAS), median
 ms of triton.testing.do_bench, TFLOP/s on the FLOPs the product needs (SYRK m²k per matrix, a full product
 2mkn), and the relative error against float64. This is the search space the autotuner's configs are
@@ -27,13 +28,13 @@ from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
 
 TILE_SHAPES = [(1, 128, 64, 8, 3), (1, 128, 64, 8, 4), (1, 128, 64, 8, 5), (2, 128, 64, 8, 4)]
 SYRK_CANDIDATES = [
-    {"RATIO": r, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st, "TMA_STORE": store}
+    {"RATIO": r, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st, "TMA_EPILOGUE": store}
     for r, bn, bk, w, st in TILE_SHAPES
     for store in (True, False)
 ] + [
     # At most 128 registers per thread: two 8-warp programs per SM, one's epilogue under the other's loop.
-    {"RATIO": 1, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA_STORE": True, "maxnreg": 128},
-    {"RATIO": 1, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "TMA_STORE": True},
+    {"RATIO": 1, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA_EPILOGUE": True, "maxnreg": 128},
+    {"RATIO": 1, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "TMA_EPILOGUE": True},
 ]
 
 

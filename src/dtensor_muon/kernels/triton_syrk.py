@@ -19,8 +19,10 @@ the strides allow it, through tensor-memory descriptors (TMA): built once on the
 read as one stacked matrix where its layout allows, else built per program on the device. A matrix whose rows are not
 contiguous but whose columns are (a transposed view of a contiguous tall matrix) is read in its own
 layout: the kernel loads Xᵀ tiles and transposes them in registers/shared memory, never in global memory.
-With host descriptors, tiles strictly below the diagonal and inside the matrix are also stored through
-descriptors (the mirror image as one transposed tile store); the others through masked pointer stores.
+With host descriptors the epilogue goes through descriptors too (1.2–1.9× faster products on the H200 than
+masked pointer stores): C's tiles are loaded whole, and tiles strictly below the diagonal and inside the
+matrix are stored whole (the mirror image as one transposed tile store); the others through masked pointer
+stores.
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# (RATIO, BLOCK_N, BLOCK_K, num_warps, num_stages): square 128² tiles and Hopper-sized 256×128 tiles.
-# Chosen from bench/bench_syrk_configs.py on the H200 (BENCHMARKS.md): the 128×128×64 tile at 3 to 5 stages
-# wins every m = 4096 product, 256×128 the m = 8192 ones.
-SYRK_SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
-    (1, 128, 64, 8, 3),
-    (1, 128, 64, 8, 4),
-    (1, 128, 64, 8, 5),
-    (2, 128, 64, 8, 4),
+# (RATIO, BLOCK_N, BLOCK_K, num_warps, num_stages, maxnreg): square 128² tiles and Hopper-sized 256×128
+# tiles. Chosen from bench/bench_syrk_configs.py on the H200 (BENCHMARKS.md): 128×128×64 tiles win every
+# product up to m = 4096, with 8 warps capped at 128 registers (two programs per SM) for most, 4 warps or
+# 5 stages for some; 256×128 tiles win the m = 8192 ones.
+SYRK_SHAPES: tuple[tuple[int, int, int, int, int, int | None], ...] = (
+    (1, 128, 64, 8, 3, None),
+    (1, 128, 64, 8, 5, None),
+    (1, 128, 64, 8, 3, 128),
+    (1, 128, 64, 4, 3, None),
+    (2, 128, 64, 8, 4, None),
 )
 
 
@@ -52,14 +56,20 @@ def _set_host_blocks(nargs: dict) -> None:
     if nargs["host_desc_out"] is not None:
         nargs["host_desc_out"].block_shape = [block_m, block_n]
         nargs["host_desc_out_t"].block_shape = [block_n, block_m]
+    if nargs["host_desc_c"] is not None:
+        nargs["host_desc_c"].block_shape = [block_m, block_n]
 
 
 def _configs() -> list[triton.Config]:
     return [
         triton.Config(
-            {"RATIO": r, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s, pre_hook=_set_host_blocks
+            {"RATIO": r, "BLOCK_N": bn, "BLOCK_K": bk},
+            num_warps=w,
+            num_stages=s,
+            maxnreg=regs,
+            pre_hook=_set_host_blocks,
         )
-        for r, bn, bk, w, s in SYRK_SHAPES
+        for r, bn, bk, w, s, regs in SYRK_SHAPES
     ]
 
 
@@ -91,8 +101,9 @@ def _syrk_kernel(
     y_ptr,  # the right factor (Y = X for SYRK); same shape and strides as X
     host_desc_a,  # TMA_MODE 2: descriptors built on the host over the batch flattened into rows
     host_desc_b,
-    host_desc_out,  # TMA_STORE: the output flattened into rows, tile and transposed-tile blocks
+    host_desc_out,  # TMA_EPILOGUE: the output flattened into rows, tile and transposed-tile blocks
     host_desc_out_t,
+    host_desc_c,  # TMA_EPILOGUE and HAS_C: C flattened into rows
     c_ptr,
     out_ptr,
     M,
@@ -110,7 +121,7 @@ def _syrk_kernel(
     diag,
     TRANSPOSED: tl.constexpr,
     TMA_MODE: tl.constexpr,
-    TMA_STORE: tl.constexpr,
+    TMA_EPILOGUE: tl.constexpr,
     HAS_C: tl.constexpr,
     HAS_DIAG: tl.constexpr,
     RATIO: tl.constexpr,
@@ -184,13 +195,16 @@ def _syrk_kernel(
 
     result = acc * alpha
     if HAS_C:
-        rows = row0 + tl.arange(0, BLOCK_M)[:, None]
-        cols = col0 + tl.arange(0, BLOCK_N)[None, :]
-        c_tile = tl.load(
-            c_ptr + batch.to(tl.int64) * stride_cb + rows * stride_cm + cols,
-            mask=(rows < M) & (cols < M),
-            other=0.0,
-        )
+        if TMA_EPILOGUE:  # rows past M (edge tiles) read the next matrix's rows: never stored
+            c_tile = host_desc_c.load([batch * M + row0, col0])
+        else:
+            rows = row0 + tl.arange(0, BLOCK_M)[:, None]
+            cols = col0 + tl.arange(0, BLOCK_N)[None, :]
+            c_tile = tl.load(
+                c_ptr + batch.to(tl.int64) * stride_cb + rows * stride_cm + cols,
+                mask=(rows < M) & (cols < M),
+                other=0.0,
+            )
         result += beta * c_tile.to(tl.float32)
     if HAS_DIAG:
         rows = row0 + tl.arange(0, BLOCK_M)[:, None]
@@ -198,7 +212,7 @@ def _syrk_kernel(
         result += tl.where(rows == cols, diag, 0.0)
     result = result.to(out_ptr.dtype.element_ty)
     out_base = out_ptr + batch.to(tl.int64) * stride_ob
-    if TMA_STORE:
+    if TMA_EPILOGUE:
         # Strictly below the diagonal and inside the matrix: two whole-tile stores, no masks.
         if (col0 + BLOCK_N <= row0) & (row0 + BLOCK_M <= M):
             host_desc_out.store([batch * M + row0, col0], result)
@@ -210,7 +224,7 @@ def _syrk_kernel(
 
 
 _syrk_tuned = triton.autotune(
-    configs=_configs(), key=["M", "K", "BATCH", "TRANSPOSED", "TMA_MODE", "TMA_STORE", "HAS_C"]
+    configs=_configs(), key=["M", "K", "BATCH", "TRANSPOSED", "TMA_MODE", "TMA_EPILOGUE", "HAS_C"]
 )(_syrk_kernel)
 
 # Under the Triton interpreter (CPU tensors) there is nothing to tune: one small tile.
@@ -280,10 +294,11 @@ def _flat_rows(t3: Tensor, transposed: bool) -> Tensor:
 
 
 def _host_descriptors(
-    x3: Tensor, y3: Tensor, out: Tensor, transposed: bool, store: bool, config: dict | None
-) -> tuple[object, object, object, object]:
-    """Descriptors over the stacked batch: X's row tiles, Y's column tiles, and (``store``) the output's
-    tiles and transposed tiles; the last two are None without ``store``."""
+    x3: Tensor, y3: Tensor, out: Tensor, c3: Tensor | None, transposed: bool, epilogue: bool,
+    config: dict | None,
+) -> tuple[object, ...]:
+    """Descriptors over the stacked batch: X's row tiles, Y's column tiles, and (``epilogue``) the output's
+    tiles and transposed tiles and C's tiles (None where not used)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     # Placeholder blocks; the config (explicit here, or the autotuner's pre-hook) sets the real ones.
@@ -294,11 +309,12 @@ def _host_descriptors(
     descs = (
         over(_flat_rows(x3, transposed)),
         over(_flat_rows(y3, transposed)),
-        over(flat_out) if store else None,
-        over(flat_out) if store else None,
+        over(flat_out) if epilogue else None,
+        over(flat_out) if epilogue else None,
+        over(c3.reshape(-1, c3.size(-1))) if epilogue and c3 is not None else None,
     )
     if config is not None:
-        names = ("host_desc_a", "host_desc_b", "host_desc_out", "host_desc_out_t")
+        names = ("host_desc_a", "host_desc_b", "host_desc_out", "host_desc_out_t", "host_desc_c")
         _set_host_blocks({**dict(zip(names, descs)), "TRANSPOSED": transposed, **config})
     return descs
 
@@ -353,10 +369,19 @@ def _launch(
         config = _INTERPRETER_CONFIG
     kernel = _syrk_tuned if config is None else _syrk_kernel
     launch_options = dict(config or {})
-    # Stores through descriptors need host descriptors and 16-byte aligned output rows; a config may
-    # turn them off (benchmarks compare both).
-    store = bool(launch_options.pop("TMA_STORE", True)) and mode == 2 and m % 8 == 0
-    descs = _host_descriptors(x3, y3, out, transposed, store, config) if mode == 2 else (None,) * 4
+    # The epilogue through descriptors needs host descriptors, 16-byte aligned rows and a contiguous C; a
+    # config may turn it off (benchmarks compare both).
+    epilogue = (
+        bool(launch_options.pop("TMA_EPILOGUE", True))
+        and mode == 2
+        and m % 8 == 0
+        and (c is None or (c3.is_contiguous() and c3.data_ptr() % 16 == 0))
+    )
+    descs = (
+        _host_descriptors(x3, y3, out, c3 if c is not None else None, transposed, epilogue, config)
+        if mode == 2
+        else (None,) * 5
+    )
     kernel[grid](
         x3,
         y3,
@@ -378,7 +403,7 @@ def _launch(
         float(diag),
         TRANSPOSED=transposed,
         TMA_MODE=mode,
-        TMA_STORE=store,
+        TMA_EPILOGUE=epilogue,
         HAS_C=c is not None,
         HAS_DIAG=diag != 0.0,
         **launch_options,
@@ -400,7 +425,7 @@ def syrk(
 
     Returns a new contiguous, exactly symmetric [.., m, m] tensor in x's dtype (fp32 accumulation).
     ``tma``: how tiles are read (see :func:`tma_mode_for`). ``config``: fixed tile parameters (RATIO,
-    BLOCK_N, BLOCK_K, and optionally num_warps, num_stages, maxnreg, TMA_STORE) instead of autotuning; on
+    BLOCK_N, BLOCK_K, and optionally num_warps, num_stages, maxnreg, TMA_EPILOGUE) instead of autotuning; on
     CPU (the interpreter) a 32×32 tile.
     """
     return _launch(x, None, alpha, beta, c, diag, tma, config)
