@@ -96,10 +96,16 @@ def test_batched_gram_form_equals_per_slice() -> None:
 def test_auto_takes_the_gram_form_only_on_the_gpu_backend_for_rectangular_matrices() -> None:
     from dtensor_muon.kernels.triton_matmuls import TRITON_MATMULS
 
-    wide, square, near_square = (torch.empty(s, device="meta") for s in ((4096, 14336), (4096, 4096), (4096, 4800)))
+    def meta(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, device="meta")
+
+    wide, square = meta(4096, 14336), meta(4096, 4096)
     assert use_gram("auto", wide, TRITON_MATMULS)
+    assert use_gram("auto", meta(64, 1408, 2048), TRITON_MATMULS)
     assert not use_gram("auto", square, TRITON_MATMULS)
-    assert not use_gram("auto", near_square, TRITON_MATMULS)
+    assert not use_gram("auto", meta(4096, 4800), TRITON_MATMULS)  # aspect 1.17
+    assert not use_gram("auto", meta(2048, 4096), TRITON_MATMULS)  # m×m products too small (measured slower)
+    assert not use_gram("auto", meta(16, 1408, 2048), TRITON_MATMULS)
     assert not use_gram("auto", wide, TORCH_MATMULS)  # CPU: the standard form, bitwise torch.optim.Muon
     assert use_gram("gram", square, TORCH_MATMULS)
     assert not use_gram("standard", wide, TRITON_MATMULS)
