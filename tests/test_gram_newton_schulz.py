@@ -133,3 +133,23 @@ def test_optimizer_option_reaches_newton_schulz() -> None:
     assert torch.equal(results["auto"], results["torch"])
     diff = ((results["gram"] - results["torch"]).norm() / results["torch"].norm()).item()
     assert 0 < diff < 0.05
+
+
+def test_checkpoint_without_the_option_loads_with_auto() -> None:
+    """A state dict saved before ``ns_algorithm`` existed loads, and steps exactly as a fresh optimizer."""
+    torch.manual_seed(0)
+    init, grad = torch.randn(32, 96), torch.randn(32, 96)
+    stepped = []
+    for old_checkpoint in (False, True):
+        p = torch.nn.Parameter(init.clone())
+        opt = Muon([p], lr=0.02)
+        state = opt.state_dict()
+        if old_checkpoint:
+            for group in state["param_groups"]:
+                del group["ns_algorithm"]
+            opt.load_state_dict(state)
+            assert all(g["ns_algorithm"] == "auto" for g in opt.param_groups)
+        p.grad = grad.clone()
+        opt.step()
+        stepped.append(p.detach().clone())
+    assert torch.equal(stepped[0], stepped[1]) and not torch.equal(stepped[0], init)

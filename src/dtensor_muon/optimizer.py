@@ -220,6 +220,8 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def _rebuild_after_load(optimizer: "Muon") -> None:
+        for group in optimizer.param_groups:  # checkpoints from before the option existed
+            group.setdefault("ns_algorithm", "auto")
         optimizer._engine = optimizer._build_engine()
 
     # ---------------------------------------------------------------- step
