@@ -150,7 +150,7 @@ def bench_shape(
     working = g.to(torch.bfloat16)
     working = working.mT if working.size(-2) > working.size(-1) else working
     backend = select_backend(working)
-    form = "gram" if use_gram("auto", working, backend) else "standard"
+    form = "gram" if use_gram("auto", working, backend, schedule_validated=True) else "standard"
     for row in rows:
         row["ours_backend"] = f"{backend.name}/{form}"
     return rows

@@ -7,9 +7,16 @@ import pytest
 import torch
 
 from dtensor_muon import Muon
-from dtensor_muon.gram_newton_schulz import gram_newton_schulz, segment_lengths
+from dtensor_muon.gram_newton_schulz import gram_newton_schulz
 from dtensor_muon.kernels import TORCH_MATMULS, use_gram
-from dtensor_muon.newton_schulz import KELLER_COEFFICIENTS, NAMED_COEFFICIENTS, coefficients_at, newton_schulz
+from dtensor_muon.newton_schulz import (
+    KELLER_COEFFICIENTS,
+    NAMED_COEFFICIENTS,
+    coefficients_at,
+    gram_segments,
+    gram_validated,
+    newton_schulz,
+)
 
 f64 = torch.float64
 
@@ -42,21 +49,30 @@ def with_spectrum(m: int, n: int, kind: str, seed: int) -> torch.Tensor:
     return (u * sigma) @ vh
 
 
-def test_segments_restart_every_three() -> None:
-    assert segment_lengths(5) == [3, 2]
-    assert segment_lengths(6) == [3, 3]
-    assert segment_lengths(8) == [3, 3, 2]
-    assert segment_lengths(2) == [2]
+def schedule(name: str, steps: int) -> list[tuple[float, float, float]]:
+    return [coefficients_at(NAMED_COEFFICIENTS[name], i) for i in range(steps)]
 
 
-@pytest.mark.parametrize("steps", [1, 2, 5, 7])
+def test_segments_by_schedule() -> None:
+    keller = [KELLER_COEFFICIENTS]
+    assert gram_segments(keller * 5) == [3, 2]
+    assert gram_segments(keller * 6) == [3, 2, 1]
+    assert gram_segments(keller * 8) == [3, 2, 2, 1]
+    assert gram_segments(keller * 4) == [2, 2]  # 3 + 1 measured 3.8× the standard form's error
+    assert gram_segments(keller * 1) == [1]
+    assert gram_segments(schedule("quintic", 5)) == [2, 2, 1]
+    assert gram_segments(schedule("polar_express", 8)) == [2, 2, 2, 2]
+    assert gram_validated(keller * 5) and not gram_validated(schedule("quintic", 5))
+
+
+@pytest.mark.parametrize("segments", [[1], [2], [3, 2], [2, 2, 1], [3, 2, 2], [1, 1, 1, 1, 1, 1, 1]])
 @pytest.mark.parametrize("shape", [(48, 150), (3, 40, 96)])
-def test_equals_the_standard_iteration_in_float64(shape: tuple[int, ...], steps: int) -> None:
+def test_equals_the_standard_iteration_in_float64(shape: tuple[int, ...], segments: list[int]) -> None:
     # Per-iteration coefficients, so a wrong pairing of Z_i with its iteration shows.
-    triples = [coefficients_at(NAMED_COEFFICIENTS["quintic"], i) for i in range(steps)]
+    triples = schedule("quintic", sum(segments))
     x = normalized(torch.randn(shape, dtype=f64))
     expected = standard_iterations(x, triples)
-    got = gram_newton_schulz(x, triples, TORCH_MATMULS)
+    got = gram_newton_schulz(x, triples, TORCH_MATMULS, segments)
     assert ((got - expected).norm() / expected.norm()).item() < 1e-12
 
 
@@ -64,22 +80,36 @@ def test_tall_input_through_newton_schulz_in_float64_dtype_free_backend() -> Non
     g = torch.randn(150, 48, dtype=f64)
     x = normalized(g).mT  # the transposed view newton_schulz hands over for a tall matrix
     expected = standard_iterations(x, [KELLER_COEFFICIENTS] * 5)
-    got = gram_newton_schulz(x, [KELLER_COEFFICIENTS] * 5, TORCH_MATMULS)
+    got = gram_newton_schulz(x, [KELLER_COEFFICIENTS] * 5, TORCH_MATMULS, [3, 2])
     assert ((got - expected).norm() / expected.norm()).item() < 1e-12
 
 
+def test_bad_segments_raise() -> None:
+    x = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="segments"):
+        gram_newton_schulz(x, [KELLER_COEFFICIENTS] * 5, TORCH_MATMULS, [3, 3])
+    with pytest.raises(ValueError, match="segments"):
+        gram_newton_schulz(x, [KELLER_COEFFICIENTS] * 2, TORCH_MATMULS, [2, 0])
+
+
 @pytest.mark.parametrize("kind", ["gaussian", "power_law", "low_rank", "ill_conditioned"])
-@pytest.mark.parametrize("shape", [(256, 896), (192, 320)])
-def test_bf16_error_of_the_order_of_the_standard_forms(kind: str, shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize(
+    ("shape", "name", "steps"),
+    [((256, 896), "simple", 5), ((192, 320), "simple", 5), ((192, 320), "simple", 8),
+     ((192, 320), "quintic", 5), ((192, 320), "polar_express", 8)],
+)
+def test_bf16_error_of_the_order_of_the_standard_forms(
+    kind: str, shape: tuple[int, int], name: str, steps: int
+) -> None:
     """Against the float64 iteration: Gram form within 2× the standard bf16 form's error (measured here:
     0.73× to 1.36×; the standard form's own error is 1% on Gaussian inputs and 10-30% on the others, where
     bf16 scrambles the smallest singular directions)."""
     g = with_spectrum(*shape, kind, seed=1)
-    reference = standard_iterations(normalized(g), [KELLER_COEFFICIENTS] * 5)
+    reference = standard_iterations(normalized(g), schedule(name, steps))
     errors = {}
     sigma_max = {}
     for algorithm in ("standard", "gram"):
-        out = newton_schulz(g.float(), algorithm=algorithm).to(f64)
+        out = newton_schulz(g.float(), name, steps, algorithm=algorithm).to(f64)
         errors[algorithm] = ((out - reference).norm() / reference.norm()).item()
         sigma_max[algorithm] = torch.linalg.svdvals(out).max().item()
     assert 0 < errors["gram"] <= 2 * errors["standard"]
@@ -100,17 +130,18 @@ def test_auto_takes_the_gram_form_only_on_the_gpu_backend_for_rectangular_matric
         return torch.empty(shape, device="meta")
 
     wide, square = meta(4096, 14336), meta(4096, 4096)
-    assert use_gram("auto", wide, TRITON_MATMULS)
-    assert use_gram("auto", meta(64, 1408, 2048), TRITON_MATMULS)
-    assert not use_gram("auto", square, TRITON_MATMULS)
-    assert not use_gram("auto", meta(4096, 4800), TRITON_MATMULS)  # aspect 1.17
-    assert not use_gram("auto", meta(2048, 4096), TRITON_MATMULS)  # m×m products too small (measured slower)
-    assert not use_gram("auto", meta(16, 1408, 2048), TRITON_MATMULS)
-    assert not use_gram("auto", wide, TORCH_MATMULS)  # CPU: the standard form, bitwise torch.optim.Muon
-    assert use_gram("gram", square, TORCH_MATMULS)
-    assert not use_gram("standard", wide, TRITON_MATMULS)
+    assert use_gram("auto", wide, TRITON_MATMULS, True)
+    assert use_gram("auto", meta(64, 1408, 2048), TRITON_MATMULS, True)
+    assert not use_gram("auto", wide, TRITON_MATMULS, False)  # a schedule not validated in Gram form
+    assert not use_gram("auto", square, TRITON_MATMULS, True)
+    assert not use_gram("auto", meta(4096, 4800), TRITON_MATMULS, True)  # aspect 1.17
+    assert not use_gram("auto", meta(2048, 4096), TRITON_MATMULS, True)  # m×m products too small
+    assert not use_gram("auto", meta(16, 1408, 2048), TRITON_MATMULS, True)
+    assert not use_gram("auto", wide, TORCH_MATMULS, True)  # CPU: the standard form, bitwise torch.optim.Muon
+    assert use_gram("gram", square, TORCH_MATMULS, False)
+    assert not use_gram("standard", wide, TRITON_MATMULS, True)
     with pytest.raises(ValueError, match="ns_algorithm"):
-        use_gram("fast", wide, TRITON_MATMULS)
+        use_gram("fast", wide, TRITON_MATMULS, True)
 
 
 def test_optimizer_option_reaches_newton_schulz() -> None:

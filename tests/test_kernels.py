@@ -180,7 +180,7 @@ def _interpreter_checks() -> Numbers:
                 z = backend.iteration(z, 3.4445, -4.775, 2.0315)
             out[f"ns5_{name}_rel_{backend.name}"] = rel(z, y64)
             # The same five iterations in Gram form (segments of 3 + 2).
-            gram_form = gram_newton_schulz(y, [(3.4445, -4.775, 2.0315)] * 5, backend)
+            gram_form = gram_newton_schulz(y, [(3.4445, -4.775, 2.0315)] * 5, backend, [3, 2])
             out[f"gram_ns5_{name}_rel_{backend.name}"] = rel(gram_form, y64)
             out[f"gram_ns5_{name}_keeps_layout_{backend.name}"] = float(
                 gram_form.shape == y.shape and gram_form.stride() == y.stride()

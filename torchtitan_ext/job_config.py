@@ -50,7 +50,7 @@ class Muon:
 
     ns_algorithm: Literal["auto", "standard", "gram"] = "auto"
     """Newton–Schulz form: "gram" iterates on X·Xᵀ (fewer FLOPs on rectangular matrices), "auto" uses it where
-    it is faster on the GPU backend."""
+    it is faster on the GPU backend, with the "simple" (Keller) coefficients."""
 
     adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     """Per-matrix learning-rate scaling: "match_rms_adamw" (0.2·√max(A, B): the same [optimizer] lr

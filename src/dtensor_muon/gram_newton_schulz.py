@@ -12,10 +12,15 @@ fewer FLOPs whenever n > m and L > 1, e.g. 0.61× for 5 iterations on 4096×1433
 
 In bf16, R_j drifts from X_j·X_jᵀ (rounding compounds through Z·R·Z: spurious negative eigenvalues and
 eigenvector drift, as Dao AI Lab's 2026 "Gram Newton–Schulz" reports), so X is recomputed and R restarted
-from it every RESTART_EVERY iterations. With segments of 3 (and P rounded once from fp32) the error against
-the float64 iteration is 0.73× to 1.36× the standard bf16 form's over Gaussian, power-law, low-rank and
-ill-conditioned spectra (tests/test_gram_newton_schulz.py). In a first study with P summed in bf16,
-segments of 3 + 2 stayed within 1.75×, 2 + 3 reached 2.3×, and one segment of 5 (no restart) 68×.
+from it after each segment. How long a segment may be depends on the coefficients; measured against the
+float64 iteration (CPU, bf16, Gaussian, power-law, low-rank and ill-conditioned spectra, worst error as a
+multiple of the standard bf16 form's; :func:`dtensor_muon.newton_schulz.gram_segments` holds the choice):
+- segments of 2: Keller's fixed triple 0.93× (5 steps) to 1.04× (10), quintic 1.01×, Polar Express 8 steps
+  1.07×; but Polar Express 5 steps 2.4× and CANS 19×;
+- a first segment of 3 (from the normalized input, whose σ ≤ 1) then segments of 2: Keller 1.37× to 1.69×
+  for 5 to 10 steps, with 1.2× fewer FLOPs than 2 + 2 + 1 at 5 steps on 4096×14336; alone it is 11×
+  (3 steps) and 3.8× (3 + 1), and for every other named schedule it overflows;
+- segments of 3 after the first: Keller 8 steps 7.6·10⁶×, 10 steps non-finite.
 Segments of 1 are exactly the standard form.
 """
 
@@ -25,8 +30,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from torch import Tensor
-
-RESTART_EVERY = 3
 
 
 class GramBackend(Protocol):
@@ -39,12 +42,6 @@ class GramBackend(Protocol):
     def symmetric_product(self, x: Tensor, y: Tensor) -> Tensor: ...
 
     def apply(self, p: Tensor, x: Tensor) -> Tensor: ...
-
-
-def segment_lengths(steps: int, restart_every: int = RESTART_EVERY) -> list[int]:
-    """Iterations per segment: ``restart_every`` each, the remainder last (5 → [3, 2])."""
-    full, rest = divmod(steps, restart_every)
-    return [restart_every] * full + ([rest] if rest else [])
 
 
 def gram_segment(x: Tensor, triples: Sequence[tuple[float, float, float]], backend: GramBackend) -> Tensor:
@@ -65,12 +62,15 @@ def gram_newton_schulz(
     x: Tensor,
     triples: Sequence[tuple[float, float, float]],
     backend: GramBackend,
-    restart_every: int = RESTART_EVERY,
+    segments: Sequence[int],
 ) -> Tensor:
-    """The iterations ``triples`` (one (a, b, c) per iteration) on the normalized wide X, restarting R from
-    X every ``restart_every`` iterations. Returns X in x's layout (a transposed view stays one)."""
+    """The iterations ``triples`` (one (a, b, c) per iteration) on the normalized wide X, in segments of the
+    given lengths (summing to len(triples)), R restarted from X after each. Returns X in x's layout (a
+    transposed view stays one)."""
+    if sum(segments) != len(triples) or any(length < 1 for length in segments):
+        raise ValueError(f"gram_newton_schulz: segments {list(segments)} must be >= 1 and sum to {len(triples)}")
     done = 0
-    for length in segment_lengths(len(triples), restart_every):
+    for length in segments:
         x = gram_segment(x, triples[done : done + length], backend)
         done += length
     return x

@@ -83,8 +83,10 @@ class Muon(torch.optim.Optimizer):
     Keyword-only:
         adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.
         ns_dtype: Newton–Schulz working dtype (bfloat16, float32, float16).
-        ns_algorithm: "auto" (Gram Newton–Schulz where it is faster: rectangular matrices on the GPU
-            backend), "standard" or "gram"; see :func:`dtensor_muon.newton_schulz.newton_schulz`.
+        ns_algorithm: "auto" (Gram Newton–Schulz where it is faster and validated: Keller's coefficients,
+            large rectangular matrices on the GPU backend), "standard" or "gram" (measured as accurate as
+            the standard form for Keller's, quintic and 8-step Polar Express coefficients; not for CANS or
+            5-step Polar Express); see :func:`dtensor_muon.newton_schulz.newton_schulz`.
         wire_dtype: dtype of the exchange (bf16 by default; None = parameter dtype). Must not round the
             Newton–Schulz input: bf16 with float32 ns_dtype is refused.
         bucket_size_mb: full-matrix megabytes per exchange bucket.

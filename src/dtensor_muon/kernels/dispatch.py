@@ -94,19 +94,22 @@ def resolve_ns_algorithm(name: str) -> str:
     return name
 
 
-def use_gram(algorithm: str, x: Tensor, backend: Backend) -> bool:
+def use_gram(algorithm: str, x: Tensor, backend: Backend, schedule_validated: bool) -> bool:
     """Whether Newton–Schulz on the wide working matrix ``x`` runs in Gram form.
 
-    "standard" never, "gram" always; "auto" where it pays: on the GPU backend (plain torch keeps the standard
-    form, bitwise torch.optim.Muon) for n ≥ GRAM_MIN_ASPECT·m, where the m²n products it saves outweigh the
-    extra m³ ones (:mod:`..gram_newton_schulz`), and for m×m products large enough (MIN_GRAM_PRODUCT_WORK)
-    that the GPU, not the launches, sets the pace.
+    "standard" never, "gram" always; "auto" where it is as accurate and pays: for a coefficient schedule
+    validated in Gram form (``schedule_validated``: Keller's, see
+    :func:`dtensor_muon.newton_schulz.gram_validated`), on the GPU backend (plain torch keeps the standard
+    form, bitwise torch.optim.Muon), for n ≥ GRAM_MIN_ASPECT·m, where the m²n products it saves outweigh
+    the extra m³ ones (:mod:`..gram_newton_schulz`), and for m×m products large enough
+    (MIN_GRAM_PRODUCT_WORK) that the GPU, not the launches, sets the pace.
     """
     if resolve_ns_algorithm(algorithm) != "auto":
         return algorithm == "gram"
     batch = x.size(0) if x.ndim == 3 else 1
     return (
-        backend.name != "torch"
+        schedule_validated
+        and backend.name != "torch"
         and x.size(-1) >= GRAM_MIN_ASPECT * x.size(-2)
         and batch * x.size(-2) ** 3 >= MIN_GRAM_PRODUCT_WORK
     )
