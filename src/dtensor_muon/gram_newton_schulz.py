@@ -8,19 +8,20 @@ Every Z_i is a polynomial in R_0, so all of them are symmetric and commute, and 
 which needs the m×n matrix X only twice per segment of L iterations: the Gram matrix R_i = X_i·X_iᵀ (SYRK,
 m²n FLOPs) and the product Q·X_i (2m²n). In between there are 4L − 3 products of symmetric m×m matrices
 (R², Q·Z, R·Z, Z·(R·Z); m³ each as lower triangles), against L·(3m²n + m³) for L standard iterations:
-fewer FLOPs whenever n > m and L > 1, e.g. 0.61× for 5 iterations on 4096×14336 in segments of 3 + 2.
+fewer FLOPs whenever n > m and L > 1: for 5 iterations on 4096×14336, 0.74× in segments of 2 + 2 + 1.
 
-In bf16, R_j drifts from X_j·X_jᵀ (rounding compounds through Z·R·Z: spurious negative eigenvalues and
-eigenvector drift, as Dao AI Lab's 2026 "Gram Newton–Schulz" reports), so X is recomputed and R restarted
-from it after each segment. How long a segment may be depends on the coefficients; measured against the
-float64 iteration (CPU, bf16, Gaussian, power-law, low-rank and ill-conditioned spectra, worst error as a
-multiple of the standard bf16 form's; :func:`dtensor_muon.newton_schulz.gram_segments` holds the choice):
+In bf16, R_j drifts from X_j·X_jᵀ (Dao AI Lab's 2026 "Gram Newton–Schulz" reports spurious negative
+eigenvalues and eigenvector drift), so X is recomputed and R restarted from it after each segment. The
+negative eigenvalues bound the segment length: rounding leaves eigenvalues λ < 0 of size about 2⁻⁹·‖R‖
+where X is rank-deficient, and for λ < 0 the factor Z = a + b·λ + c·λ² (b < 0) exceeds a and grows with |λ|,
+so λ ← Z²·λ runs away within a segment instead of saturating as a singular value does. Measured (CPU, bf16,
+against the float64 iteration; worst error as a multiple of the standard bf16 form's; largest σ):
 - segments of 2: Keller's fixed triple 0.93× (5 steps) to 1.04× (10), quintic 1.01×, Polar Express 8 steps
-  1.07×; but Polar Express 5 steps 2.4× and CANS 19×;
-- a first segment of 3 (from the normalized input, whose σ ≤ 1) then segments of 2: Keller 1.37× to 1.69×
-  for 5 to 10 steps, with 1.2× fewer FLOPs than 2 + 2 + 1 at 5 steps on 4096×14336; alone it is 11×
-  (3 steps) and 3.8× (3 + 1), and for every other named schedule it overflows;
-- segments of 3 after the first: Keller 8 steps 7.6·10⁶×, 10 steps non-finite.
+  1.07× (Polar Express 5 steps 2.4×, CANS 19×); rank-1 and rank-1-plus-noise inputs σ ≤ 1.21, as the
+  standard form;
+- 3 + 2 (1.2× fewer FLOPs on 4096×14336): Keller within 1.69× on full-rank spectra, but σ = 8·10³ on a
+  rank-1 input and 3·10⁴ on a rank-1 direction plus noise; longer segments overflow on full-rank spectra
+  too (Keller 3 + 3 + 2: 7.6·10⁶×; quintic, Polar Express and CANS in 3 + 2).
 Segments of 1 are exactly the standard form.
 """
 
