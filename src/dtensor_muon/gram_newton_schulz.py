@@ -16,7 +16,7 @@ negative eigenvalues bound the segment length: rounding leaves eigenvalues λ < 
 where X is rank-deficient, and for λ < 0 the factor Z = a + b·λ + c·λ² (b < 0) exceeds a and grows with |λ|,
 so λ ← Z²·λ runs away within a segment instead of saturating as a singular value does. Measured (CPU, bf16,
 against the float64 iteration; worst error as a multiple of the standard bf16 form's; largest σ):
-- segments of 2: Keller's fixed triple 0.93× (5 steps) to 1.04× (10), quintic 1.01×, Polar Express 8 steps
+- segments of 2: Keller's fixed triple 0.93× (5 steps) to 1.12× (8), quintic 1.01×, Polar Express 8 steps
   1.07× (Polar Express 5 steps 2.4×, CANS 19×); rank-1 and rank-1-plus-noise inputs σ ≤ 1.21, as the
   standard form;
 - 3 + 2 (1.2× fewer FLOPs on 4096×14336): Keller within 1.69× on full-rank spectra, but σ = 8·10³ on a
