@@ -63,8 +63,8 @@ def test_segments_of_two() -> None:
 @pytest.mark.parametrize("kind", ["rank1", "rank1_plus_noise", "constant"])
 def test_low_rank_inputs_stay_bounded(kind: str) -> None:
     """A dominant direction makes bf16 rounding give R spurious negative eigenvalues, which Z = a + b·λ +
-    c·λ² (b < 0) amplifies without bound within a segment: with segments 3 + 2 these inputs reached
-    σ = 8·10³ and 3·10⁴. Segments of 2 keep σ in the standard form's band."""
+    c·λ² (b < 0) amplifies without bound within a segment: with segments 3 + 2 the rank-1 inputs reached
+    σ = 8·10³ and 3·10⁴ (the constant matrix 0.92). Segments of 2 keep σ in the standard form's band."""
     gen = torch.Generator().manual_seed(0)
     m, n = 192, 640
     rank1 = torch.randn(m, 1, generator=gen) @ torch.randn(1, n, generator=gen)
