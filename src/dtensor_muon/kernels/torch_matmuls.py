@@ -41,10 +41,7 @@ class TorchMatmuls:
     def poly(self, gram: Tensor, a: float, b: float, c: float) -> Tensor:
         """P = a·I + b·A + c·A·A for a symmetric A, in fp32 (or wider) and rounded once to A's dtype (as the SYRK
         epilogue does; rounding b·A + c·A·A before adding a·I more than doubles Gram Newton–Schulz's error)."""
-        a32 = gram.to(torch.promote_types(gram.dtype, torch.float32))
-        p = torch.addmm(a32, a32, a32, beta=b, alpha=c) if gram.ndim == 2 else torch.baddbmm(
-            a32, a32, a32, beta=b, alpha=c
-        )
+        p = self.gram_poly(gram.to(torch.promote_types(gram.dtype, torch.float32)), b, c)
         p.diagonal(dim1=-2, dim2=-1).add_(a)
         return p.to(gram.dtype)
 

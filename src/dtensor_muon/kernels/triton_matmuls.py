@@ -17,9 +17,9 @@ never materializes a transpose and hands back a view of the same layout.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
+from .torch_matmuls import TORCH_MATMULS
 from .triton_syrk import is_transposed_view, lower_tile_count, symmetric_product, syrk
 
 # Smallest Gram side for the SYRK kernels, and fewest 128×128 lower-triangle tiles (all matrices of a batch
@@ -73,9 +73,7 @@ class TritonMatmuls:
         gram = self.gram(x)
         if self._use_syrk(gram):
             return self.apply(self.poly(gram, a, b, c), x)
-        p = torch.addmm(gram, gram, gram, beta=b, alpha=c) if gram.ndim == 2 else torch.baddbmm(
-            gram, gram, gram, beta=b, alpha=c
-        )
+        p = TORCH_MATMULS.gram_poly(gram, b, c)
         p.diagonal(dim1=-2, dim2=-1).add_(a)
         return self.apply(p, x)
 

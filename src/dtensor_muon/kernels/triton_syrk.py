@@ -193,13 +193,13 @@ def _syrk_kernel(
             a_ptrs += BLOCK_K * stride_xk
             b_ptrs += BLOCK_K * stride_xk
 
+    rows = row0 + tl.arange(0, BLOCK_M)[:, None]
+    cols = col0 + tl.arange(0, BLOCK_N)[None, :]
     result = acc * alpha
     if HAS_C:
         if TMA_EPILOGUE:  # rows past M (edge tiles) read the next matrix's rows: never stored
             c_tile = host_desc_c.load([batch * M + row0, col0])
         else:
-            rows = row0 + tl.arange(0, BLOCK_M)[:, None]
-            cols = col0 + tl.arange(0, BLOCK_N)[None, :]
             c_tile = tl.load(
                 c_ptr + batch.to(tl.int64) * stride_cb + rows * stride_cm + cols,
                 mask=(rows < M) & (cols < M),
@@ -207,8 +207,6 @@ def _syrk_kernel(
             )
         result += beta * c_tile.to(tl.float32)
     if HAS_DIAG:
-        rows = row0 + tl.arange(0, BLOCK_M)[:, None]
-        cols = col0 + tl.arange(0, BLOCK_N)[None, :]
         result += tl.where(rows == cols, diag, 0.0)
     result = result.to(out_ptr.dtype.element_ty)
     out_base = out_ptr + batch.to(tl.int64) * stride_ob
@@ -359,7 +357,7 @@ def _launch(
     else:
         c3 = out
     mode = tma_mode_for(x3, tma)
-    if y3 is not x3 and mode != tma_mode_for(y3, tma):  # Y's base alignment differs: read both by pointers
+    if mode != 0 and not _can_use_tma(y3, transposed):  # Y's base is not 16-byte aligned: read by pointers
         mode = 0
 
     def grid(meta: dict) -> tuple[int, int]:
