@@ -158,6 +158,35 @@ def _interpreter_checks() -> Numbers:
         out[f"product_random_rel_{tag}"] = rel(run_product(r, z), (ref + ref.mT) / 2)
         out[f"product_random_rel_{tag}_torch"] = rel(TORCH_MATMULS.symmetric_product(r, z), (ref + ref.mT) / 2)
 
+    # Newton–Schulz's start X₀ = G / max(‖G‖, eps) in one pass (kernels/normalize.py), per matrix of a batch,
+    # entries past one 4096-entry block (4500 per matrix), fp32 and bf16 gradients, and an all-zero matrix.
+    from dtensor_muon.kernels.normalize import normalize_into
+
+    def per_entry_rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+        return ((x.to(f64) - ref).abs() / ref.abs().clamp(min=1e-30)).max().item()
+
+    for name, g in (
+        ("2d", torch.randn(37, 70) * 30),
+        ("batched", torch.randn(3, 50, 90) * 1e-3),
+        ("bf16_input", torch.randn(2, 64, 72).to(bf16)),
+    ):
+        ours = torch.empty_like(g, dtype=bf16)
+        normalize_into(g, ours, 1e-7)
+        classic = torch.empty_like(g, dtype=bf16)
+        TORCH_MATMULS.normalize_into(g, classic, 1e-7)
+        ref = g.to(f64) / torch.linalg.vector_norm(g.to(f64), dim=(-2, -1), keepdim=True)
+        out[f"normalize_{name}_max_rel"] = per_entry_rel(ours, ref)
+        out[f"normalize_{name}_max_rel_torch"] = per_entry_rel(classic, ref)
+        out[f"normalize_{name}_rounded_once_fraction"] = (ours == ref.to(bf16)).double().mean().item()
+        if g.ndim == 3:
+            slices = torch.empty_like(ours)
+            for i in range(g.size(0)):
+                normalize_into(g[i], slices[i], 1e-7)
+            out[f"normalize_{name}_vs_slices_absdiff"] = absdiff(ours, slices.to(f64))
+    zeros = torch.empty(5, 7, dtype=bf16)
+    normalize_into(torch.zeros(5, 7), zeros, 1e-7)
+    out["normalize_zero_absmax"] = zeros.to(f64).abs().max().item()
+
     # The GPU backend's iteration (SYRK at every size) on a transposed view (a tall gradient): result and
     # layout; and five NS iterations against the float64 iteration, next to the torch backend's.
     g = torch.randn(100, 48)
@@ -269,6 +298,21 @@ def test_gram_form_on_the_syrk_backend(interp: Numbers) -> None:
         assert 0 < interp[f"gram_ns5_{name}_rel_syrk"] <= 2 * interp[f"ns5_{name}_rel_torch"]
         assert 0 < interp[f"gram_ns5_{name}_rel_torch"] <= 2 * interp[f"ns5_{name}_rel_torch"]
         assert interp[f"gram_ns5_{name}_keeps_layout_syrk"] == 1.0
+
+
+@pytest.mark.parametrize("name", ["2d", "batched", "bf16_input"])
+def test_normalize_rounds_once(interp: Numbers, name: str) -> None:
+    # One rounding of the exact G/‖G‖: at most bf16's unit roundoff (2⁻⁸ relative) plus the fp32 norm's error,
+    # no worse than torch's cast-then-divide, and equal to float64 rounded to bf16 almost everywhere.
+    assert 0 < interp[f"normalize_{name}_max_rel"] <= 2**-8 * 1.001
+    assert interp[f"normalize_{name}_max_rel"] <= interp[f"normalize_{name}_max_rel_torch"]
+    assert interp[f"normalize_{name}_rounded_once_fraction"] >= 0.999
+    if name != "2d":
+        assert interp[f"normalize_{name}_vs_slices_absdiff"] == 0.0
+
+
+def test_normalize_zero_matrix(interp: Numbers) -> None:
+    assert interp["normalize_zero_absmax"] == 0.0
 
 
 @pytest.mark.parametrize(

@@ -153,14 +153,10 @@ def newton_schulz(
         raise ValueError(f"newton_schulz: steps must be >= 1, got {steps}")
     triples = resolve_coefficients(coefficients)
     tall = g.size(-2) > g.size(-1)
-    x = g.to(dtype=dtype, copy=True)
-    if tall:
-        x = x.mT
-    if x.ndim == 2:
-        x.div_(x.norm().clamp(min=eps))
-    else:
-        x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
+    start = torch.empty_like(g, dtype=dtype)
+    x = start.mT if tall else start
     backend = select_backend(x)
+    backend.normalize_into(g, start, eps)
     schedule = [coefficients_at(triples, i) for i in range(steps)]
     if use_gram(algorithm, x, backend, gram_validated(schedule)):
         x = gram_newton_schulz(x, schedule, backend, gram_segments(steps))

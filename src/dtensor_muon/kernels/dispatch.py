@@ -39,10 +39,13 @@ _forced: list[str] = []
 
 
 class Backend(Protocol):
-    """One Newton–Schulz iteration X' = a·X + (b·A + c·A·A)·X, A = X·Xᵀ, on [m, n] or [B, m, n], and the
-    products of its Gram form: A = X·Xᵀ, P = a·I + b·A + c·A·A, X·Yᵀ known symmetric, P·X."""
+    """The normalized start X₀ = G / max(‖G‖_F, eps), one Newton–Schulz iteration X' = a·X + (b·A + c·A·A)·X,
+    A = X·Xᵀ, on [m, n] or [B, m, n], and the products of its Gram form: A = X·Xᵀ, P = a·I + b·A + c·A·A,
+    X·Yᵀ known symmetric, P·X."""
 
     name: str
+
+    def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None: ...
 
     def iteration(self, x: Tensor, a: float, b: float, c: float) -> Tensor: ...
 

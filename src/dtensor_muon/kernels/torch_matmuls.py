@@ -18,6 +18,15 @@ class TorchMatmuls:
 
     name = "torch"
 
+    def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None:
+        """out = G / max(‖G‖_F, eps) per matrix of a batch, as torch.optim.Muon computes it: G cast to out's
+        dtype, then divided in place by the norm of the cast (``out``: G's shape and dtype-cast layout)."""
+        out.copy_(g)
+        if out.ndim == 2:
+            out.div_(out.norm().clamp(min=eps))
+        else:
+            out.div_(torch.linalg.vector_norm(out, dim=(-2, -1), keepdim=True).clamp(min=eps))
+
     def gram(self, x: Tensor) -> Tensor:
         """A = X·Xᵀ (per matrix of a batch)."""
         return x @ x.mT

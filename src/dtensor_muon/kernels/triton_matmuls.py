@@ -1,5 +1,6 @@
 """One Newton–Schulz iteration on the GPU: Triton SYRK kernels where they pay, cuBLAS elsewhere.
 
+    X₀ = G / max(‖G‖_F, eps)             (one Triton pass: fp32 norm, scale, round once; :mod:`.normalize`)
     gram:   A = X·Xᵀ                       (SYRK: lower-triangle tiles only, mirrored; or cuBLAS)
     poly:   P = a·I + b·A + c·A·A          (SYRK on the symmetric A, b·A and a·I fused into the epilogue;
                                             the standard form off SYRK: cuBLAS addmm, then a·I)
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from .normalize import normalize_into, scale_cast_applies
 from .torch_matmuls import TORCH_MATMULS
 from .triton_syrk import is_transposed_view, lower_tile_count, symmetric_product, syrk
 
@@ -45,6 +47,14 @@ class TritonMatmuls:
 
     def _use_syrk(self, x: Tensor) -> bool:
         return self.always_syrk or syrk_pays(x)
+
+    def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None:
+        """out = G / max(‖G‖_F, eps) per matrix, in one pass over G (:mod:`.normalize`) where both are
+        contiguous, else as torch does it."""
+        if scale_cast_applies(g, out):
+            normalize_into(g, out, eps)
+        else:
+            TORCH_MATMULS.normalize_into(g, out, eps)
 
     def gram(self, x: Tensor) -> Tensor:
         """A = X·Xᵀ (per matrix of a batch), exactly symmetric on the SYRK path."""

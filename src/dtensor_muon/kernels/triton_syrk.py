@@ -20,9 +20,9 @@ read as one stacked matrix where its layout allows, else built per program on th
 contiguous but whose columns are (a transposed view of a contiguous tall matrix) is read in its own
 layout: the kernel loads Xᵀ tiles and transposes them in registers/shared memory, never in global memory.
 With host descriptors the epilogue goes through descriptors too (1.2–1.9× faster products on the H200 than
-masked pointer stores): C's tiles are loaded whole, and tiles strictly below the diagonal and inside the
-matrix are stored whole (the mirror image as one transposed tile store); the others through masked pointer
-stores.
+masked pointer stores): C's tiles are loaded whole, tiles strictly below the diagonal and inside the
+matrix are stored whole (the mirror image as one transposed tile store), square tiles on the diagonal
+as one whole tile with their lower part mirrored into the upper; edge tiles through masked pointer stores.
 """
 
 from __future__ import annotations
@@ -211,10 +211,17 @@ def _syrk_kernel(
     result = result.to(out_ptr.dtype.element_ty)
     out_base = out_ptr + batch.to(tl.int64) * stride_ob
     if TMA_EPILOGUE:
-        # Strictly below the diagonal and inside the matrix: two whole-tile stores, no masks.
-        if (col0 + BLOCK_N <= row0) & (row0 + BLOCK_M <= M):
+        inside = row0 + BLOCK_M <= M
+        if (col0 + BLOCK_N <= row0) & inside:
+            # Strictly below the diagonal: two whole-tile stores, no masks.
             host_desc_out.store([batch * M + row0, col0], result)
             host_desc_out_t.store([batch * M + col0, row0], tl.trans(result))
+        elif RATIO == 1:
+            if (col0 == row0) & inside:
+                # A square tile on the diagonal: its lower part mirrored into its upper part, one store.
+                host_desc_out.store([batch * M + row0, col0], tl.where(rows >= cols, result, tl.trans(result)))
+            else:
+                _store_lower_and_mirror(out_base, result, row0, col0, M, stride_om, BLOCK_M, BLOCK_N)
         else:
             _store_lower_and_mirror(out_base, result, row0, col0, M, stride_om, BLOCK_M, BLOCK_N)
     else:
