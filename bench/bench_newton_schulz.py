@@ -4,7 +4,8 @@
     python bench/bench_newton_schulz.py                 # on a GPU: the full table, JSON to --out
     python bench/bench_newton_schulz.py --quick         # anywhere (CPU too): tiny shapes, smoke check
 
-Columns: median ms (triton.testing.do_bench on CUDA, wall clock on CPU); TFLOP/s counted as
+Columns: median ms over ``--rounds`` rounds (each a triton.testing.do_bench median on CUDA, wall clock on
+CPU; the methods interleaved round by round) and the rounds' range; TFLOP/s counted as
 5·(4m²n + 2m³) per matrix with m = min dim (the plain-matmul FLOPs, for every method alike); that rate
 as % of an 8192³ bf16 matmul measured in the same run; the output's singular-value range (min σ, max σ)
 from float64 (eigenvalues of the float64 Gram matrix, i.e. squared singular values); and the relative
@@ -121,8 +122,11 @@ def matmul_ceiling_tflops(cuda: bool) -> float:
 
 
 def bench_shape(
-    shape: tuple[int, ...], methods: dict[str, Method], device: str, ceiling: float
+    shape: tuple[int, ...], methods: dict[str, Method], device: str, ceiling: float, rounds: int
 ) -> list[dict]:
+    """One row per method: accuracy from one call, then ``rounds`` timings per method, the methods
+    interleaved round by round (the GPU's clock drifts as it heats: 4096² measured 2.22 and 2.62 ms with
+    one config minutes apart), and the median of the rounds."""
     torch.manual_seed(0)
     g = torch.randn(shape, device=device, dtype=torch.float32)
     cuda = device == "cuda"
@@ -130,23 +134,26 @@ def bench_shape(
     reference = plain_torch(g).to(torch.float64)
     for name, fn in methods.items():
         out = fn(g)
-        ms = time_ms(lambda fn=fn: fn(g), cuda)
-        tflops = ns_flops(shape) / ms / 1e9
         lo, hi = sigma_range(out)
         diff = ((out.to(torch.float64) - reference).norm() / reference.norm()).item()
         rows.append(
             {
                 "shape": "x".join(map(str, shape)),
                 "method": name,
-                "ms": ms,
-                "tflops": tflops,
-                "pct_of_matmul": 100 * tflops / ceiling,
                 "sigma_min": lo,
                 "sigma_max": hi,
                 "rel_diff_vs_torch": diff,
+                "ms_rounds": [],
             }
         )
         del out
+    for _ in range(rounds):
+        for row, fn in zip(rows, methods.values()):
+            row["ms_rounds"].append(time_ms(lambda fn=fn: fn(g), cuda))
+    for row in rows:
+        row["ms"] = statistics.median(row["ms_rounds"])
+        row["tflops"] = ns_flops(shape) / row["ms"] / 1e9
+        row["pct_of_matmul"] = 100 * row["tflops"] / ceiling
     working = g.to(torch.bfloat16)
     working = working.mT if working.size(-2) > working.size(-1) else working
     backend = select_backend(working)
@@ -175,6 +182,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--shapes", default=None, help="comma-separated, e.g. 4096x14336,8x1024x4096"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="timings per method, interleaved; the median is reported"
     )
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
@@ -213,10 +223,11 @@ def main() -> None:
     started = time.perf_counter()
     for shape in shapes:
         print(f"[{time.perf_counter() - started:6.1f} s] {shape}", flush=True)
-        rows += bench_shape(shape, methods, device, ceiling)
+        rows += bench_shape(shape, methods, device, ceiling, args.rounds)
         for row in rows[-len(methods) :]:
             print(
-                f"{row['shape']:>14} {row['method']:<38} {row['ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s "
+                f"{row['shape']:>14} {row['method']:<38} {row['ms']:9.3f} ms "
+                f"[{min(row['ms_rounds']):.3f}–{max(row['ms_rounds']):.3f}] {row['tflops']:7.1f} TFLOP/s "
                 f"{row['pct_of_matmul']:5.1f}%  σ [{row['sigma_min']:.3f}, {row['sigma_max']:.3f}] "
                 f"Δtorch {row['rel_diff_vs_torch']:.1e}  ours→{row['ours_backend']}",
                 flush=True,

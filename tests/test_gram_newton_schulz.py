@@ -144,7 +144,8 @@ def test_auto_takes_the_gram_form_only_on_the_gpu_backend_for_rectangular_matric
     wide, square = meta(4096, 14336), meta(4096, 4096)
     assert use_gram("auto", wide, TRITON_MATMULS, True)
     assert use_gram("auto", meta(4096, 8192), TRITON_MATMULS, True)
-    assert not use_gram("auto", meta(64, 1408, 2048), TRITON_MATMULS, True)  # aspect 1.45: saves 10% of FLOPs
+    assert use_gram("auto", meta(64, 1408, 2048), TRITON_MATMULS, True)  # aspect 1.45: 0.90× the FLOPs
+    assert not use_gram("auto", meta(64, 1408, 1792), TRITON_MATMULS, True)  # aspect 1.27
     assert not use_gram("auto", wide, TRITON_MATMULS, False)  # a schedule not validated in Gram form
     assert not use_gram("auto", square, TRITON_MATMULS, True)
     assert not use_gram("auto", meta(4096, 4800), TRITON_MATMULS, True)  # aspect 1.17

@@ -28,12 +28,12 @@ BACKEND_NAMES = ("torch", "triton", "syrk")
 MIN_GPU_BACKEND_WORK = 2**33
 NS_ALGORITHMS = ("auto", "standard", "gram")
 # "auto" takes Gram Newton–Schulz on the GPU backend for X (m×n, m ≤ n) with n ≥ GRAM_MIN_ASPECT·m and at
-# least MIN_GRAM_PRODUCT_WORK multiply-adds (B·m³) per m×m product. Measured on the H200 with segments
-# 3 + 2 (ms, standard vs Gram): 4096×8192 3.91 vs 3.19, 64×1408×2048 9.53 vs 9.14; below the floor, where
-# kernel launches set the pace, the outcome varied: 2048×4096 0.70 vs 1.03, 16×1408×2048 2.43 vs 2.36,
-# 8×1024×4096 1.40 vs 0.97. The segments are now 2 + 2 + 1 (11m³ + 9m²n FLOPs against 5m³ + 15m²n), whose
-# saving at aspect 1.45 (0.9×) is within the noise above, hence the aspect floor of 2 (0.83× there).
-GRAM_MIN_ASPECT = 2.0
+# least MIN_GRAM_PRODUCT_WORK multiply-adds (B·m³) per m×m product. Segments 2 + 2 + 1 take 11m³ + 9m²n FLOPs
+# against the standard form's 5m³ + 15m²n: 0.74× at 4096×14336, 0.90× at aspect 1.45, 0.94× at 1.25.
+# Measured on the H200 (ms, standard vs Gram, one run each): 64×1408×2048 (aspect 1.45) 9.21 vs 9.00,
+# 8.98 vs 8.70, 8.76 vs 8.37; 4096×8192 3.87 vs 3.40. Below the work floor, where kernel launches set the
+# pace, the outcome varied (2048×4096 0.70 vs 1.03; 16×1408×2048 2.43 vs 2.36).
+GRAM_MIN_ASPECT = 1.4
 MIN_GRAM_PRODUCT_WORK = 2**36
 _forced: list[str] = []
 
