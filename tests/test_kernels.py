@@ -315,6 +315,21 @@ def test_normalize_zero_matrix(interp: Numbers) -> None:
     assert interp["normalize_zero_absmax"] == 0.0
 
 
+def test_normalize_takes_the_kernel_only_where_it_can() -> None:
+    from dtensor_muon.kernels.normalize import normalize_into, scale_cast_applies
+
+    def meta(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, device="meta")
+
+    assert scale_cast_applies(meta(3, 40, 64), meta(3, 40, 64))
+    assert not scale_cast_applies(meta(64, 40).mT, meta(40, 64))  # a transposed gradient: torch's way
+    assert not scale_cast_applies(meta(40, 64), meta(64, 40))
+    assert not scale_cast_applies(meta(0, 64), meta(0, 64))
+    assert not scale_cast_applies(meta(1, 2**16, 2**15), meta(1, 2**16, 2**15))  # 2³¹ entries per matrix
+    with pytest.raises(ValueError, match="normalize_into"):
+        normalize_into(torch.zeros(4, 6), torch.zeros(6, 4), 1e-7)
+
+
 @pytest.mark.parametrize(
     "make",
     [

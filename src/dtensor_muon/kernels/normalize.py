@@ -32,8 +32,12 @@ def _scale_cast_kernel(g_ptr, scale_ptr, out_ptr, N, BLOCK: tl.constexpr):
 
 
 def scale_cast_applies(g: Tensor, out: Tensor) -> bool:
-    """Whether :func:`normalize_into` takes the one-pass kernel: both contiguous, same shape, not empty."""
-    return g.is_contiguous() and out.is_contiguous() and g.shape == out.shape and g.numel() > 0
+    """Whether :func:`normalize_into` takes the one-pass kernel: both contiguous, same shape, not empty, and
+    each matrix under 2³¹ entries (the kernel's offsets within a matrix are 32-bit)."""
+    per_matrix = g.size(-2) * g.size(-1) if g.ndim >= 2 else 0
+    return (
+        g.is_contiguous() and out.is_contiguous() and g.shape == out.shape and 0 < per_matrix < 2**31
+    )
 
 
 def normalize_into(g: Tensor, out: Tensor, eps: float) -> None:
@@ -42,8 +46,8 @@ def normalize_into(g: Tensor, out: Tensor, eps: float) -> None:
     ``g`` and ``out`` must be contiguous and of one shape (:func:`scale_cast_applies`)."""
     if not scale_cast_applies(g, out):
         raise ValueError(
-            f"normalize_into: G and out must be contiguous, non-empty and of one shape, got {tuple(g.shape)} "
-            f"and {tuple(out.shape)}"
+            f"normalize_into: G and out must be contiguous, of one shape, with 1 to 2³¹ - 1 entries per matrix, "
+            f"got {tuple(g.shape)} and {tuple(out.shape)}"
         )
     norms = torch.linalg.vector_norm(g, dim=(-2, -1), dtype=torch.float32)
     scale = norms.clamp(min=eps).reciprocal().reshape(-1)
