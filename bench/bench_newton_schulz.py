@@ -187,6 +187,8 @@ def main() -> None:
         "--rounds", type=int, default=3, help="timings per method, interleaved; the median is reported"
     )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     cuda = torch.cuda.is_available() and not args.quick
     device = "cuda" if cuda else "cpu"
     torch.set_float32_matmul_precision(
