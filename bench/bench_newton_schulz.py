@@ -1,5 +1,6 @@
 """Newton–Schulz (5 Keller steps, bf16) side by side: plain torch, torch.optim.Muon, Emerging-Optimizers, ours
-(as dispatched, and forced to the standard and the Gram form).
+(as dispatched, replayed from CUDA graphs as the optimizer runs it, and forced to the standard and the Gram
+form).
 
     python bench/bench_newton_schulz.py                 # on a GPU: the full table, JSON to --out
     python bench/bench_newton_schulz.py --quick         # anywhere (CPU too): tiny shapes, smoke check
@@ -8,8 +9,8 @@ Columns: median ms over ``--rounds`` rounds (each a triton.testing.do_bench medi
 CPU; the methods interleaved round by round) and the rounds' range; TFLOP/s counted as
 5·(4m²n + 2m³) per matrix with m = min dim (the plain-matmul FLOPs, for every method alike); that rate
 as % of an 8192³ bf16 matmul measured in the same run; the output's singular-value range (min σ, max σ)
-from float64 (eigenvalues of the float64 Gram matrix, i.e. squared singular values); and the relative
-difference to plain torch's output. Inputs are fp32 gradients (Emerging-Optimizers requires fp32).
+from float64 (eigenvalues of the float64 Gram matrix, i.e. squared singular values); the relative
+difference to plain torch's output; and whether the output has the same bits as ours (eager). Inputs are fp32 gradients (Emerging-Optimizers requires fp32).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from dtensor_muon.kernels import select_backend, use_backend, use_gram
 from dtensor_muon.newton_schulz import KELLER_COEFFICIENTS, newton_schulz
+from dtensor_muon.ns_graphs import NewtonSchulzGraphs
 
 FULL_SHAPES: list[tuple[int, ...]] = [
     (1024, 4096),
@@ -132,7 +134,9 @@ def bench_shape(
     cuda = device == "cuda"
     rows = []
     reference = plain_torch(g).to(torch.float64)
+    ours = newton_schulz(g)
     for name, fn in methods.items():
+        fn(g)  # a first call tunes, compiles and (CUDA graphs) captures: the second is the steady state
         out = fn(g)
         lo, hi = sigma_range(out)
         diff = ((out.to(torch.float64) - reference).norm() / reference.norm()).item()
@@ -143,10 +147,12 @@ def bench_shape(
                 "sigma_min": lo,
                 "sigma_max": hi,
                 "rel_diff_vs_torch": diff,
+                "same_bits_as_ours": torch.equal(out, ours),
                 "ms_rounds": [],
             }
         )
         del out
+    del ours
     for _ in range(rounds):
         for row, fn in zip(rows, methods.values()):
             row["ms_rounds"].append(time_ms(lambda fn=fn: fn(g), cuda))
@@ -202,6 +208,7 @@ def main() -> None:
     if eo is not None:
         methods[eo[1]] = eo[0]
     methods["ours"] = newton_schulz
+    methods["ours, CUDA graphs"] = NewtonSchulzGraphs()
     methods["ours, standard form"] = ours_standard
     methods["ours, Gram form"] = ours_gram
     ceiling = matmul_ceiling_tflops(cuda)
@@ -231,7 +238,8 @@ def main() -> None:
                 f"{row['shape']:>14} {row['method']:<38} {row['ms']:9.3f} ms "
                 f"[{min(row['ms_rounds']):.3f}–{max(row['ms_rounds']):.3f}] {row['tflops']:7.1f} TFLOP/s "
                 f"{row['pct_of_matmul']:5.1f}%  σ [{row['sigma_min']:.3f}, {row['sigma_max']:.3f}] "
-                f"Δtorch {row['rel_diff_vs_torch']:.1e}  ours→{row['ours_backend']}",
+                f"Δtorch {row['rel_diff_vs_torch']:.1e} same bits {row['same_bits_as_ours']!s:5} "
+                f"ours→{row['ours_backend']}",
                 flush=True,
             )
         if cuda:

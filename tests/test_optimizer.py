@@ -203,6 +203,7 @@ def test_closure_and_metrics():
         (dict(exchange="p2p"), "exchange"),
         (dict(bucket_size_mb=0), "bucket_size_mb"),
         (dict(wire_dtype=torch.int8), "wire_dtype"),
+        (dict(ns_cuda_graphs="yes"), "ns_cuda_graphs"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_the_argument(kwargs, match):

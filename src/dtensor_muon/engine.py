@@ -25,7 +25,8 @@ from .exchange import MeshGroup, PendingExchange, mesh_group, start_all_to_all
 from .pending import BackExchange, PendingUpdates
 from .layout import ParamLayout, box_numel, box_shape, box_slices, relative_slices
 from .kernels import resolve_ns_algorithm
-from .newton_schulz import resolve_coefficients, resolve_ns_dtype
+from .newton_schulz import newton_schulz, resolve_coefficients, resolve_ns_dtype
+from .ns_graphs import NewtonSchulzGraphs
 from .plan import MatrixRoute, Plan, build_plan, chunk_by_budget, matrix_shape
 from .rules import adamw as adamw_rule
 from .rules import muon as muon_rule
@@ -132,6 +133,7 @@ class Engine:
         skip_nonfinite: bool,
         diagnostics_interval: int,
         overlap: bool = False,
+        ns_cuda_graphs: bool = True,
     ) -> None:
         if exchange not in EXCHANGE_MODES:
             raise ValueError(f"exchange: expected one of {EXCHANGE_MODES}, got {exchange!r}")
@@ -142,6 +144,8 @@ class Engine:
         self.skip_nonfinite = skip_nonfinite
         self.diagnostics_interval = diagnostics_interval
         self.overlap = overlap
+        # Newton–Schulz on owners: replayed from CUDA graphs where that pays (ns_graphs.py), else eager.
+        self.ns_runner = NewtonSchulzGraphs() if ns_cuda_graphs else newton_schulz
         self.pending: PendingUpdates | None = None
         self.deferred_seconds = 0.0
         self.skipped_steps = 0
@@ -369,7 +373,7 @@ class Engine:
         for (shape, (coefficients, steps, eps, ns_dtype, algorithm)), members in batches.items():
             mats = [jobs[j][2].reshape(shape) for j in members]
             stacked = mats[0] if len(mats) == 1 else torch.stack(mats)
-            out = muon_rule.direction(stacked, coefficients, steps, eps, ns_dtype, algorithm)
+            out = muon_rule.direction(stacked, coefficients, steps, eps, ns_dtype, algorithm, self.ns_runner)
             outs = [out] if len(mats) == 1 else list(out.unbind(0))
             for j, o in zip(members, outs):
                 results[j] = o

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .gram_newton_schulz import gram_newton_schulz
-from .kernels import select_backend, use_gram
+from .kernels import Backend, select_backend, use_gram
 
 Triple = tuple[float, float, float]
 CoefficientSpec = Union[str, Triple, Sequence[Triple]]
@@ -147,23 +147,40 @@ def newton_schulz(
     :func:`.kernels.use_gram`). On CPU, and for 2-D input with the default arguments, the result equals
     ``torch.optim.Muon``'s bit for bit.
     """
+    schedule = iteration_schedule(g, coefficients, steps)
+    start, x = working_start(g, dtype)
+    tall = x is not start
+    backend = select_backend(x)
+    backend.normalize_into(g, start, eps)
+    x = iterate(x, schedule, backend, algorithm)
+    return x.mT if tall else x
+
+
+def iteration_schedule(g: Tensor, coefficients: CoefficientSpec, steps: int) -> tuple[Triple, ...]:
+    """Checks ``g`` (2-D or 3-D) and ``steps`` (>= 1); the (a, b, c) of each of the ``steps`` iterations."""
     if g.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects a 2-D matrix or a 3-D batch, got shape {tuple(g.shape)}")
     if steps < 1:
         raise ValueError(f"newton_schulz: steps must be >= 1, got {steps}")
     triples = resolve_coefficients(coefficients)
-    tall = g.size(-2) > g.size(-1)
+    return tuple(coefficients_at(triples, i) for i in range(steps))
+
+
+def working_start(g: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """An uninitialized buffer for X₀ in ``g``'s layout and ``dtype``, and the wide (m ≤ n) view of it the
+    iteration works on: the buffer itself, or its transpose for a tall ``g``."""
     start = torch.empty_like(g, dtype=dtype)
-    x = start.mT if tall else start
-    backend = select_backend(x)
-    backend.normalize_into(g, start, eps)
-    schedule = [coefficients_at(triples, i) for i in range(steps)]
+    return start, (start.mT if g.size(-2) > g.size(-1) else start)
+
+
+def iterate(x: Tensor, schedule: Sequence[Triple], backend: Backend, algorithm: str) -> Tensor:
+    """The iterations of ``schedule`` from the normalized wide X₀, in the form ``algorithm`` picks for it
+    (:func:`.kernels.use_gram`); X in x's layout."""
     if use_gram(algorithm, x, backend, gram_validated(schedule)):
-        x = gram_newton_schulz(x, schedule, backend, gram_segments(steps))
-    else:
-        for a, b, c in schedule:
-            x = backend.iteration(x, a, b, c)
-    return x.mT if tall else x
+        return gram_newton_schulz(x, schedule, backend, gram_segments(len(schedule)))
+    for a, b, c in schedule:
+        x = backend.iteration(x, a, b, c)
+    return x
 
 
 def polar_factor(g: Tensor) -> Tensor:

@@ -96,6 +96,10 @@ class Muon(torch.optim.Optimizer):
         overlap: ``step()`` returns with the return exchanges in flight; each module's updates are applied by
             a forward pre-hook just before FSDP all-gathers it (call :meth:`attach` with the model), and
             everything is flushed before the next step, any ``state_dict()`` and by :meth:`flush`.
+        ns_cuda_graphs: on CUDA, replay each owner's Newton–Schulz from a CUDA graph per matrix shape (same
+            bits; for matrices of up to 2³⁴ multiply-adds per Gram matrix, e.g. 2048×4096, whose eager
+            launches cost the host longer than the GPU work, see :mod:`dtensor_muon.ns_graphs`). Each graph
+            keeps a few matrices of memory.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class Muon(torch.optim.Optimizer):
         skip_nonfinite: bool = False,
         diagnostics_interval: int = 0,
         overlap: bool = False,
+        ns_cuda_graphs: bool = True,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("lr: a Tensor lr must have one element")
@@ -135,6 +140,7 @@ class Muon(torch.optim.Optimizer):
             wire_dtype is None or (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point),
             f"wire_dtype must be None or a floating dtype, got {wire_dtype!r}",
         )
+        _require(isinstance(ns_cuda_graphs, bool), f"ns_cuda_graphs must be a bool, got {ns_cuda_graphs!r}")
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -159,6 +165,7 @@ class Muon(torch.optim.Optimizer):
             skip_nonfinite=skip_nonfinite,
             diagnostics_interval=diagnostics_interval,
             overlap=bool(overlap),
+            ns_cuda_graphs=ns_cuda_graphs,
         )
         self._engine: Engine | None = None
         self._hook_handles: list = []

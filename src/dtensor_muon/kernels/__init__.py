@@ -3,6 +3,8 @@
 from .dispatch import (
     NS_ALGORITHMS,
     Backend,
+    forced_backend,
+    gram_work,
     resolve_ns_algorithm,
     select_backend,
     triton_eligible,
@@ -16,6 +18,8 @@ __all__ = [
     "TORCH_MATMULS",
     "Backend",
     "TorchMatmuls",
+    "forced_backend",
+    "gram_work",
     "resolve_ns_algorithm",
     "select_backend",
     "triton_eligible",

@@ -81,7 +81,7 @@ def select_backend(x: Tensor) -> Backend:
     Gram matrix. Below that the products take microseconds, Newton–Schulz is bound by kernel launches, and
     the GPU backend gained nothing on the H200 (1024×4096: 0.64 ms against plain torch's 0.28 ms).
     """
-    forced = _forced[-1] if _forced else None
+    forced = forced_backend()
     if forced == "torch" or (forced is None and gram_work(x) < MIN_GPU_BACKEND_WORK):
         return TORCH_MATMULS  # decided before any CUDA query: small inputs pay nothing for the choice
     if not triton_eligible(x):
@@ -117,6 +117,11 @@ def use_gram(algorithm: str, x: Tensor, backend: Backend, schedule_validated: bo
         and x.size(-1) >= GRAM_MIN_ASPECT * x.size(-2)
         and batch * x.size(-2) ** 3 >= MIN_GRAM_PRODUCT_WORK
     )
+
+
+def forced_backend() -> str | None:
+    """The backend name the innermost :func:`use_backend` block asks for, None outside any."""
+    return _forced[-1] if _forced else None
 
 
 @contextlib.contextmanager

@@ -21,6 +21,8 @@ from torch import Tensor
 
 from ..newton_schulz import CoefficientSpec, newton_schulz
 
+NewtonSchulz = Callable[..., Tensor]
+
 AdjustLrFn = Union[None, str, Callable[[float, tuple[int, int]], float]]
 ADJUST_LR_NAMES = ("original", "match_rms_adamw")
 
@@ -38,9 +40,11 @@ def direction(
     eps: float,
     dtype: torch.dtype,
     algorithm: str = "auto",
+    runner: NewtonSchulz = newton_schulz,
 ) -> Tensor:
-    """O = NS(U) for one matrix [m, n] or a batch [B, m, n] (``algorithm``: see :func:`newton_schulz`)."""
-    return newton_schulz(update, coefficients, steps, eps, dtype, algorithm)
+    """O = NS(U) for one matrix [m, n] or a batch [B, m, n] (``algorithm``: see :func:`newton_schulz`), run by
+    ``runner``: :func:`newton_schulz` or a :class:`..ns_graphs.NewtonSchulzGraphs` (the same bits)."""
+    return runner(update, coefficients, steps, eps, dtype, algorithm)
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: AdjustLrFn, matrix_shape: tuple[int, int]) -> float:
