@@ -25,7 +25,14 @@ import torch
 from torch import Tensor
 
 from .kernels import Backend, forced_backend, gram_work, select_backend
-from .newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec, iterate, iteration_schedule, newton_schulz, working_start
+from .newton_schulz import (
+    KELLER_COEFFICIENTS,
+    CoefficientSpec,
+    iterate,
+    iteration_schedule,
+    newton_schulz,
+    working_start,
+)
 
 # Measured on the H200 (median of 3 do_bench rounds, eager vs graph): 2048×2048 (2³³ multiply-adds per
 # Gram matrix) 0.907 ms [rounds 0.539–0.915] vs 0.440 [0.440–0.441]; 2048×5632 (2^34.5) 0.926 vs 0.968,
