@@ -148,12 +148,8 @@ def newton_schulz(
     ``torch.optim.Muon``'s bit for bit.
     """
     schedule = iteration_schedule(g, coefficients, steps)
-    start, x = working_start(g, dtype)
-    tall = x is not start
-    backend = select_backend(x)
-    backend.normalize_into(g, start, eps)
-    x = iterate(x, schedule, backend, algorithm)
-    return x.mT if tall else x
+    _, x, backend = normalized_start(g, dtype, eps)
+    return in_layout_of(iterate(x, schedule, backend, algorithm), g)
 
 
 def iteration_schedule(g: Tensor, coefficients: CoefficientSpec, steps: int) -> tuple[Triple, ...]:
@@ -166,11 +162,20 @@ def iteration_schedule(g: Tensor, coefficients: CoefficientSpec, steps: int) -> 
     return tuple(coefficients_at(triples, i) for i in range(steps))
 
 
-def working_start(g: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """An uninitialized buffer for X₀ in ``g``'s layout and ``dtype``, and the wide (m ≤ n) view of it the
-    iteration works on: the buffer itself, or its transpose for a tall ``g``."""
+def normalized_start(g: Tensor, dtype: torch.dtype, eps: float) -> tuple[Tensor, Tensor, Backend]:
+    """X₀ = G / max(‖G‖_F, eps) in ``dtype`` and ``g``'s layout (a new buffer), the wide (m ≤ n) view of it
+    the iteration works on (the buffer itself, or its transpose for a tall ``g``), and the backend chosen
+    for that view (which computed X₀)."""
     start = torch.empty_like(g, dtype=dtype)
-    return start, (start.mT if g.size(-2) > g.size(-1) else start)
+    x = in_layout_of(start, g)
+    backend = select_backend(x)
+    backend.normalize_into(g, start, eps)
+    return start, x, backend
+
+
+def in_layout_of(x: Tensor, g: Tensor) -> Tensor:
+    """``x`` transposed when ``g`` is tall: from g's orientation to the wide working one, and back."""
+    return x.mT if g.size(-2) > g.size(-1) else x
 
 
 def iterate(x: Tensor, schedule: Sequence[Triple], backend: Backend, algorithm: str) -> Tensor:

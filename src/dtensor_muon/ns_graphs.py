@@ -24,14 +24,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .kernels import Backend, forced_backend, gram_work, select_backend
+from .kernels import Backend, forced_backend, gram_work
 from .newton_schulz import (
     KELLER_COEFFICIENTS,
     CoefficientSpec,
+    in_layout_of,
     iterate,
     iteration_schedule,
     newton_schulz,
-    working_start,
+    normalized_start,
 )
 
 # Measured on the H200 (median of 3 do_bench rounds, eager vs graph): 2048×2048 (2³³ multiply-adds per
@@ -47,7 +48,6 @@ class _Captured:
     start: Tensor  # X₀'s buffer, in g's layout: the graph reads it
     out: Tensor  # the graph's result, in the working (wide) layout: the graph writes it
     backend: Backend
-    tall: bool
 
 
 class NewtonSchulzGraphs:
@@ -86,23 +86,19 @@ class NewtonSchulzGraphs:
             return newton_schulz(g, coefficients, steps, eps, dtype, algorithm)
         captured.backend.normalize_into(g, captured.start, eps)
         captured.graph.replay()
-        result = captured.out.clone()
-        return result.mT if captured.tall else result
+        return in_layout_of(captured.out.clone(), captured.start)
 
     def _first_call(
         self, key: tuple, g: Tensor, schedule: tuple, eps: float, dtype: torch.dtype, algorithm: str
     ) -> Tensor:
         """Runs eagerly (tuning and compiling every kernel), then captures the iterations where a graph pays."""
-        start, x = working_start(g, dtype)
-        tall = x is not start
-        backend = select_backend(x)
-        backend.normalize_into(g, start, eps)
-        result = iterate(x, schedule, backend, algorithm)
+        start, x, backend = normalized_start(g, dtype, eps)
+        result = in_layout_of(iterate(x, schedule, backend, algorithm), g)
         if backend.name == "torch" or gram_work(x) > MAX_GRAPH_WORK:
             self._captured[key] = None
         else:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.device(g.device), torch.cuda.graph(graph):
                 out = iterate(x, schedule, backend, algorithm)
-            self._captured[key] = _Captured(graph, start, out, backend, tall)
-        return result.mT if tall else result
+            self._captured[key] = _Captured(graph, start, out, backend)
+        return result
