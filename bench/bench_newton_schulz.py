@@ -4,11 +4,13 @@ form).
 
     python bench/bench_newton_schulz.py                 # on a GPU: the full table, JSON to --out
     python bench/bench_newton_schulz.py --quick         # anywhere (CPU too): tiny shapes, smoke check
+    python bench/bench_newton_schulz.py --methods standard,gram --shapes 2048x5632   # a subset
 
 Columns: median ms over ``--rounds`` rounds (each a triton.testing.do_bench median on CUDA, wall clock on
 CPU; the methods interleaved round by round) and the rounds' range; TFLOP/s counted as
 5·(4m²n + 2m³) per matrix with m = min dim (the plain-matmul FLOPs, for every method alike); that rate
-as % of an 8192³ bf16 matmul measured in the same run; the output's singular-value range (min σ, max σ)
+as % of an 8192³ bf16 matmul timed in the same round (the card runs power-capped, its clock moving with its
+state; the SM clock after each timing is in the JSON); the output's singular-value range (min σ, max σ)
 from float64 (eigenvalues of the float64 Gram matrix, i.e. squared singular values); the relative
 difference to plain torch's output; and whether the output has the same bits as ours (eager). Inputs are fp32 gradients (Emerging-Optimizers requires fp32).
 """
@@ -116,19 +118,60 @@ def ours_gram(g: Tensor) -> Tensor:
     return newton_schulz(g, algorithm="gram")
 
 
+METHOD_KEYS = ("torch", "muon", "eo", "ours", "graphs", "standard", "gram")
+
+
+def select_methods(keys: str, cuda: bool) -> dict[str, Method]:
+    """The methods named by comma-separated ``keys`` (METHOD_KEYS), in table order, by their column name;
+    EO only on CUDA with its wheel installed."""
+    wanted = set(keys.split(","))
+    methods: dict[str, Method] = {}
+    if "torch" in wanted:
+        methods["torch NS5"] = plain_torch
+    if "muon" in wanted:
+        methods["torch.optim.Muon"] = torch_muon
+    eo = emerging_optimizers() if cuda and "eo" in wanted else None
+    if eo is not None:
+        methods[eo[1]] = eo[0]
+    if "ours" in wanted:
+        methods["ours"] = newton_schulz
+    if "graphs" in wanted:
+        methods["ours, CUDA graphs"] = NewtonSchulzGraphs()
+    if "standard" in wanted:
+        methods["ours, standard form"] = ours_standard
+    if "gram" in wanted:
+        methods["ours, Gram form"] = ours_gram
+    return methods
+
+
 def matmul_ceiling_tflops(cuda: bool) -> float:
+    """TFLOP/s of an 8192³ bf16 matmul (512³ on CPU), timed like the methods."""
     size = 8192 if cuda else 512
     a = torch.randn(size, size, device="cuda" if cuda else "cpu", dtype=torch.bfloat16)
     b = torch.randn_like(a)
     return 2 * size**3 / time_ms(lambda: a @ b, cuda) / 1e9
 
 
+def sm_clock_mhz(cuda: bool) -> int | None:
+    """The GPU's SM clock now (through NVML), None where it cannot be read. Under sustained matmuls the
+    H200 here runs power-capped: 1.4–1.5 GHz instead of 1.98 (nvidia-smi's throttle reason "SW power
+    cap"), so times move with the card's state; the clock after each timing is recorded beside it."""
+    if not cuda:
+        return None
+    try:
+        return int(torch.cuda.clock_rate())
+    except Exception:  # no NVML: the clock is unknown, the timing still counts
+        return None
+
+
 def bench_shape(
-    shape: tuple[int, ...], methods: dict[str, Method], device: str, ceiling: float, rounds: int
-) -> list[dict]:
+    shape: tuple[int, ...], methods: dict[str, Method], device: str, rounds: int
+) -> tuple[list[dict], list[float]]:
     """One row per method: accuracy from one call, then ``rounds`` timings per method, the methods
     interleaved round by round (the GPU's clock drifts as it heats: 4096² measured 2.22 and 2.62 ms with
-    one config minutes apart), and the median of the rounds."""
+    one config minutes apart), and the median of the rounds. Each round also times the 8192³ matmul
+    ceiling; a row's % of it is the median over rounds of its rate against the same round's ceiling.
+    Returns the rows and the ceilings of the rounds."""
     torch.manual_seed(0)
     g = torch.randn(shape, device=device, dtype=torch.float32)
     cuda = device == "cuda"
@@ -149,24 +192,30 @@ def bench_shape(
                 "rel_diff_vs_torch": diff,
                 "same_bits_as_ours": torch.equal(out, ours),
                 "ms_rounds": [],
+                "sm_mhz_rounds": [],
             }
         )
         del out
     del ours
+    ceilings = []
     for _ in range(rounds):
+        ceilings.append(matmul_ceiling_tflops(cuda))
         for row, fn in zip(rows, methods.values()):
             row["ms_rounds"].append(time_ms(lambda fn=fn: fn(g), cuda))
+            row["sm_mhz_rounds"].append(sm_clock_mhz(cuda))
     for row in rows:
         row["ms"] = statistics.median(row["ms_rounds"])
         row["tflops"] = ns_flops(shape) / row["ms"] / 1e9
-        row["pct_of_matmul"] = 100 * row["tflops"] / ceiling
+        row["pct_of_matmul"] = statistics.median(
+            100 * ns_flops(shape) / ms / 1e9 / ceiling for ms, ceiling in zip(row["ms_rounds"], ceilings)
+        )
     working = g.to(torch.bfloat16)
     working = working.mT if working.size(-2) > working.size(-1) else working
     backend = select_backend(working)
     form = "gram" if use_gram("auto", working, backend, schedule_validated=True) else "standard"
     for row in rows:
         row["ours_backend"] = f"{backend.name}/{form}"
-    return rows
+    return rows, ceilings
 
 
 def syrk_configs() -> dict[str, str]:
@@ -192,26 +241,23 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=3, help="timings per method, interleaved; the median is reported"
     )
+    parser.add_argument(
+        "--methods", default=",".join(METHOD_KEYS), help=f"comma-separated subset of {','.join(METHOD_KEYS)}"
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    unknown = set(args.methods.split(",")) - set(METHOD_KEYS)
+    if unknown:
+        parser.error(f"--methods: unknown {sorted(unknown)}; expected a subset of {list(METHOD_KEYS)}")
     cuda = torch.cuda.is_available() and not args.quick
     device = "cuda" if cuda else "cpu"
     torch.set_float32_matmul_precision(
         "medium"
     )  # Emerging-Optimizers' bf16 path; the others cast to bf16
-    methods: dict[str, Method] = {
-        "torch NS5": plain_torch,
-        "torch.optim.Muon": torch_muon,
-    }
-    eo = emerging_optimizers() if cuda else None
-    if eo is not None:
-        methods[eo[1]] = eo[0]
-    methods["ours"] = newton_schulz
-    methods["ours, CUDA graphs"] = NewtonSchulzGraphs()
-    methods["ours, standard form"] = ours_standard
-    methods["ours, Gram form"] = ours_gram
-    ceiling = matmul_ceiling_tflops(cuda)
+    methods = select_methods(args.methods, cuda)
+    if not methods:
+        parser.error(f"--methods: none of {args.methods!r} is available here")
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     else:
@@ -221,8 +267,8 @@ def main() -> None:
         if cuda
         else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "matmul_8192_tflops" if cuda else "matmul_512_tflops": ceiling,
         "rows": [],
+        "ceiling_rounds": {},
     }
     if cuda:
         import triton
@@ -232,7 +278,10 @@ def main() -> None:
     started = time.perf_counter()
     for shape in shapes:
         print(f"[{time.perf_counter() - started:6.1f} s] {shape}", flush=True)
-        rows += bench_shape(shape, methods, device, ceiling, args.rounds)
+        shape_rows, ceilings = bench_shape(shape, methods, device, args.rounds)
+        rows += shape_rows
+        result["ceiling_rounds"]["x".join(map(str, shape))] = ceilings
+        print(f"matmul ceiling in the rounds: {', '.join(f'{c:.0f}' for c in ceilings)} TFLOP/s", flush=True)
         for row in rows[-len(methods) :]:
             print(
                 f"{row['shape']:>14} {row['method']:<38} {row['ms']:9.3f} ms "
@@ -248,7 +297,6 @@ def main() -> None:
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1))
-    print(f"matmul ceiling: {ceiling:.1f} TFLOP/s on {result['device']}")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def test_batched_gram_form_equals_per_slice() -> None:
 
 
 def test_auto_takes_the_gram_form_only_on_the_gpu_backend_for_rectangular_matrices() -> None:
-    from dtensor_muon.kernels.triton_matmuls import TRITON_MATMULS
+    from dtensor_muon.kernels.triton_matmuls import SYRK_MATMULS, TRITON_MATMULS
 
     def meta(*shape: int) -> torch.Tensor:
         return torch.empty(shape, device="meta")
@@ -151,6 +151,14 @@ def test_auto_takes_the_gram_form_only_on_the_gpu_backend_for_rectangular_matric
     assert not use_gram("auto", meta(4096, 4800), TRITON_MATMULS, True)  # aspect 1.17
     assert not use_gram("auto", meta(2048, 4096), TRITON_MATMULS, True)  # m×m products too small
     assert not use_gram("auto", meta(16, 1408, 2048), TRITON_MATMULS, True)
+    assert not use_gram("auto", meta(4, 2048, 4096), TRITON_MATMULS, True)  # 2³⁵ on SYRK: measured slower
+    # Below the SYRK sizes the m×m products run through cuBLAS: from aspect 2 and 2³³ multiply-adds.
+    assert use_gram("auto", meta(8, 1024, 4096), TRITON_MATMULS, True)
+    assert use_gram("auto", meta(32, 1024, 2048), TRITON_MATMULS, True)
+    assert not use_gram("auto", meta(32, 1024, 1536), TRITON_MATMULS, True)  # aspect 1.5
+    assert not use_gram("auto", meta(4, 1024, 4096), TRITON_MATMULS, True)  # 2³²
+    assert use_gram("auto", meta(8, 1024, 4096), SYRK_MATMULS, False) is False  # schedule not validated
+    assert not use_gram("auto", meta(8, 1024, 4096), SYRK_MATMULS, True)  # SYRK forced: its floor, 2³⁶
     assert not use_gram("auto", wide, TORCH_MATMULS, True)  # CPU: the standard form, bitwise torch.optim.Muon
     assert use_gram("gram", square, TORCH_MATMULS, False)
     assert not use_gram("standard", wide, TRITON_MATMULS, True)

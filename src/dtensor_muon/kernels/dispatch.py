@@ -27,14 +27,20 @@ except ImportError:  # no triton
 BACKEND_NAMES = ("torch", "triton", "syrk")
 MIN_GPU_BACKEND_WORK = 2**33
 NS_ALGORITHMS = ("auto", "standard", "gram")
-# "auto" takes Gram Newton–Schulz on the GPU backend for X (m×n, m ≤ n) with n ≥ GRAM_MIN_ASPECT·m and at
-# least MIN_GRAM_PRODUCT_WORK multiply-adds (B·m³) per m×m product. Segments 2 + 2 + 1 take 11m³ + 9m²n FLOPs
-# against the standard form's 5m³ + 15m²n: 0.74× at 4096×14336, 0.90× at aspect 1.45, 0.94× at 1.25.
-# Measured on the H200 (ms, standard vs Gram, one run each): 64×1408×2048 (aspect 1.45) 9.21 vs 9.00,
-# 8.98 vs 8.70, 8.76 vs 8.37; 4096×8192 3.87 vs 3.40. Below the work floor, where kernel launches set the
-# pace, the outcome varied (2048×4096 0.70 vs 1.03; 16×1408×2048 2.43 vs 2.36).
+# "auto" takes Gram Newton–Schulz on the GPU backend for X (m×n, m ≤ n) with n ≥ aspect·m and at least
+# the work floor of multiply-adds (B·m³) per m×m product, measured on the H200 (ms, standard vs Gram):
+# - In general aspect 1.4, 2³⁶. Segments 2 + 2 + 1 take 11m³ + 9m²n FLOPs (m×m products as SYRK) against the
+#   standard form's 5m³ + 15m²n: 0.74× at 4096×14336, 0.90× at aspect 1.45. 64×1408×2048 9.21 vs 9.00,
+#   8.98 vs 8.70, 8.76 vs 8.37; 4096×8192 3.87 vs 3.40 and 3.90 vs 3.34; 16×2048×3072 6.74 vs 6.38. Below
+#   2³⁶ the Gram form lost: 2048×4096 0.70 vs 1.03, 2048×8192 1.26 vs 1.67, 4×2048×4096 2.76 vs 3.54,
+#   2048×5632 0.95 vs 0.96.
+# - Up to m = GRAM_SMALL_DIM, where the backend runs the m×m products through cuBLAS (full products, cheap
+#   launches): aspect 2, 2³³. 8×1024×4096 1.40 vs 1.06, 16×1024×4096 2.85 vs 2.08, 32×1024×2048 3.25 vs 2.69.
 GRAM_MIN_ASPECT = 1.4
 MIN_GRAM_PRODUCT_WORK = 2**36
+GRAM_SMALL_DIM = 1024
+GRAM_MIN_ASPECT_SMALL = 2.0
+MIN_GRAM_PRODUCT_WORK_SMALL = 2**33
 _forced: list[str] = []
 
 
@@ -46,6 +52,8 @@ class Backend(Protocol):
     name: str
 
     def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None: ...
+
+    def uses_syrk(self, x: Tensor) -> bool: ...
 
     def iteration(self, x: Tensor, a: float, b: float, c: float) -> Tensor: ...
 
@@ -101,22 +109,25 @@ def resolve_ns_algorithm(name: str) -> str:
 def use_gram(algorithm: str, x: Tensor, backend: Backend, schedule_validated: bool) -> bool:
     """Whether Newton–Schulz on the wide working matrix ``x`` runs in Gram form.
 
-    "standard" never, "gram" always; "auto" where it is as accurate and pays: for a coefficient schedule
-    validated in Gram form (``schedule_validated``: Keller's, see
+    "standard" never, "gram" always; "auto" where it is as accurate and was measured faster: for a
+    coefficient schedule validated in Gram form (``schedule_validated``: Keller's, see
     :func:`dtensor_muon.newton_schulz.gram_validated`), on the GPU backend (plain torch keeps the standard
-    form, bitwise torch.optim.Muon), for n ≥ GRAM_MIN_ASPECT·m, where the m²n products it saves outweigh
-    the extra m³ ones (:mod:`..gram_newton_schulz`), and for m×m products large enough
-    (MIN_GRAM_PRODUCT_WORK) that the GPU, not the launches, sets the pace.
+    form, bitwise torch.optim.Muon), for n ≥ aspect·m, where the m²n products it saves outweigh the extra
+    m³ ones (:mod:`..gram_newton_schulz`), and for m×m products large enough that the GPU, not the launches,
+    sets the pace: the aspect and work floor are GRAM_MIN_ASPECT and MIN_GRAM_PRODUCT_WORK, or the ``_SMALL``
+    pair for m ≤ GRAM_SMALL_DIM where the backend runs the m×m products through cuBLAS.
     """
     if resolve_ns_algorithm(algorithm) != "auto":
         return algorithm == "gram"
+    if not schedule_validated or backend.name == "torch":
+        return False
+    m = x.size(-2)
+    if m <= GRAM_SMALL_DIM and not backend.uses_syrk(x):
+        min_aspect, min_work = GRAM_MIN_ASPECT_SMALL, MIN_GRAM_PRODUCT_WORK_SMALL
+    else:
+        min_aspect, min_work = GRAM_MIN_ASPECT, MIN_GRAM_PRODUCT_WORK
     batch = x.size(0) if x.ndim == 3 else 1
-    return (
-        schedule_validated
-        and backend.name != "torch"
-        and x.size(-1) >= GRAM_MIN_ASPECT * x.size(-2)
-        and batch * x.size(-2) ** 3 >= MIN_GRAM_PRODUCT_WORK
-    )
+    return x.size(-1) >= min_aspect * m and batch * m**3 >= min_work
 
 
 def forced_backend() -> str | None:

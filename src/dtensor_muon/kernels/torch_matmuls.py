@@ -27,6 +27,10 @@ class TorchMatmuls:
         else:
             out.div_(torch.linalg.vector_norm(out, dim=(-2, -1), keepdim=True).clamp(min=eps))
 
+    def uses_syrk(self, x: Tensor) -> bool:
+        """Never: every product is a full matmul."""
+        return False
+
     def gram(self, x: Tensor) -> Tensor:
         """A = X·Xᵀ (per matrix of a batch)."""
         return x @ x.mT

@@ -45,7 +45,8 @@ class TritonMatmuls:
         self.always_syrk = always_syrk
         self.name = "syrk" if always_syrk else "triton"
 
-    def _use_syrk(self, x: Tensor) -> bool:
+    def uses_syrk(self, x: Tensor) -> bool:
+        """Whether ``gram`` and ``symmetric_product`` run the SYRK kernels on x's size (else cuBLAS)."""
         return self.always_syrk or syrk_pays(x)
 
     def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None:
@@ -58,7 +59,7 @@ class TritonMatmuls:
 
     def gram(self, x: Tensor) -> Tensor:
         """A = X·Xᵀ (per matrix of a batch), exactly symmetric on the SYRK path."""
-        return syrk(x) if self._use_syrk(x) else x @ x.mT
+        return syrk(x) if self.uses_syrk(x) else x @ x.mT
 
     def poly(self, gram: Tensor, a: float, b: float, c: float) -> Tensor:
         """P = a·I + b·A + c·A·A for a symmetric A: the SYRK kernel at every size, whose fp32 epilogue rounds
@@ -68,7 +69,7 @@ class TritonMatmuls:
 
     def symmetric_product(self, x: Tensor, y: Tensor) -> Tensor:
         """X·Yᵀ for a product known to be symmetric (exactly symmetric on the SYRK path)."""
-        return symmetric_product(x, y) if self._use_syrk(x) else x @ y.mT
+        return symmetric_product(x, y) if self.uses_syrk(x) else x @ y.mT
 
     def apply(self, p: Tensor, x: Tensor) -> Tensor:
         """X' = P·X (P symmetric); keeps x's layout when x is a transposed view."""
@@ -81,7 +82,7 @@ class TritonMatmuls:
         a diagonal add, faster there than the SYRK kernel (8×1024×1024: 0.044 vs 0.050 ms, H200); b·A + c·A·A
         is rounded before a·I is added, harmless in this form."""
         gram = self.gram(x)
-        if self._use_syrk(gram):
+        if self.uses_syrk(gram):
             return self.apply(self.poly(gram, a, b, c), x)
         p = TORCH_MATMULS.gram_poly(gram, b, c)
         p.diagonal(dim1=-2, dim2=-1).add_(a)

@@ -1,0 +1,160 @@
+"""Where a Newton–Schulz call's time goes when its products run back to back, against the same products
+timed alone.
+
+    python bench/chain_breakdown.py --shapes 4096x4096,64x2048x1408 --out bench/results/chain_breakdown_h200.json
+
+For each shape and form ("standard", "gram"): the whole call timed by ``triton.testing.do_bench`` (median);
+the same call ``--calls`` times back to back with a CUDA event after every product (gram, poly,
+symmetric_product, apply, and the start), each product's time the gap between its event and the one
+before (so launch gaps count), median over the calls; and each distinct product timed alone by
+``do_bench`` on the inputs it saw in the chain. "chain − alone" per product is what running in a chain
+costs (clock under sustained load, caches, launch gaps). Also prints the config the autotuner chose for
+each SYRK key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+from torch import Tensor
+
+from dtensor_muon.kernels import triton_syrk
+from dtensor_muon.kernels.triton_matmuls import TritonMatmuls
+from dtensor_muon.newton_schulz import KELLER_COEFFICIENTS, in_layout_of, iterate, newton_schulz
+
+
+class TimedMatmuls(TritonMatmuls):
+    """The GPU backend with a CUDA event recorded after every product, and the last inputs of each kind kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, torch.cuda.Event]] = []
+        self.inputs: dict[str, Callable[[], object]] = {}
+
+    def _mark(self, kind: str, fn: Callable[[], Tensor]) -> Tensor:
+        out = fn()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.events.append((kind, event))
+        self.inputs[kind] = fn
+        return out
+
+    def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None:
+        self._mark("start", lambda: super(TimedMatmuls, self).normalize_into(g, out, eps))
+
+    def gram(self, x: Tensor) -> Tensor:
+        return self._mark("gram", lambda: super(TimedMatmuls, self).gram(x))
+
+    def poly(self, gram: Tensor, a: float, b: float, c: float) -> Tensor:
+        return self._mark("poly", lambda: super(TimedMatmuls, self).poly(gram, a, b, c))
+
+    def symmetric_product(self, x: Tensor, y: Tensor) -> Tensor:
+        return self._mark("product", lambda: super(TimedMatmuls, self).symmetric_product(x, y))
+
+    def apply(self, p: Tensor, x: Tensor) -> Tensor:
+        return self._mark("apply", lambda: super(TimedMatmuls, self).apply(p, x))
+
+
+def timed_call(g: Tensor, backend: TimedMatmuls, algorithm: str) -> None:
+    """One newton_schulz call through ``backend`` (same steps as newton_schulz, events after each product)."""
+    start = torch.empty_like(g, dtype=torch.bfloat16)
+    x = in_layout_of(start, g)
+    first = torch.cuda.Event(enable_timing=True)
+    first.record()
+    backend.events.append(("begin", first))
+    backend.normalize_into(g, start, 1e-7)
+    in_layout_of(iterate(x, (KELLER_COEFFICIENTS,) * 5, backend, algorithm), g)
+
+
+def breakdown(shape: tuple[int, ...], algorithm: str, calls: int) -> dict:
+    g = torch.randn(shape, device="cuda")
+    whole = lambda: newton_schulz(g, algorithm=algorithm)  # noqa: E731
+    whole()
+    torch.cuda.synchronize()
+    backend = TimedMatmuls()
+    timed_call(g, backend, algorithm)  # warm: tuning, compilation
+    torch.cuda.synchronize()
+    backend.events.clear()
+    for _ in range(calls):
+        timed_call(g, backend, algorithm)
+    torch.cuda.synchronize()
+    per_call: list[list[tuple[str, float]]] = []
+    previous = None
+    for kind, event in backend.events:
+        if kind == "begin":
+            per_call.append([])
+        elif previous is not None:
+            per_call[-1].append((kind, previous.elapsed_time(event)))
+        previous = event
+    kinds = [k for k, _ in per_call[0]]
+    chain_ms = [statistics.median(c[i][1] for c in per_call) for i in range(len(kinds))]
+    totals = [sum(t for _, t in c) for c in per_call]
+    chain_by_kind: dict[str, list[float]] = {}
+    for kind, ms in zip(kinds, chain_ms):
+        chain_by_kind.setdefault(kind, []).append(ms)
+    alone = {kind: triton.testing.do_bench(fn) for kind, fn in backend.inputs.items()}
+    whole_ms = triton.testing.do_bench(whole)
+    rows = [
+        {
+            "product": kind,
+            "count": len(times),
+            "chain_ms_each": statistics.mean(times),
+            "alone_ms": alone[kind],
+            "chain_total_ms": sum(times),
+        }
+        for kind, times in chain_by_kind.items()
+    ]
+    return {
+        "shape": "x".join(map(str, shape)),
+        "algorithm": algorithm,
+        "whole_do_bench_ms": whole_ms,
+        "chain_sum_ms": statistics.median(totals),
+        "alone_sum_ms": sum(r["count"] * r["alone_ms"] for r in rows),
+        "rows": rows,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="4096x4096,64x2048x1408")
+    parser.add_argument("--algorithms", default="standard,gram")
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    results = []
+    for spec in args.shapes.split(","):
+        shape = tuple(int(v) for v in spec.split("x"))
+        for algorithm in args.algorithms.split(","):
+            print(f"[{time.strftime('%H:%M:%S')}] {spec} {algorithm}", flush=True)
+            r = breakdown(shape, algorithm, args.calls)
+            results.append(r)
+            print(
+                f"{spec} {algorithm}: whole (do_bench) {r['whole_do_bench_ms']:.3f} ms, chain sum "
+                f"{r['chain_sum_ms']:.3f}, products alone summed {r['alone_sum_ms']:.3f}"
+            )
+            print(f"  {'product':8} {'n':>3} {'chain ms':>9} {'alone ms':>9} {'chain-alone':>11}")
+            for row in r["rows"]:
+                print(
+                    f"  {row['product']:8} {row['count']:3d} {row['chain_ms_each']:9.4f} {row['alone_ms']:9.4f} "
+                    f"{row['chain_ms_each'] - row['alone_ms']:+11.4f}"
+                )
+    tuned = {str(k[:7]): v for k, v in triton_syrk._TUNED.items()}
+    print("autotuner's choices (m, k, batch, transposed, mode, epilogue, has_c):")
+    for key, config in tuned.items():
+        print(f"  {key}: {config}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "results": results, "tuned": tuned}
+        args.out.write_text(json.dumps(payload, indent=1))
+
+
+if __name__ == "__main__":
+    main()
