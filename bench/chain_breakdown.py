@@ -46,17 +46,21 @@ class TimedMatmuls(TritonMatmuls):
         self.inputs[kind] = fn
         return out
 
-    def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None:
-        self._mark("start", lambda: super(TimedMatmuls, self).normalize_into(g, out, eps))
+    def start_into(
+        self, g: Tensor, out: Tensor, x: Tensor, eps: float, scale_out: Tensor | None = None
+    ) -> Tensor | None:
+        scale: list[Tensor | None] = []
+        self._mark("start", lambda: scale.append(super(TimedMatmuls, self).start_into(g, out, x, eps, scale_out)))
+        return scale[-1]
 
-    def gram(self, x: Tensor) -> Tensor:
-        return self._mark("gram", lambda: super(TimedMatmuls, self).gram(x))
+    def gram(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
+        return self._mark("gram", lambda: super(TimedMatmuls, self).gram(x, scale))
 
-    def poly(self, gram: Tensor, a: float, b: float, c: float) -> Tensor:
-        return self._mark("poly", lambda: super(TimedMatmuls, self).poly(gram, a, b, c))
+    def poly(self, gram: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor:
+        return self._mark("poly", lambda: super(TimedMatmuls, self).poly(gram, a, b, c, scale))
 
-    def symmetric_product(self, x: Tensor, y: Tensor) -> Tensor:
-        return self._mark("product", lambda: super(TimedMatmuls, self).symmetric_product(x, y))
+    def symmetric_product(self, x: Tensor, y: Tensor, scale: Tensor | None = None) -> Tensor:
+        return self._mark("product", lambda: super(TimedMatmuls, self).symmetric_product(x, y, scale))
 
     def apply(self, p: Tensor, x: Tensor) -> Tensor:
         return self._mark("apply", lambda: super(TimedMatmuls, self).apply(p, x))
@@ -69,8 +73,8 @@ def timed_call(g: Tensor, backend: TimedMatmuls, algorithm: str) -> None:
     first = torch.cuda.Event(enable_timing=True)
     first.record()
     backend.events.append(("begin", first))
-    backend.normalize_into(g, start, 1e-7)
-    in_layout_of(iterate(x, (KELLER_COEFFICIENTS,) * 5, backend, algorithm), g)
+    scale = backend.start_into(g, start, x, 1e-7)
+    in_layout_of(iterate(x, (KELLER_COEFFICIENTS,) * 5, backend, algorithm, scale), g)
 
 
 def breakdown(shape: tuple[int, ...], algorithm: str, calls: int) -> dict:

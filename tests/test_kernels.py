@@ -187,6 +187,59 @@ def _interpreter_checks() -> Numbers:
     normalize_into(torch.zeros(5, 7), zeros, 1e-7)
     out["normalize_zero_absmax"] = zeros.to(f64).abs().max().item()
 
+    # The one-read start (cast_and_scale_into): X̃ = round(G) exactly, s = 1 / ‖G‖ per matrix in fp32.
+    from dtensor_muon.kernels.normalize import cast_and_scale_into
+
+    for name, g in (
+        ("2d", torch.randn(37, 70) * 30),
+        ("batched", torch.randn(3, 50, 90) * 1e-3),
+        ("bf16_input", torch.randn(2, 64, 72).to(bf16)),
+    ):
+        cast = torch.empty_like(g, dtype=bf16)
+        scale = torch.empty(g.size(0) if g.ndim == 3 else 1)
+        cast_and_scale_into(g, cast, scale, 1e-7)
+        norms = torch.linalg.vector_norm(g.to(f64), dim=(-2, -1)).reshape(-1)
+        out[f"cast_{name}_absdiff"] = absdiff(cast, g.to(bf16).to(f64))
+        out[f"cast_{name}_scale_rel"] = ((scale.to(f64) * norms - 1).abs().max()).item()
+    zero_scale = torch.empty(1)
+    cast_and_scale_into(torch.zeros(5, 7), torch.empty(5, 7, dtype=bf16), zero_scale, 1e-7)
+    out["cast_zero_scale_times_eps"] = zero_scale.item() * 1e-7
+
+    # Products times a per-matrix scale s (s² for the Gram matrix), batched with a different s per matrix.
+    x = torch.randn(2, 40, 72).to(bf16)
+    s = torch.tensor([0.37, 5.5])
+    s64 = s.to(f64).reshape(-1, 1, 1)
+    cfg = {"RATIO": 1, "BLOCK_N": 32, "BLOCK_K": 32}
+    a = syrk(x, config=cfg, scale=s, scale_power=2)
+    out["scaled_gram_rel"] = rel(a, s64**2 * gram_ref(x))
+    a = (a.to(f64) / s64**2).to(bf16)
+    out["scaled_poly_rel"] = rel(syrk(a, -4.775, 3.4445, a, diag=2.0, config=cfg, scale=s),
+                                 s64 * poly_ref(a, 3.4445, -4.775, 2.0))
+    z = (0.5 * a.to(f64) + a.to(f64) @ a.to(f64)).to(bf16)
+    out["scaled_product_rel"] = rel(symmetric_product(a, z, config=cfg, scale=s), s64 * (a.to(f64) @ z.to(f64)))
+
+    # Five iterations from the folded start (round(G) and s; A₀ = s²·X̃·X̃ᵀ, X₁ = (s·P₀)·X̃) on the SYRK backend,
+    # standard and Gram form, against the float64 iteration from G / ‖G‖.
+    from dtensor_muon.newton_schulz import in_layout_of, iterate
+
+    schedule = [(3.4445, -4.775, 2.0315)] * 5
+    for name, g in (("tall", torch.randn(96, 40) * 1e3), ("batched", torch.randn(2, 33, 64) * 1e-4)):
+        start = torch.empty_like(g, dtype=bf16)
+        x = in_layout_of(start, g)
+        scale = SYRK_MATMULS.start_into(g, start, x, 1e-7)
+        out[f"folded_{name}_has_scale"] = float(scale is not None)
+        y64 = in_layout_of(g.to(f64) / torch.linalg.vector_norm(g.to(f64), dim=(-2, -1), keepdim=True), g)
+        for _ in range(5):
+            a64 = y64 @ y64.mT
+            y64 = 3.4445 * y64 + (-4.775 * a64 + 2.0315 * a64 @ a64) @ y64
+        for algorithm in ("standard", "gram"):
+            folded = iterate(x, schedule, SYRK_MATMULS, algorithm, scale)
+            out[f"folded_{name}_{algorithm}_rel"] = rel(folded, y64)
+            out[f"folded_{name}_{algorithm}_keeps_layout"] = float(folded.stride() == x.stride())
+        written = torch.empty_like(g, dtype=bf16)
+        TORCH_MATMULS.start_into(g, written, in_layout_of(written, g), 1e-7)
+        out[f"folded_{name}_torch_rel"] = rel(iterate(in_layout_of(written, g), schedule, TORCH_MATMULS, "standard"), y64)
+
     # The GPU backend's iteration (SYRK at every size) on a transposed view (a tall gradient): result and
     # layout; and five NS iterations against the float64 iteration, next to the torch backend's.
     g = torch.randn(100, 48)
@@ -313,6 +366,70 @@ def test_normalize_rounds_once(interp: Numbers, name: str) -> None:
 
 def test_normalize_zero_matrix(interp: Numbers) -> None:
     assert interp["normalize_zero_absmax"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["2d", "batched", "bf16_input"])
+def test_cast_and_scale_reads_g_once(interp: Numbers, name: str) -> None:
+    # X̃ is G rounded once, exactly; s = 1 / ‖G‖_F to fp32 accuracy (fixed-order block sums).
+    assert interp[f"cast_{name}_absdiff"] == 0.0
+    assert interp[f"cast_{name}_scale_rel"] < 1e-6
+
+
+def test_cast_and_scale_of_a_zero_matrix_is_one_over_eps(interp: Numbers) -> None:
+    assert abs(interp["cast_zero_scale_times_eps"] - 1.0) < 1e-6
+
+
+def test_products_times_a_per_matrix_scale(interp: Numbers) -> None:
+    # s² for the Gram matrix, s for the polynomial and the symmetric product; one s per matrix of a batch.
+    for product in ("gram", "poly", "product"):
+        assert 0 < interp[f"scaled_{product}_rel"] < 5e-3
+
+
+@pytest.mark.parametrize("name", ["tall", "batched"])
+def test_folded_start_iterates_like_the_written_start(interp: Numbers, name: str) -> None:
+    # G scaled by 10³ and 10⁻⁴: the scale folded into the first products keeps five iterations within
+    # bf16 rounding of the float64 iteration from G / ‖G‖, like the torch backend from X₀ written.
+    assert interp[f"folded_{name}_has_scale"] == 1.0
+    for algorithm in ("standard", "gram"):
+        assert 0 < interp[f"folded_{name}_{algorithm}_rel"] <= 2 * interp[f"folded_{name}_torch_rel"] < 5e-2
+        assert interp[f"folded_{name}_{algorithm}_keeps_layout"] == 1.0
+
+
+def test_scale_arguments_are_checked() -> None:
+    from dtensor_muon.kernels.normalize import cast_and_scale_into
+    from dtensor_muon.kernels.triton_syrk import syrk
+
+    x = torch.zeros(2, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="scale must be a contiguous float32 tensor of 2 entries"):
+        syrk(x, scale=torch.ones(3))
+    with pytest.raises(ValueError, match="scale must be a contiguous float32 tensor of 2 entries"):
+        syrk(x, scale=torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="scale_power must be 1 or 2"):
+        syrk(x, scale=torch.ones(2), scale_power=3)
+    with pytest.raises(ValueError, match="cast_and_scale_into: scale"):
+        cast_and_scale_into(torch.zeros(2, 8, 16), x.clone(), torch.ones(1), 1e-7)
+
+
+def test_torch_backend_honours_a_scale() -> None:
+    # The torch backend never hands out a scale, but one passed to it means X₀ = s·x, as on the GPU backend:
+    # five iterations from (round(G), s) land within bf16 rounding of those from X₀ = G / ‖G‖ written.
+    from dtensor_muon.newton_schulz import iterate
+
+    g = torch.randn(3, 24, 56, dtype=torch.float64) * 1e3
+    norms = torch.linalg.vector_norm(g, dim=(-2, -1))
+    written = (g / norms.reshape(-1, 1, 1)).to(torch.bfloat16)
+    cast, scale = g.to(torch.bfloat16), (1 / norms).float()
+    reference = g / norms.reshape(-1, 1, 1)
+    for _ in range(5):
+        a = reference @ reference.mT
+        reference = 3.4445 * reference + (-4.775 * a + 2.0315 * a @ a) @ reference
+    schedule = [(3.4445, -4.775, 2.0315)] * 5
+    for algorithm in ("standard", "gram"):
+        plain = iterate(written, schedule, TORCH_MATMULS, algorithm)
+        folded = iterate(cast, schedule, TORCH_MATMULS, algorithm, scale)
+        error = ((plain.double() - reference).norm() / reference.norm()).item()
+        folded_error = ((folded.double() - reference).norm() / reference.norm()).item()
+        assert 0 < folded_error <= 1.5 * error < 5e-2
 
 
 def test_normalize_takes_the_kernel_only_where_it_can() -> None:

@@ -34,26 +34,39 @@ from torch import Tensor
 
 
 class GramBackend(Protocol):
-    """The products Gram Newton–Schulz needs, on [m, n] / [m, m] or batched [B, ..] inputs."""
+    """The products Gram Newton–Schulz needs, on [m, n] / [m, m] or batched [B, ..] inputs; a ``scale`` s (per
+    matrix) multiplies gram's result by s², poly's and symmetric_product's by s."""
 
-    def gram(self, x: Tensor) -> Tensor: ...
+    def gram(self, x: Tensor, scale: Tensor | None = None) -> Tensor: ...
 
-    def poly(self, gram: Tensor, a: float, b: float, c: float) -> Tensor: ...
+    def poly(self, gram: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor: ...
 
-    def symmetric_product(self, x: Tensor, y: Tensor) -> Tensor: ...
+    def symmetric_product(self, x: Tensor, y: Tensor, scale: Tensor | None = None) -> Tensor: ...
 
     def apply(self, p: Tensor, x: Tensor) -> Tensor: ...
 
 
-def gram_segment(x: Tensor, triples: Sequence[tuple[float, float, float]], backend: GramBackend) -> Tensor:
-    """len(triples) Newton–Schulz iterations from X (m ≤ n) as one Q·X: R = X·Xᵀ, then per iteration
-    Z = a·I + b·R + c·R², Q ← Q·Z and (all but the last) R ← Z·(R·Z)."""
-    r = backend.gram(x)
+def gram_segment(
+    x: Tensor,
+    triples: Sequence[tuple[float, float, float]],
+    backend: GramBackend,
+    scale: Tensor | None = None,
+) -> Tensor:
+    """len(triples) Newton–Schulz iterations from X = s·x (x itself without ``scale``) as one Q·X: R = X·Xᵀ,
+    then per iteration Z = a·I + b·R + c·R², Q ← Q·Z and (all but the last) R ← Z·(R·Z). With a scale,
+    R = s²·x·xᵀ and the last product forming Q is s·Q, so that Q·X = (s·Q)·x: s·x is never formed."""
+    r = backend.gram(x, scale)
     q: Tensor | None = None
     for j, (a, b, c) in enumerate(triples):
-        z = backend.poly(r, a, b, c)
-        q = z if q is None else backend.symmetric_product(q, z)
-        if j < len(triples) - 1:
+        last = j == len(triples) - 1
+        fold = scale if last else None
+        if q is None:
+            z = backend.poly(r, a, b, c, fold)
+            q = z
+        else:
+            z = backend.poly(r, a, b, c)
+            q = backend.symmetric_product(q, z, fold)
+        if not last:
             r = backend.symmetric_product(z, backend.symmetric_product(r, z))
     assert q is not None, "gram_segment needs at least one iteration"
     return backend.apply(q, x)
@@ -64,14 +77,15 @@ def gram_newton_schulz(
     triples: Sequence[tuple[float, float, float]],
     backend: GramBackend,
     segments: Sequence[int],
+    scale: Tensor | None = None,
 ) -> Tensor:
-    """The iterations ``triples`` (one (a, b, c) per iteration) on the normalized wide X, in segments of the
-    given lengths (summing to len(triples)), R restarted from X after each. Returns X in x's layout (a
-    transposed view stays one)."""
+    """The iterations ``triples`` (one (a, b, c) per iteration) from the normalized wide X₀ = s·x (x itself
+    without ``scale``), in segments of the given lengths (summing to len(triples)), R restarted from X after
+    each. Returns X in x's layout (a transposed view stays one)."""
     if sum(segments) != len(triples) or any(length < 1 for length in segments):
         raise ValueError(f"gram_newton_schulz: segments {list(segments)} must be >= 1 and sum to {len(triples)}")
     done = 0
     for length in segments:
-        x = gram_segment(x, triples[done : done + length], backend)
+        x = gram_segment(x, triples[done : done + length], backend, scale if done == 0 else None)
         done += length
     return x

@@ -148,8 +148,8 @@ def newton_schulz(
     ``torch.optim.Muon``'s bit for bit.
     """
     schedule = iteration_schedule(g, coefficients, steps)
-    _, x, backend = normalized_start(g, dtype, eps)
-    return in_layout_of(iterate(x, schedule, backend, algorithm), g)
+    _, x, backend, scale = normalized_start(g, dtype, eps)
+    return in_layout_of(iterate(x, schedule, backend, algorithm, scale), g)
 
 
 def iteration_schedule(g: Tensor, coefficients: CoefficientSpec, steps: int) -> tuple[Triple, ...]:
@@ -162,15 +162,19 @@ def iteration_schedule(g: Tensor, coefficients: CoefficientSpec, steps: int) -> 
     return tuple(coefficients_at(triples, i) for i in range(steps))
 
 
-def normalized_start(g: Tensor, dtype: torch.dtype, eps: float) -> tuple[Tensor, Tensor, Backend]:
-    """X₀ = G / max(‖G‖_F, eps) in ``dtype`` and ``g``'s layout (a new buffer), the wide (m ≤ n) view of it
-    the iteration works on (the buffer itself, or its transpose for a tall ``g``), and the backend chosen
-    for that view (which computed X₀)."""
+def normalized_start(
+    g: Tensor, dtype: torch.dtype, eps: float
+) -> tuple[Tensor, Tensor, Backend, Tensor | None]:
+    """The start of the iteration: a new buffer in ``dtype`` and ``g``'s layout, the wide (m ≤ n) view of it
+    the iteration works on (the buffer itself, or its transpose for a tall ``g``), the backend chosen for
+    that view, and the scale: None when the buffer holds X₀ = G / max(‖G‖_F, eps), else the per-matrix
+    s = 1 / max(‖G‖_F, eps) with the buffer holding round(G) and X₀ = s·buffer (GPU backend, SYRK sizes:
+    the first products fold s in; see ``Backend.start_into``)."""
     start = torch.empty_like(g, dtype=dtype)
     x = in_layout_of(start, g)
     backend = select_backend(x)
-    backend.normalize_into(g, start, eps)
-    return start, x, backend
+    scale = backend.start_into(g, start, x, eps)
+    return start, x, backend, scale
 
 
 def in_layout_of(x: Tensor, g: Tensor) -> Tensor:
@@ -178,13 +182,15 @@ def in_layout_of(x: Tensor, g: Tensor) -> Tensor:
     return x.mT if g.size(-2) > g.size(-1) else x
 
 
-def iterate(x: Tensor, schedule: Sequence[Triple], backend: Backend, algorithm: str) -> Tensor:
-    """The iterations of ``schedule`` from the normalized wide X₀, in the form ``algorithm`` picks for it
-    (:func:`.kernels.use_gram`); X in x's layout."""
+def iterate(
+    x: Tensor, schedule: Sequence[Triple], backend: Backend, algorithm: str, scale: Tensor | None = None
+) -> Tensor:
+    """The iterations of ``schedule`` from the normalized wide X₀ = s·x (x itself without ``scale``), in the
+    form ``algorithm`` picks for it (:func:`.kernels.use_gram`); X in x's layout."""
     if use_gram(algorithm, x, backend, gram_validated(schedule)):
-        return gram_newton_schulz(x, schedule, backend, gram_segments(len(schedule)))
-    for a, b, c in schedule:
-        x = backend.iteration(x, a, b, c)
+        return gram_newton_schulz(x, schedule, backend, gram_segments(len(schedule)), scale)
+    for i, (a, b, c) in enumerate(schedule):
+        x = backend.iteration(x, a, b, c, scale if i == 0 else None)
     return x
 
 

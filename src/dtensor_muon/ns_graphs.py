@@ -7,7 +7,8 @@ work) the host sets the pace. A graph replays the iterations with one launch.
 
 Per call, with the graph of that signature captured:
 
-    X₀ = G / max(‖G‖_F, eps)    written eagerly into the graph's start buffer (one norm, one pass)
+    start from G                  written eagerly into the graph's start buffers (X₀, or round(G) and the
+                                  per-matrix scale the first products fold in: ``Backend.start_into``)
     replay                        the iterations, exactly the kernels and configs of the eager call
     O = copy of the graph's output (the next replay overwrites it)
 
@@ -45,7 +46,9 @@ MAX_GRAPH_WORK = 2**34
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    start: Tensor  # X₀'s buffer, in g's layout: the graph reads it
+    start: Tensor  # the start's buffer, in g's layout: the graph reads it
+    x: Tensor  # its wide working view
+    scale: Tensor | None  # the per-matrix scale folded into the first products, if any: the graph reads it
     out: Tensor  # the graph's result, in the working (wide) layout: the graph writes it
     backend: Backend
 
@@ -84,7 +87,7 @@ class NewtonSchulzGraphs:
         captured = self._captured[key]
         if captured is None:
             return newton_schulz(g, coefficients, steps, eps, dtype, algorithm)
-        captured.backend.normalize_into(g, captured.start, eps)
+        captured.backend.start_into(g, captured.start, captured.x, eps, captured.scale)
         captured.graph.replay()
         return in_layout_of(captured.out.clone(), captured.start)
 
@@ -92,13 +95,13 @@ class NewtonSchulzGraphs:
         self, key: tuple, g: Tensor, schedule: tuple, eps: float, dtype: torch.dtype, algorithm: str
     ) -> Tensor:
         """Runs eagerly (tuning and compiling every kernel), then captures the iterations where a graph pays."""
-        start, x, backend = normalized_start(g, dtype, eps)
-        result = in_layout_of(iterate(x, schedule, backend, algorithm), g)
+        start, x, backend, scale = normalized_start(g, dtype, eps)
+        result = in_layout_of(iterate(x, schedule, backend, algorithm, scale), g)
         if backend.name == "torch" or gram_work(x) > MAX_GRAPH_WORK:
             self._captured[key] = None
         else:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.device(g.device), torch.cuda.graph(graph):
-                out = iterate(x, schedule, backend, algorithm)
-            self._captured[key] = _Captured(graph, start, out, backend)
+                out = iterate(x, schedule, backend, algorithm, scale)
+            self._captured[key] = _Captured(graph, start, x, scale, out, backend)
         return result

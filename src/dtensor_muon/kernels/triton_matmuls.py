@@ -1,6 +1,8 @@
 """One Newton–Schulz iteration on the GPU: Triton SYRK kernels where they pay, cuBLAS elsewhere.
 
-    X₀ = G / max(‖G‖_F, eps)             (one Triton pass: fp32 norm, scale, round once; :mod:`.normalize`)
+    X₀ = G / max(‖G‖_F, eps)             where the products are SYRK kernels: X̃ = round(G) and s = 1 / max(‖G‖_F,
+                                         eps) from one read of G, s folded into the first products (A₀ =
+                                         s²·X̃·X̃ᵀ, P₀·X₀ = (s·P₀)·X̃); elsewhere X₀ written (:mod:`.normalize`)
     gram:   A = X·Xᵀ                       (SYRK: lower-triangle tiles only, mirrored; or cuBLAS)
     poly:   P = a·I + b·A + c·A·A          (SYRK on the symmetric A, b·A and a·I fused into the epilogue;
                                             the standard form off SYRK: cuBLAS addmm, then a·I)
@@ -18,10 +20,11 @@ never materializes a transpose and hands back a view of the same layout.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from .normalize import normalize_into, scale_cast_applies
-from .torch_matmuls import TORCH_MATMULS
+from .normalize import cast_and_scale_into, normalize_into, scale_cast_applies
+from .torch_matmuls import TORCH_MATMULS, scaled
 from .triton_syrk import is_transposed_view, lower_tile_count, symmetric_product, syrk
 
 # Smallest Gram side for the SYRK kernels, and fewest 128×128 lower-triangle tiles (all matrices of a batch
@@ -49,6 +52,21 @@ class TritonMatmuls:
         """Whether ``gram`` and ``symmetric_product`` run the SYRK kernels on x's size (else cuBLAS)."""
         return self.always_syrk or syrk_pays(x)
 
+    def start_into(
+        self, g: Tensor, out: Tensor, x: Tensor, eps: float, scale_out: Tensor | None = None
+    ) -> Tensor | None:
+        """Newton–Schulz's start from G into ``out`` (G's shape; ``x``: its wide working view). Where the
+        products on ``x`` are SYRK kernels and the one-pass kernels apply, writes X̃ = round(G) and returns the
+        per-matrix scale s = 1 / max(‖G‖_F, eps) (fp32, into ``scale_out`` when given), X₀ = s·X̃, for the
+        caller to fold into the first iteration; else writes X₀ itself and returns None."""
+        if not (self.uses_syrk(x) and scale_cast_applies(g, out)):
+            self.normalize_into(g, out, eps)
+            return None
+        matrices = g.size(0) if g.ndim == 3 else 1
+        scale = torch.empty(matrices, device=g.device, dtype=torch.float32) if scale_out is None else scale_out
+        cast_and_scale_into(g, out, scale, eps)
+        return scale
+
     def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None:
         """out = G / max(‖G‖_F, eps) per matrix, in one pass over G (:mod:`.normalize`) where both are
         contiguous, else as torch does it."""
@@ -57,19 +75,23 @@ class TritonMatmuls:
         else:
             TORCH_MATMULS.normalize_into(g, out, eps)
 
-    def gram(self, x: Tensor) -> Tensor:
-        """A = X·Xᵀ (per matrix of a batch), exactly symmetric on the SYRK path."""
-        return syrk(x) if self.uses_syrk(x) else x @ x.mT
+    def gram(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
+        """A = s²·X·Xᵀ (per matrix of a batch; s = 1 without ``scale``), exactly symmetric on the SYRK path."""
+        if self.uses_syrk(x):
+            return syrk(x, scale=scale, scale_power=2)
+        return scaled(x @ x.mT, scale, 2)
 
-    def poly(self, gram: Tensor, a: float, b: float, c: float) -> Tensor:
-        """P = a·I + b·A + c·A·A for a symmetric A: the SYRK kernel at every size, whose fp32 epilogue rounds
-        P once (rounding b·A + c·A·A before adding a·I doubles Gram Newton–Schulz's error, and an fp32 sum
-        after cuBLAS costs more than the product on 8×1024×1024, H200)."""
-        return syrk(gram, alpha=c, beta=b, c=gram, diag=a)
+    def poly(self, gram: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor:
+        """P = s·(a·I + b·A + c·A·A) for a symmetric A (s = 1 without ``scale``): the SYRK kernel at every
+        size, whose fp32 epilogue rounds P once (rounding b·A + c·A·A before adding a·I doubles Gram
+        Newton–Schulz's error, and an fp32 sum after cuBLAS costs more than the product on 8×1024×1024, H200)."""
+        return syrk(gram, alpha=c, beta=b, c=gram, diag=a, scale=scale)
 
-    def symmetric_product(self, x: Tensor, y: Tensor) -> Tensor:
-        """X·Yᵀ for a product known to be symmetric (exactly symmetric on the SYRK path)."""
-        return symmetric_product(x, y) if self.uses_syrk(x) else x @ y.mT
+    def symmetric_product(self, x: Tensor, y: Tensor, scale: Tensor | None = None) -> Tensor:
+        """s·X·Yᵀ for a product known to be symmetric (exactly symmetric on the SYRK path)."""
+        if self.uses_syrk(x):
+            return symmetric_product(x, y, scale=scale)
+        return scaled(x @ y.mT, scale, 1)
 
     def apply(self, p: Tensor, x: Tensor) -> Tensor:
         """X' = P·X (P symmetric); keeps x's layout when x is a transposed view."""
@@ -77,13 +99,15 @@ class TritonMatmuls:
             return (x.mT @ p).mT
         return p @ x
 
-    def iteration(self, x: Tensor, a: float, b: float, c: float) -> Tensor:
-        """X' = (a·I + b·A + c·A·A)·X with A = X·Xᵀ. Off the SYRK path P comes from one cuBLAS ``addmm`` and
-        a diagonal add, faster there than the SYRK kernel (8×1024×1024: 0.044 vs 0.050 ms, H200); b·A + c·A·A
-        is rounded before a·I is added, harmless in this form."""
+    def iteration(self, x: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor:
+        """X' = (a·I + b·A + c·A·A)·X with A = X·Xᵀ, for X = s·x (x without ``scale``): on the SYRK path
+        A = s²·x·xᵀ and X' = (s·P)·x, so s·x is never formed. Off the SYRK path P comes from one cuBLAS
+        ``addmm`` and a diagonal add, faster there than the SYRK kernel (8×1024×1024: 0.044 vs 0.050 ms,
+        H200); b·A + c·A·A is rounded before a·I is added, harmless in this form."""
+        if self.uses_syrk(x):
+            return self.apply(self.poly(self.gram(x, scale), a, b, c, scale), x)
+        x = scaled(x, scale, 1)
         gram = self.gram(x)
-        if self.uses_syrk(gram):
-            return self.apply(self.poly(gram, a, b, c), x)
         p = TORCH_MATMULS.gram_poly(gram, b, c)
         p.diagonal(dim1=-2, dim2=-1).add_(a)
         return self.apply(p, x)

@@ -1,7 +1,8 @@
 """Triton kernel for products known to be symmetric (SYRK, and GEMMT-style X·Yᵀ), 2-D and batched.
 
-    out = alpha·X·Yᵀ + beta·C + d·I      X, Y: [m, k] or [B, m, k] (bf16/fp16), Y = X by default (SYRK),
-                                         C: [.., m, m] symmetric
+    out = s_b^p·(alpha·X·Yᵀ + beta·C + d·I)     X, Y: [m, k] or [B, m, k] (bf16/fp16), Y = X by default
+                                                (SYRK), C: [.., m, m] symmetric, s: an optional fp32
+                                                scale per matrix b, p = 1 or 2
 
 Accumulation is in fp32. Only the tiles that touch the lower triangle are computed; each is stored twice,
 as itself (its part on or below the diagonal) and transposed into the upper triangle, so the result is
@@ -109,6 +110,7 @@ def _syrk_kernel(
     host_desc_out_t,  # unused (may be None) with square tiles: host_desc_out serves
     host_desc_c,  # TMA_EPILOGUE and HAS_C: C flattened into rows
     c_ptr,
+    scale_ptr,  # SCALE_POWER > 0: fp32, one entry per matrix of the batch
     out_ptr,
     M,
     K,
@@ -129,6 +131,7 @@ def _syrk_kernel(
     TMA_EPILOGUE: tl.constexpr,
     HAS_C: tl.constexpr,
     HAS_DIAG: tl.constexpr,
+    SCALE_POWER: tl.constexpr,
     RATIO: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -217,6 +220,11 @@ def _syrk_kernel(
         result += beta * c_tile.to(tl.float32)
     if HAS_DIAG:
         result += tl.where(rows == cols, diag, 0.0)
+    if SCALE_POWER > 0:
+        scale = tl.load(scale_ptr + batch)
+        if SCALE_POWER == 2:
+            scale = scale * scale
+        result = result * scale
     result = result.to(out_ptr.dtype.element_ty)
     out_base = out_ptr + batch.to(tl.int64) * stride_ob
     if TMA_EPILOGUE:
@@ -377,10 +385,22 @@ def _launch(
     diag: float,
     tma: str | None,
     config: dict | None,
+    scale: Tensor | None = None,
+    scale_power: int = 1,
 ) -> Tensor:
-    """``alpha·X·Yᵀ + beta·C + diag·I`` (Y = X when None), lower tiles computed and mirrored."""
+    """``s^p·(alpha·X·Yᵀ + beta·C + diag·I)`` (Y = X when None; s = ``scale`` per matrix, p = ``scale_power``,
+    or 1), lower tiles computed and mirrored."""
     x3 = _as_batch(x, "X")
     batch, m, k = x3.shape
+    if scale is not None:
+        well_formed = scale.dtype == torch.float32 and scale.numel() == batch and scale.is_contiguous()
+        if not well_formed or scale.device != x.device:
+            raise ValueError(
+                f"syrk: scale must be a contiguous float32 tensor of {batch} entries on {x.device}, got "
+                f"{tuple(scale.shape)} {scale.dtype} on {scale.device}"
+            )
+        if scale_power not in (1, 2):
+            raise ValueError(f"syrk: scale_power must be 1 or 2, got {scale_power}")
     if y is None:
         y3 = x3
     else:
@@ -439,6 +459,7 @@ def _launch(
         y3,
         *descs,
         c3,
+        out if scale is None else scale,
         out,
         m,
         k,
@@ -459,6 +480,7 @@ def _launch(
         TMA_EPILOGUE=epilogue,
         HAS_C=c is not None,
         HAS_DIAG=diag != 0.0,
+        SCALE_POWER=0 if scale is None else scale_power,
         **launch_options,
     )
     if not known:
@@ -474,25 +496,28 @@ def syrk(
     diag: float = 0.0,
     tma: str | None = None,
     config: dict | None = None,
+    scale: Tensor | None = None,
+    scale_power: int = 1,
 ) -> Tensor:
     """``alpha·X·Xᵀ + beta·C + diag·I`` for X [m, k] or [B, m, k]; C (optional) symmetric [.., m, m], rows
-    contiguous.
+    contiguous; times s_b^scale_power per matrix b where ``scale`` (fp32, one entry per matrix) is given.
 
     Returns a new contiguous, exactly symmetric [.., m, m] tensor in x's dtype (fp32 accumulation).
     ``tma``: how tiles are read (see :func:`tma_mode_for`). ``config``: fixed tile parameters (RATIO,
     BLOCK_N, BLOCK_K, and optionally num_warps, num_stages, maxnreg, TMA_EPILOGUE) instead of autotuning; on
     CPU (the interpreter) a 32×32 tile.
     """
-    return _launch(x, None, alpha, beta, c, diag, tma, config)
+    return _launch(x, None, alpha, beta, c, diag, tma, config, scale, scale_power)
 
 
 def symmetric_product(
-    x: Tensor, y: Tensor, tma: str | None = None, config: dict | None = None
+    x: Tensor, y: Tensor, tma: str | None = None, config: dict | None = None, scale: Tensor | None = None
 ) -> Tensor:
     """X·Yᵀ for a product the caller knows to be symmetric (e.g. R·Z with R, Z symmetric and commuting):
-    its lower triangle, computed in about half the FLOPs, mirrored into the upper one.
+    its lower triangle, computed in about half the FLOPs, mirrored into the upper one; times s_b per matrix
+    b where ``scale`` is given.
 
     X and Y: [m, m] or [B, m, m] with the same shape, strides and dtype. Returns a new contiguous, exactly
-    symmetric tensor; ``tma`` and ``config`` as for :func:`syrk`.
+    symmetric tensor; ``tma``, ``config`` and ``scale`` as for :func:`syrk`.
     """
-    return _launch(x, y, 1.0, 0.0, None, 0.0, tma, config)
+    return _launch(x, y, 1.0, 0.0, None, 0.0, tma, config, scale)
