@@ -168,8 +168,8 @@ def bench_shape(
     shape: tuple[int, ...], methods: dict[str, Method], device: str, rounds: int
 ) -> tuple[list[dict], list[float]]:
     """One row per method: accuracy from one call, then ``rounds`` timings per method, the methods
-    interleaved round by round (the GPU's clock drifts as it heats: 4096² measured 2.22 and 2.62 ms with
-    one config minutes apart), and the median of the rounds. Each round also times the 8192³ matmul
+    interleaved round by round, each round starting one method later (the GPU's clock drifts as it heats:
+    4096² measured 2.22 and 2.62 ms with one config minutes apart), and the median of the rounds. Each round also times the 8192³ matmul
     ceiling; a row's % of it is the median over rounds of its rate against the same round's ceiling.
     Returns the rows and the ceilings of the rounds."""
     torch.manual_seed(0)
@@ -198,9 +198,12 @@ def bench_shape(
         del out
     del ours
     ceilings = []
-    for _ in range(rounds):
+    pairs = list(zip(rows, methods.values()))
+    for r in range(rounds):
         ceilings.append(matmul_ceiling_tflops(cuda))
-        for row, fn in zip(rows, methods.values()):
+        # Round r starts at method r: a method's time depends on what ran just before it (the power cap
+        # holds the clock down after a power-hungry method), so no method keeps one neighbour every round.
+        for row, fn in pairs[r % len(pairs) :] + pairs[: r % len(pairs)]:
             row["ms_rounds"].append(time_ms(lambda fn=fn: fn(g), cuda))
             row["sm_mhz_rounds"].append(sm_clock_mhz(cuda))
     for row in rows:
