@@ -12,7 +12,8 @@ CPU; the methods interleaved round by round) and the rounds' range; TFLOP/s coun
 as % of an 8192³ bf16 matmul timed in the same round (the card runs power-capped, its clock moving with its
 state; the SM clock after each timing is in the JSON); the output's singular-value range (min σ, max σ)
 from float64 (eigenvalues of the float64 Gram matrix, i.e. squared singular values); the relative
-difference to plain torch's output; and whether the output has the same bits as ours (eager). Inputs are fp32 gradients (Emerging-Optimizers requires fp32).
+difference to plain torch's output; and whether the output has the same bits as ours (eager). Inputs are
+fp32 gradients (Emerging-Optimizers requires fp32).
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def sm_clock_mhz(cuda: bool) -> int | None:
         return None
     try:
         return int(torch.cuda.clock_rate())
-    except Exception:  # no NVML: the clock is unknown, the timing still counts
+    except Exception:  # noqa: BLE001 (NVML's own errors derive from Exception): the clock is unknown, the timing counts
         return None
 
 
@@ -169,8 +170,9 @@ def bench_shape(
 ) -> tuple[list[dict], list[float]]:
     """One row per method: accuracy from one call, then ``rounds`` timings per method, the methods
     interleaved round by round, each round starting one method later (the GPU's clock drifts as it heats:
-    4096² measured 2.22 and 2.62 ms with one config minutes apart), and the median of the rounds. Each round also times the 8192³ matmul
-    ceiling; a row's % of it is the median over rounds of its rate against the same round's ceiling.
+    4096² measured 2.22 and 2.62 ms with one config minutes apart), and the median of the rounds. Each
+    round also times the 8192³ matmul ceiling; a row's % of it is the median over rounds of its rate
+    against the same round's ceiling.
     Returns the rows and the ceilings of the rounds."""
     torch.manual_seed(0)
     g = torch.randn(shape, device=device, dtype=torch.float32)

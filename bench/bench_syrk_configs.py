@@ -29,7 +29,12 @@ from dtensor_muon.kernels.triton_syrk import SYRK_SHAPES, symmetric_product, syr
 
 # The autotuner's configs (SYRK_SHAPES), then candidates outside it: K steps of 128 (half the barriers per
 # FLOP, two stages) and two-stage or 32-deep pipelines small enough for three programs per SM.
-EXTRA_SHAPES = [(1, 128, 128, 4, 2, None), (1, 128, 128, 8, 2, None), (1, 128, 64, 4, 2, None), (1, 128, 32, 4, 4, None)]
+EXTRA_SHAPES = [
+    (1, 128, 128, 4, 2, None),
+    (1, 128, 128, 8, 2, None),
+    (1, 128, 64, 4, 2, None),
+    (1, 128, 32, 4, 4, None),
+]
 SYRK_CANDIDATES = [
     {"RATIO": r, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st, "TMA_EPILOGUE": True}
     | ({"maxnreg": regs} if regs else {})
@@ -129,8 +134,8 @@ def run_case(
                     lambda cfg=cfg, mode=mode: syrk(gram, c, b, gram, diag=a, config=cfg, tma=mode), poly_flops,
                     poly_ref)
     if gram.ndim == 2:
-        measurements.add("poly", label, "cuBLAS addmm (no a·I)", lambda: torch.addmm(gram, gram, gram, beta=b, alpha=c),
-                2 * m**3, None)
+        measurements.add("poly", label, "cuBLAS addmm (no a·I)",
+                         lambda: torch.addmm(gram, gram, gram, beta=b, alpha=c), 2 * m**3, None)
     else:
         measurements.add("poly", label, "cuBLAS baddbmm (no a·I)",
                 lambda: torch.baddbmm(gram, gram, gram, beta=b, alpha=c), 2 * batch * m**3, None)

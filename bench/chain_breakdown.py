@@ -27,7 +27,12 @@ from torch import Tensor
 
 from dtensor_muon.kernels import triton_syrk
 from dtensor_muon.kernels.triton_matmuls import TritonMatmuls
-from dtensor_muon.newton_schulz import KELLER_COEFFICIENTS, in_layout_of, iterate, newton_schulz
+from dtensor_muon.newton_schulz import (
+    KELLER_COEFFICIENTS,
+    in_layout_of,
+    iterate,
+    newton_schulz,
+)
 
 
 class TimedMatmuls(TritonMatmuls):
@@ -79,7 +84,7 @@ def timed_call(g: Tensor, backend: TimedMatmuls, algorithm: str) -> None:
 
 def breakdown(shape: tuple[int, ...], algorithm: str, calls: int) -> dict:
     g = torch.randn(shape, device="cuda")
-    whole = lambda: newton_schulz(g, algorithm=algorithm)  # noqa: E731
+    whole = lambda: newton_schulz(g, algorithm=algorithm)
     whole()
     torch.cuda.synchronize()
     backend = TimedMatmuls()

@@ -218,8 +218,8 @@ def _interpreter_checks() -> Numbers:
     z = (0.5 * a.to(f64) + a.to(f64) @ a.to(f64)).to(bf16)
     out["scaled_product_rel"] = rel(symmetric_product(a, z, config=cfg, scale=s), s64 * (a.to(f64) @ z.to(f64)))
 
-    # Five iterations from the folded start (round(G) and s; A₀ = s²·X̃·X̃ᵀ, X₁ = (s·P₀)·X̃) on the SYRK backend,
-    # standard and Gram form, against the float64 iteration from G / ‖G‖.
+    # Five iterations from the folded start (round(G) and s; A₀ = s²·X̃·X̃ᵀ, X₁ = (s·P₀)·X̃) on the SYRK
+    # backend, standard and Gram form, against the float64 iteration from G / ‖G‖.
     from dtensor_muon.newton_schulz import in_layout_of, iterate
 
     schedule = [(3.4445, -4.775, 2.0315)] * 5
@@ -238,7 +238,8 @@ def _interpreter_checks() -> Numbers:
             out[f"folded_{name}_{algorithm}_keeps_layout"] = float(folded.stride() == x.stride())
         written = torch.empty_like(g, dtype=bf16)
         TORCH_MATMULS.start_into(g, written, in_layout_of(written, g), 1e-7)
-        out[f"folded_{name}_torch_rel"] = rel(iterate(in_layout_of(written, g), schedule, TORCH_MATMULS, "standard"), y64)
+        from_written = iterate(in_layout_of(written, g), schedule, TORCH_MATMULS, "standard")
+        out[f"folded_{name}_torch_rel"] = rel(from_written, y64)
 
     # The GPU backend's iteration (SYRK at every size) on a transposed view (a tall gradient): result and
     # layout; and five NS iterations against the float64 iteration, next to the torch backend's.

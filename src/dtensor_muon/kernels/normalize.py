@@ -3,16 +3,17 @@
     normalize_into:       s_b = 1 / max(‖G_b‖_F, eps),  X₀_b = round(s_b · G_b)
     cast_and_scale_into:  X̃_b = round(G_b),  s_b = 1 / max(‖G_b‖_F, eps),  X₀_b = s_b · X̃_b
 
-``normalize_into`` takes an fp32 norm pass over G, then one Triton kernel that reads G again and writes X₀
-rounded once (instead of torch's cast, norm of the cast and in-place division by a broadcast device scalar:
-0.92 ms of prologue on 64×2048×1408 on the H200, of which 0.57 the non-vectorized division). X₀ differs
-from torch's by at most one rounding of the working dtype per entry (torch rounds G, then the quotient).
+``normalize_into`` takes an fp32 norm pass over G, then one Triton kernel that reads G again and writes
+X₀ rounded once (instead of torch's cast, norm of the cast and in-place division by a broadcast device
+scalar: 0.92 ms of prologue on 64×2048×1408 on the H200, of which 0.57 the non-vectorized division). X₀
+differs from torch's by at most one rounding of the working dtype per entry (torch rounds G, then the
+quotient).
 
-``cast_and_scale_into`` reads G once: one kernel writes X̃ = round(G) and each block's fp32 sum of squares
-of G, a second (one program per matrix) sums a matrix's blocks in a fixed order (deterministic) into s.
-The caller folds s into the first products (A₀ = s²·X̃·X̃ᵀ, P₀·X₀ = (s·P₀)·X̃), so X₀ is never written:
-one read of G instead of two. Each entry of X̃ is G's rounded once; X₀ = s·X̃ is within one rounding of
-G / ‖G‖ as above.
+``cast_and_scale_into`` reads G once: one kernel writes X̃ = round(G) and each block's fp32 sum of
+squares of G, a second (one program per matrix) sums a matrix's blocks in a fixed order (deterministic)
+into s. The caller folds s into the first products (A₀ = s²·X̃·X̃ᵀ, P₀·X₀ = (s·P₀)·X̃), so X₀ is never
+written: one read of G instead of two. Each entry of X̃ is G's rounded once; X₀ = s·X̃ is within one
+rounding of G / ‖G‖ as above.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """One Newton–Schulz iteration on the GPU: Triton SYRK kernels where they pay, cuBLAS elsewhere.
 
-    X₀ = G / max(‖G‖_F, eps)             where the products are SYRK kernels: X̃ = round(G) and s = 1 / max(‖G‖_F,
-                                         eps) from one read of G, s folded into the first products (A₀ =
-                                         s²·X̃·X̃ᵀ, P₀·X₀ = (s·P₀)·X̃); elsewhere X₀ written (:mod:`.normalize`)
+    start:  X₀ = G / max(‖G‖_F, eps)      (where the products are SYRK kernels: X̃ = round(G) and
+                                            s = 1 / max(‖G‖_F, eps) from one read of G, s folded into
+                                            the first products, A₀ = s²·X̃·X̃ᵀ, P₀·X₀ = (s·P₀)·X̃;
+                                            elsewhere X₀ written; :mod:`.normalize`)
     gram:   A = X·Xᵀ                       (SYRK: lower-triangle tiles only, mirrored; or cuBLAS)
     poly:   P = a·I + b·A + c·A·A          (SYRK on the symmetric A, b·A and a·I fused into the epilogue;
                                             the standard form off SYRK: cuBLAS addmm, then a·I)
