@@ -65,6 +65,15 @@ def product(x: Tensor, y: Tensor, out: Tensor, config: tuple[int, int, int, int,
     _product_kernel[grid](a, b, c, x.shape[1], BM=bm, BN=bn, BK=bk, GROUP=8, **options)
 
 
+def methods_for(x: Tensor, y: Tensor, out: Tensor) -> dict[str, Callable[[], object]]:
+    """Each config of CONFIGS, and cuBLAS, writing x·yᵀ into ``out``."""
+    methods: dict[str, Callable[[], object]] = {
+        name: (lambda config=config: product(x, y, out, config)) for name, config in CONFIGS.items()
+    }
+    methods["cuBLAS"] = lambda: torch.matmul(x, y.T, out=out)
+    return methods
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -76,10 +85,7 @@ def main() -> None:
         y = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(m, m, device="cuda", dtype=torch.bfloat16)
         reference = x.float() @ y.float().T
-        methods: dict[str, Callable[[], object]] = {
-            name: (lambda config=config: product(x, y, out, config)) for name, config in CONFIGS.items()
-        }
-        methods["cuBLAS"] = lambda: torch.matmul(x, y.T, out=out)
+        methods = methods_for(x, y, out)
         for name, fn in methods.items():
             fn()
             error = ((out.float() - reference).norm() / reference.norm()).item()
