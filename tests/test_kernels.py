@@ -196,13 +196,12 @@ def _interpreter_checks() -> Numbers:
         ("bf16_input", torch.randn(2, 64, 72).to(bf16)),
     ):
         cast = torch.empty_like(g, dtype=bf16)
-        scale = torch.empty(g.size(0) if g.ndim == 3 else 1)
-        cast_and_scale_into(g, cast, scale, 1e-7)
+        scale = cast_and_scale_into(g, cast, 1e-7)
         norms = torch.linalg.vector_norm(g.to(f64), dim=(-2, -1)).reshape(-1)
         out[f"cast_{name}_absdiff"] = absdiff(cast, g.to(bf16).to(f64))
         out[f"cast_{name}_scale_rel"] = ((scale.to(f64) * norms - 1).abs().max()).item()
-    zero_scale = torch.empty(1)
-    cast_and_scale_into(torch.zeros(5, 7), torch.empty(5, 7, dtype=bf16), zero_scale, 1e-7)
+    zero_scale = torch.empty(1)  # written in place
+    cast_and_scale_into(torch.zeros(5, 7), torch.empty(5, 7, dtype=bf16), 1e-7, zero_scale)
     out["cast_zero_scale_times_eps"] = zero_scale.item() * 1e-7
 
     # Products times a per-matrix scale s (s² for the Gram matrix), batched with a different s per matrix.
@@ -408,7 +407,7 @@ def test_scale_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="scale_power must be 1 or 2"):
         syrk(x, scale=torch.ones(2), scale_power=3)
     with pytest.raises(ValueError, match="cast_and_scale_into: scale"):
-        cast_and_scale_into(torch.zeros(2, 8, 16), x.clone(), torch.ones(1), 1e-7)
+        cast_and_scale_into(torch.zeros(2, 8, 16), x.clone(), 1e-7, torch.ones(1))
 
 
 def test_torch_backend_honours_a_scale() -> None:

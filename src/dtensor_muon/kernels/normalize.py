@@ -71,15 +71,20 @@ def scale_cast_applies(g: Tensor, out: Tensor) -> bool:
     )
 
 
+def _require_kernel_layout(g: Tensor, out: Tensor, caller: str) -> None:
+    """Raises ValueError, naming ``caller``, unless :func:`scale_cast_applies` to ``g`` and ``out``."""
+    if not scale_cast_applies(g, out):
+        raise ValueError(
+            f"{caller}: G and out must be contiguous, of one shape, with 1 to 2³¹ - 1 entries per matrix, "
+            f"got {tuple(g.shape)} and {tuple(out.shape)}"
+        )
+
+
 def normalize_into(g: Tensor, out: Tensor, eps: float) -> None:
     """out = G / max(‖G‖_F, eps) per matrix of ``g`` ([m, n] or [B, m, n]), rounded once to out's dtype.
 
     ``g`` and ``out`` must be contiguous and of one shape (:func:`scale_cast_applies`)."""
-    if not scale_cast_applies(g, out):
-        raise ValueError(
-            f"normalize_into: G and out must be contiguous, of one shape, with 1 to 2³¹ - 1 entries per matrix, "
-            f"got {tuple(g.shape)} and {tuple(out.shape)}"
-        )
+    _require_kernel_layout(g, out, "normalize_into")
     norms = torch.linalg.vector_norm(g, dim=(-2, -1), dtype=torch.float32)
     scale = norms.clamp(min=eps).reciprocal().reshape(-1)
     per_matrix = g.size(-2) * g.size(-1)
@@ -87,18 +92,17 @@ def normalize_into(g: Tensor, out: Tensor, eps: float) -> None:
     _scale_cast_kernel[grid](g, scale, out, per_matrix, BLOCK=BLOCK, num_warps=4)
 
 
-def cast_and_scale_into(g: Tensor, out: Tensor, scale: Tensor, eps: float) -> None:
+def cast_and_scale_into(g: Tensor, out: Tensor, eps: float, scale: Tensor | None = None) -> Tensor:
     """out = round(G) in out's dtype and scale[b] = 1 / max(‖G_b‖_F, eps) per matrix of ``g`` ([m, n] or
-    [B, m, n]; ``scale``: fp32, one entry per matrix), so that X₀ = scale·out; G is read once.
+    [B, m, n]), so that X₀ = scale·out; G is read once. Returns the scale: ``scale`` (fp32, one entry per
+    matrix) written in place when given, else a new tensor.
 
     ``g`` and ``out`` must be contiguous and of one shape (:func:`scale_cast_applies`)."""
-    if not scale_cast_applies(g, out):
-        raise ValueError(
-            f"cast_and_scale_into: G and out must be contiguous, of one shape, with 1 to 2³¹ - 1 entries per "
-            f"matrix, got {tuple(g.shape)} and {tuple(out.shape)}"
-        )
+    _require_kernel_layout(g, out, "cast_and_scale_into")
     matrices = g.size(0) if g.ndim == 3 else 1
-    if scale.dtype != torch.float32 or scale.numel() != matrices or not scale.is_contiguous():
+    if scale is None:
+        scale = torch.empty(matrices, device=g.device, dtype=torch.float32)
+    elif scale.dtype != torch.float32 or scale.numel() != matrices or not scale.is_contiguous():
         raise ValueError(
             f"cast_and_scale_into: scale must be a contiguous float32 tensor of {matrices} entries, got "
             f"{tuple(scale.shape)} {scale.dtype}"
@@ -108,3 +112,4 @@ def cast_and_scale_into(g: Tensor, out: Tensor, scale: Tensor, eps: float) -> No
     partials = torch.empty(matrices, blocks, device=g.device, dtype=torch.float32)
     _cast_sum_squares_kernel[(blocks, matrices)](g, out, partials, per_matrix, BLOCK=BLOCK, num_warps=4)
     _scale_from_partials_kernel[(matrices,)](partials, scale, blocks, float(eps), CHUNK=1024, num_warps=4)
+    return scale

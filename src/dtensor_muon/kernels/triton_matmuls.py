@@ -21,7 +21,6 @@ never materializes a transpose and hands back a view of the same layout.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .normalize import cast_and_scale_into, normalize_into, scale_cast_applies
@@ -63,10 +62,7 @@ class TritonMatmuls:
         if not (self.uses_syrk(x) and scale_cast_applies(g, out)):
             self.normalize_into(g, out, eps)
             return None
-        matrices = g.size(0) if g.ndim == 3 else 1
-        scale = torch.empty(matrices, device=g.device, dtype=torch.float32) if scale_out is None else scale_out
-        cast_and_scale_into(g, out, scale, eps)
-        return scale
+        return cast_and_scale_into(g, out, eps, scale_out)
 
     def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None:
         """out = G / max(‖G‖_F, eps) per matrix, in one pass over G (:mod:`.normalize`) where both are
