@@ -1,0 +1,186 @@
+"""The persistent Gluon SYRK kernel (``bench/gluon_syrk.py``) against the Triton SYRK kernel and cuBLAS.
+
+    PYTHONPATH=src python3 bench/gluon_syrk_probe.py --rounds 3 --out bench/results/gluon_syrk_h200.json
+
+First each variant (2-D and batched, row-major and transposed views, Y ≠ X, a C term with a diagonal and a
+per-matrix scale, sizes off the tile grid) is checked against an fp32 product: relative Frobenius error
+< 1e-2 and an exactly symmetric result. Then the Newton–Schulz products of the shapes the issue names are
+timed ``--rounds`` times interleaved (``triton.testing.do_bench_cudagraph``, median ms): Gluon, the Triton
+SYRK kernel as the backend runs it, and cuBLAS's full product. Before that, the "probe" part times the Gluon
+kernel whole, without its transposed stores and without its epilogue (``gluon_syrk.PROBE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+from gluon_syrk import gluon_syrk  # bench/ is on the path: this script runs as bench/gluon_syrk_probe.py
+from torch import Tensor
+
+from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
+
+
+def reference(x: Tensor, y: Tensor | None, alpha: float, beta: float, c: Tensor | None, diag: float,
+              scale: Tensor | None, power: int) -> Tensor:
+    """fp32 s^p·(alpha·X·Yᵀ + beta·C + diag·I)."""
+    xf = x.float()
+    yf = xf if y is None else y.float()
+    r = alpha * xf @ yf.mT
+    if c is not None:
+        r = r + beta * c.float()
+    if diag:
+        r = r + diag * torch.eye(x.size(-2), device=x.device)
+    if scale is not None:
+        s = scale.view(-1, 1, 1) if r.ndim == 3 else scale.view(1, 1)
+        r = r * s**power
+    return r
+
+
+def check(name: str, x: Tensor, y: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0,
+          c: Tensor | None = None, diag: float = 0.0, scale: Tensor | None = None, power: int = 1) -> dict:
+    out = gluon_syrk(x, y, alpha, beta, c, diag, scale, power)
+    ref = reference(x, y, alpha, beta, c, diag, scale, power)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    symmetric = bool(torch.equal(out, out.mT))
+    again = gluon_syrk(x, y, alpha, beta, c, diag, scale, power)
+    row = {"case": name, "rel_err": err, "exactly_symmetric": symmetric, "deterministic": bool(torch.equal(out, again))}
+    print(f"{name:<44} rel err {err:.2e} symmetric {symmetric} deterministic {row['deterministic']}")
+    return row
+
+
+def correctness(device: torch.device) -> list[dict]:
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    rows = []
+    x = torch.randn(512, 384, device=device, dtype=bf)
+    rows.append(check("gram 512x384", x))
+    x = torch.randn(1408, 2048, device=device, dtype=bf)
+    rows.append(check("gram 1408x2048", x))
+    x = torch.randn(304, 200, device=device, dtype=bf)
+    rows.append(check("gram 304x200 (off the tile grid)", x))
+    x = torch.randn(3, 2048, 1408, device=device, dtype=bf).mT
+    rows.append(check("gram 3x1408x2048 transposed view", x))
+    a = torch.randn(4, 1408, 1408, device=device, dtype=bf)
+    a = ((a + a.mT) / 64).to(bf)
+    scale = torch.rand(4, device=device) + 0.5
+    rows.append(check("poly 4x1408² (C, diag, scale)", a, None, -4.7, 2.0, a, 3.4, scale, 1))
+    rows.append(check("gram 4x1408² scale²", a, None, 1.0, 0.0, None, 0.0, scale, 2))
+    b = (2.0 * a.float() + a.float() @ a.float()).to(bf)  # a polynomial in a: a·bᵀ is symmetric
+    rows.append(check("X·Yᵀ 4x1408², Y a polynomial in X", a, b))
+    a = torch.randn(4096, 4096, device=device, dtype=bf) / 64
+    rows.append(check("gram 4096²", a))
+    a = ((a + a.mT) / 2).to(bf)
+    rows.append(check("poly 4096² (C, diag)", a, None, -4.7, 2.0, a, 3.4))
+    return rows
+
+
+def cases(device: torch.device) -> dict[str, dict[str, Callable[[], object]]]:
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    x = torch.randn(4096, 4096, device=device, dtype=bf) / 64
+    a = x @ x.mT
+    xt = (torch.randn(64, 2048, 1408, device=device, dtype=bf) / 45).mT
+    r = xt @ xt.mT
+    q = torch.randn(64, 1408, 1408, device=device, dtype=bf) / 38
+    big = torch.randn(8192, 8192, device=device, dtype=bf) / 90
+    return {
+        "gram 4096²": {"gluon": lambda: gluon_syrk(x), "triton": lambda: syrk(x), "cuBLAS": lambda: x @ x.mT},
+        "poly 4096²": {
+            "gluon": lambda: gluon_syrk(a, None, -4.7, 2.0, a, 3.4),
+            "triton": lambda: syrk(a, -4.7, 2.0, a, 3.4),
+            "cuBLAS": lambda: torch.addmm(a, a, a, beta=2.0, alpha=-4.7),
+        },
+        "gram 8192²": {"gluon": lambda: gluon_syrk(big), "triton": lambda: syrk(big)},
+        "gram 64x1408x2048 (transposed)": {
+            "gluon": lambda: gluon_syrk(xt), "triton": lambda: syrk(xt), "cuBLAS": lambda: xt @ xt.mT,
+        },
+        "poly 64x1408²": {
+            "gluon": lambda: gluon_syrk(r, None, -4.7, 2.0, r, 3.4),
+            "triton": lambda: syrk(r, -4.7, 2.0, r, 3.4),
+            "cuBLAS": lambda: torch.baddbmm(r, r, r, beta=2.0, alpha=-4.7),
+        },
+        "product 64x1408²": {
+            "gluon": lambda: gluon_syrk(r, q), "triton": lambda: symmetric_product(r, q),
+            "cuBLAS": lambda: r @ q.mT,
+        },
+    }
+
+
+def timing(device: torch.device, rounds: int) -> list[dict]:
+    table = cases(device)
+    times: dict[tuple[str, str], list[float]] = {}
+    for fns in table.values():
+        for fn in fns.values():
+            fn()  # compile and tune outside the timing
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for case, fns in table.items():
+            for method, fn in fns.items():
+                times.setdefault((case, method), []).append(triton.testing.do_bench_cudagraph(fn, rep=100))
+    rows = []
+    for case, fns in table.items():
+        line = f"{case:<34}"
+        for method in fns:
+            ms = statistics.median(times[(case, method)])
+            rows.append({"case": case, "method": method, "ms": ms, "rounds": times[(case, method)]})
+            line += f" {method} {ms:.4f}"
+        print(line)
+    return rows
+
+
+def probe(device: torch.device) -> list[dict]:
+    """Where a tile's time goes: the kernel without its transposed stores (PROBE 1) and without any
+    epilogue (PROBE 2), results wrong by design, timed against the whole kernel."""
+    import gluon_syrk as module
+
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    x = torch.randn(4096, 4096, device=device, dtype=bf) / 64
+    xt = (torch.randn(64, 2048, 1408, device=device, dtype=bf) / 45).mT
+    r = torch.randn(64, 1408, 1408, device=device, dtype=bf) / 38
+    big = torch.randn(8192, 8192, device=device, dtype=bf) / 90
+    rows = []
+    for name, fn in (("gram 4096²", lambda: gluon_syrk(x)), ("gram 8192²", lambda: gluon_syrk(big)),
+                     ("gram 64x1408x2048", lambda: gluon_syrk(xt)), ("product 64x1408²", lambda: gluon_syrk(r, r))):
+        line = f"{name:<24}"
+        for mode in (0, 1, 2):
+            module.PROBE = mode
+            try:
+                fn()
+                ms = statistics.median(triton.testing.do_bench_cudagraph(fn, rep=100) for _ in range(3))
+            finally:
+                module.PROBE = 0
+            rows.append({"case": name, "probe": mode, "ms": ms})
+            line += f" probe{mode} {ms:.4f}"
+        print(line)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    parts = (("correctness", lambda: correctness(device)), ("probe", lambda: probe(device)),
+             ("timing", lambda: timing(device, args.rounds)))
+    for part, run in parts:
+        try:
+            result[part] = run()
+        except Exception:  # noqa: BLE001 (report the failing part, e.g. a compile error, and go on)
+            result[part] = traceback.format_exc()
+            print(result[part])
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
