@@ -1,13 +1,15 @@
-"""The persistent Gluon SYRK kernel (``bench/gluon_syrk.py``) against the Triton SYRK kernel and cuBLAS.
+"""The Gluon SYRK kernels against the Triton SYRK kernel and cuBLAS: the persistent one
+(``bench/gluon_syrk.py``, ``--kernel persistent``) or the warp-specialized one the library runs on Hopper
+(``dtensor_muon.kernels.ws_syrk``, ``--kernel ws``).
 
-    PYTHONPATH=src python3 bench/gluon_syrk_probe.py --rounds 3 --out bench/results/gluon_syrk_h200.json
+    PYTHONPATH=src python3 bench/gluon_syrk_probe.py --kernel ws --rounds 3 --out bench/results/gluon_syrk_ws_h200.json
 
 First each variant (2-D and batched, row-major and transposed views, Y ≠ X, a C term with a diagonal and a
 per-matrix scale, sizes off the tile grid) is checked against an fp32 product: relative Frobenius error
 < 1e-2 and an exactly symmetric result. Then the Newton–Schulz products of the shapes the issue names are
 timed ``--rounds`` times interleaved (``triton.testing.do_bench_cudagraph``, median ms): Gluon, the Triton
-SYRK kernel as the backend runs it, and cuBLAS's full product. Before that, the "probe" part times the Gluon
-kernel whole, without its transposed stores and without its epilogue (``gluon_syrk.PROBE``).
+SYRK kernel as the backend runs it, and cuBLAS's full product. Before that, for the persistent kernel, the
+"probe" part times it whole, without its transposed stores and without its epilogue (``gluon_syrk.PROBE``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from gluon_syrk import gluon_syrk  # bench/ is on the path: this script runs as 
 from torch import Tensor
 
 from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
+from dtensor_muon.kernels.ws_syrk import ws_syrk
+
+KERNELS: dict[str, Callable[..., Tensor]] = {"persistent": gluon_syrk, "ws": ws_syrk}
 
 
 def reference(x: Tensor, y: Tensor | None, alpha: float, beta: float, c: Tensor | None, diag: float,
@@ -43,45 +48,45 @@ def reference(x: Tensor, y: Tensor | None, alpha: float, beta: float, c: Tensor 
     return r
 
 
-def check(name: str, x: Tensor, y: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0,
+def check(kernel: Callable[..., Tensor], name: str, x: Tensor, y: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0,
           c: Tensor | None = None, diag: float = 0.0, scale: Tensor | None = None, power: int = 1) -> dict:
-    out = gluon_syrk(x, y, alpha, beta, c, diag, scale, power)
+    out = kernel(x, y, alpha, beta, c, diag, scale, power)
     ref = reference(x, y, alpha, beta, c, diag, scale, power)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     symmetric = bool(torch.equal(out, out.mT))
-    again = gluon_syrk(x, y, alpha, beta, c, diag, scale, power)
+    again = kernel(x, y, alpha, beta, c, diag, scale, power)
     row = {"case": name, "rel_err": err, "exactly_symmetric": symmetric, "deterministic": bool(torch.equal(out, again))}
     print(f"{name:<44} rel err {err:.2e} symmetric {symmetric} deterministic {row['deterministic']}")
     return row
 
 
-def correctness(device: torch.device) -> list[dict]:
+def correctness(kernel: Callable[..., Tensor], device: torch.device) -> list[dict]:
     torch.manual_seed(0)
     bf = torch.bfloat16
     rows = []
     x = torch.randn(512, 384, device=device, dtype=bf)
-    rows.append(check("gram 512x384", x))
+    rows.append(check(kernel, "gram 512x384", x))
     x = torch.randn(1408, 2048, device=device, dtype=bf)
-    rows.append(check("gram 1408x2048", x))
+    rows.append(check(kernel, "gram 1408x2048", x))
     x = torch.randn(304, 200, device=device, dtype=bf)
-    rows.append(check("gram 304x200 (off the tile grid)", x))
+    rows.append(check(kernel, "gram 304x200 (off the tile grid)", x))
     x = torch.randn(3, 2048, 1408, device=device, dtype=bf).mT
-    rows.append(check("gram 3x1408x2048 transposed view", x))
+    rows.append(check(kernel, "gram 3x1408x2048 transposed view", x))
     a = torch.randn(4, 1408, 1408, device=device, dtype=bf)
     a = ((a + a.mT) / 64).to(bf)
     scale = torch.rand(4, device=device) + 0.5
-    rows.append(check("poly 4x1408² (C, diag, scale)", a, None, -4.7, 2.0, a, 3.4, scale, 1))
-    rows.append(check("gram 4x1408² scale²", a, None, 1.0, 0.0, None, 0.0, scale, 2))
+    rows.append(check(kernel, "poly 4x1408² (C, diag, scale)", a, None, -4.7, 2.0, a, 3.4, scale, 1))
+    rows.append(check(kernel, "gram 4x1408² scale²", a, None, 1.0, 0.0, None, 0.0, scale, 2))
     b = (2.0 * a.float() + a.float() @ a.float()).to(bf)  # a polynomial in a: a·bᵀ is symmetric
-    rows.append(check("X·Yᵀ 4x1408², Y a polynomial in X", a, b))
+    rows.append(check(kernel, "X·Yᵀ 4x1408², Y a polynomial in X", a, b))
     a = torch.randn(4096, 4096, device=device, dtype=bf) / 64
-    rows.append(check("gram 4096²", a))
+    rows.append(check(kernel, "gram 4096²", a))
     a = ((a + a.mT) / 2).to(bf)
-    rows.append(check("poly 4096² (C, diag)", a, None, -4.7, 2.0, a, 3.4))
+    rows.append(check(kernel, "poly 4096² (C, diag)", a, None, -4.7, 2.0, a, 3.4))
     return rows
 
 
-def cases(device: torch.device) -> dict[str, dict[str, Callable[[], object]]]:
+def cases(gluon: Callable[..., Tensor], device: torch.device) -> dict[str, dict[str, Callable[[], object]]]:
     torch.manual_seed(0)
     bf = torch.bfloat16
     x = torch.randn(4096, 4096, device=device, dtype=bf) / 64
@@ -91,30 +96,30 @@ def cases(device: torch.device) -> dict[str, dict[str, Callable[[], object]]]:
     q = torch.randn(64, 1408, 1408, device=device, dtype=bf) / 38
     big = torch.randn(8192, 8192, device=device, dtype=bf) / 90
     return {
-        "gram 4096²": {"gluon": lambda: gluon_syrk(x), "triton": lambda: syrk(x), "cuBLAS": lambda: x @ x.mT},
+        "gram 4096²": {"gluon": lambda: gluon(x), "triton": lambda: syrk(x), "cuBLAS": lambda: x @ x.mT},
         "poly 4096²": {
-            "gluon": lambda: gluon_syrk(a, None, -4.7, 2.0, a, 3.4),
+            "gluon": lambda: gluon(a, None, -4.7, 2.0, a, 3.4),
             "triton": lambda: syrk(a, -4.7, 2.0, a, 3.4),
             "cuBLAS": lambda: torch.addmm(a, a, a, beta=2.0, alpha=-4.7),
         },
-        "gram 8192²": {"gluon": lambda: gluon_syrk(big), "triton": lambda: syrk(big)},
+        "gram 8192²": {"gluon": lambda: gluon(big), "triton": lambda: syrk(big)},
         "gram 64x1408x2048 (transposed)": {
-            "gluon": lambda: gluon_syrk(xt), "triton": lambda: syrk(xt), "cuBLAS": lambda: xt @ xt.mT,
+            "gluon": lambda: gluon(xt), "triton": lambda: syrk(xt), "cuBLAS": lambda: xt @ xt.mT,
         },
         "poly 64x1408²": {
-            "gluon": lambda: gluon_syrk(r, None, -4.7, 2.0, r, 3.4),
+            "gluon": lambda: gluon(r, None, -4.7, 2.0, r, 3.4),
             "triton": lambda: syrk(r, -4.7, 2.0, r, 3.4),
             "cuBLAS": lambda: torch.baddbmm(r, r, r, beta=2.0, alpha=-4.7),
         },
         "product 64x1408²": {
-            "gluon": lambda: gluon_syrk(r, q), "triton": lambda: symmetric_product(r, q),
+            "gluon": lambda: gluon(r, q), "triton": lambda: symmetric_product(r, q),
             "cuBLAS": lambda: r @ q.mT,
         },
     }
 
 
-def timing(device: torch.device, rounds: int) -> list[dict]:
-    table = cases(device)
+def timing(gluon: Callable[..., Tensor], device: torch.device, rounds: int) -> list[dict]:
+    table = cases(gluon, device)
     times: dict[tuple[str, str], list[float]] = {}
     for fns in table.values():
         for fn in fns.values():
@@ -165,13 +170,17 @@ def probe(device: torch.device) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernel", choices=sorted(KERNELS), default="persistent")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
-    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    parts = (("correctness", lambda: correctness(device)), ("probe", lambda: probe(device)),
-             ("timing", lambda: timing(device, args.rounds)))
+    kernel = KERNELS[args.kernel]
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                    "kernel": args.kernel}
+    parts = [("correctness", lambda: correctness(kernel, device)), ("timing", lambda: timing(kernel, device, args.rounds))]
+    if args.kernel == "persistent":
+        parts.insert(1, ("probe", lambda: probe(device)))
     for part, run in parts:
         try:
             result[part] = run()

@@ -1,0 +1,149 @@
+"""Warp-specialized Hopper SYRK kernel (Gluon, code in :mod:`.ws_syrk_kernel`): the products of
+:mod:`.triton_syrk`, faster than that kernel on the H200 for Gram sides m ≤ 4096.
+
+    out_b = s_b^p·(alpha·X_b·Y_bᵀ + beta·C_b + d·I)     X, Y: [B, m, k] (or transposed views of
+                                                         contiguous [B, k, m]), C: [B, m, m] symmetric
+
+Each SM runs one persistent program of three partitions:
+
+- a producer warp walks the program's tiles and streams 64-deep K slices of X's and Y's 128-row panels into
+  a ring of ``STAGES`` shared-memory slots by TMA (``ready`` barriers), refilling a slot once the consumer
+  that read it releases it (``empty`` barriers);
+- two consumer warpgroups take the program's tiles in turn (its l-th tile goes to consumer l mod 2), each
+  with a 128×128 fp32 accumulator in registers. A ``turn`` barrier hands the ring from one to the other once
+  it has issued its tile's last wgmma, so one consumer's epilogue (scale, C term, diagonal, rounding,
+  stores) runs while the other's products keep the tensor cores busy.
+
+Tiles are the 128×128 squares (i, j), j ≤ i, of the lower triangle, numbered row by row over the batch;
+tile t goes to program t mod P, so at any moment the programs work on neighbouring tiles that share panels
+in L2. A tile below the diagonal is stored by TMA twice, as itself and transposed (through the consumer's
+staging buffer); a diagonal tile has its lower part mirrored into its upper part in shared memory and is
+stored once. Every element is written once: the result is exactly symmetric and deterministic, and equals
+the Triton kernel's up to the order of the fp32 sums.
+
+Measured on the H200 (``bench/gluon_syrk_probe.py --kernel ws``, BENCHMARKS.md, eighth session), against the
+Triton kernel: 4096² X·Xᵀ 0.112 vs 0.116 ms, the 64×1408² products 0.34–0.36 vs 0.38, 64×1408×2048 X·Xᵀ 0.46
+vs 0.49; but 8192² 0.98 vs 0.92, hence WS_MAX_DIM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+import triton
+from torch import Tensor
+
+try:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .ws_syrk_kernel import ws_syrk_kernel
+except ImportError:  # a Triton without Gluon's Hopper API: the Triton kernel runs every product
+    ws_syrk_kernel = None
+
+BLOCK = 128
+BLOCK_K = 64
+STAGES = 5
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+MAX_REGS = 168  # 12 warps (two consumer warpgroups, the producer's warpgroup) · 32 · 168 ≤ 65536 registers
+WS_MAX_DIM = 4096
+_enabled = os.environ.get("DTENSOR_MUON_WS_SYRK", "1") != "0"
+
+
+@contextlib.contextmanager
+def ws_syrk_enabled(enabled: bool) -> Iterator[None]:
+    """Turns the warp-specialized kernel on or off inside the block (benchmarks compare both; the
+    environment variable DTENSOR_MUON_WS_SYRK=0 turns it off for a whole run)."""
+    global _enabled
+    before, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+@functools.cache
+def _on_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def _tma_storage(x3: Tensor) -> Tensor:
+    """The row-major storage TMA reads: x itself, or [B, k, m] for a transposed view."""
+    return x3.mT if x3.stride(-2) == 1 and x3.stride(-1) != 1 else x3
+
+
+def _tma_readable(t: Tensor) -> bool:
+    """Unit stride last, every other stride and the base 16-byte aligned."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+
+
+def ws_syrk_applies(x: Tensor) -> bool:
+    """Whether :func:`ws_syrk` runs the products on ``x`` ([m, k] or [B, m, k]): enabled, Gluon's Hopper API
+    present, x bf16/fp16 on a compute-capability-9 GPU, 8 | m ≤ WS_MAX_DIM, and x readable by TMA."""
+    if not (_enabled and ws_syrk_kernel is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    m = x.size(-2)
+    if m > WS_MAX_DIM or m % 8 or not _on_hopper(x.device.index or 0):
+        return False
+    return _tma_readable(_tma_storage(x if x.ndim == 3 else x.unsqueeze(0)))
+
+
+def _nvmma(shape: list[int], dtype: torch.dtype) -> object:
+    return gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def lower_tile_count(m: int) -> int:
+    """128×128 tiles on or below the diagonal of an m×m matrix: r(r+1)/2 with r = ⌈m/128⌉."""
+    rows = triton.cdiv(m, BLOCK)
+    return rows * (rows + 1) // 2
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def ws_syrk(
+    x: Tensor,
+    y: Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    c: Tensor | None = None,
+    diag: float = 0.0,
+    scale: Tensor | None = None,
+    scale_power: int = 1,
+) -> Tensor:
+    """``s^p·(alpha·X·Yᵀ + beta·C + diag·I)`` for X (and Y, default X; same shape, strides and dtype) where
+    :func:`ws_syrk_applies` (x); C symmetric [.., m, m]; ``scale`` fp32 with one entry per matrix. The caller
+    validates the arguments (:func:`.triton_syrk.syrk` does the same checks). Returns a new, exactly
+    symmetric [.., m, m] tensor in x's dtype."""
+    x3 = x if x.ndim == 3 else x.unsqueeze(0)
+    y3 = x3 if y is None else (y if y.ndim == 3 else y.unsqueeze(0))
+    batch, m, k = x3.shape
+    transposed = x3.stride(-2) == 1 and x3.stride(-1) != 1
+    block = [1, BLOCK_K, BLOCK] if transposed else [1, BLOCK, BLOCK_K]
+    out = torch.empty((batch, m, m), device=x.device, dtype=x.dtype)
+    desc_a = TensorDescriptor.from_tensor(_tma_storage(x3), block, _nvmma(block, x.dtype))
+    desc_b = TensorDescriptor.from_tensor(_tma_storage(y3), block, _nvmma(block, x.dtype))
+    out_block = [1, BLOCK, BLOCK]
+    desc_out = TensorDescriptor.from_tensor(out, out_block, _nvmma(out_block, x.dtype))
+    c3 = out if c is None else (c if c.ndim == 3 else c.unsqueeze(0)).contiguous()
+    per_matrix = lower_tile_count(m)
+    total = per_matrix * batch
+    programs = min(_sm_count(x.device.index or 0), triton.cdiv(total, 2))
+    ws_syrk_kernel[(programs,)](
+        desc_a, desc_b, desc_out, c3, out if scale is None else scale, m, k, total, per_matrix,
+        float(alpha), float(beta), float(diag),
+        TRANSPOSED=transposed, HAS_C=c is not None, HAS_DIAG=diag != 0.0,
+        SCALE_POWER=0 if scale is None else scale_power,
+        ACC=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]),
+        BM=BLOCK, BK=BLOCK_K, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4, maxnreg=MAX_REGS,
+    )
+    return out if x.ndim == 3 else out.squeeze(0)

@@ -1,0 +1,154 @@
+"""The Gluon code of the warp-specialized Hopper SYRK kernel (:mod:`.ws_syrk` launches it and says how it
+works). Imported only where Triton has Gluon's Hopper API.
+
+    out_b = s_b^p·(alpha·X_b·Y_bᵀ + beta·C_b + d·I)
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _tile_of(t):
+    """Row i ≥ column j of lower tile t, numbered row by row: i(i+1)/2 ≤ t < (i+1)(i+2)/2 (float estimate,
+    then exact fix-ups)."""
+    i = ((gl.sqrt((8 * t + 1).to(gl.float32)) - 1.0) * 0.5).to(gl.int32)
+    i = gl.where((i + 1) * (i + 2) // 2 <= t, i + 1, i)
+    i = gl.where(i * (i + 1) // 2 > t, i - 1, i)
+    return i, t - i * (i + 1) // 2
+
+
+@gluon.jit
+def _produce(p, TRANSPOSED: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warp: every K slice of every tile of this program, in tile order, into the ring."""
+    desc_a, desc_b, a_bufs, b_bufs, ready, empty, K, total, per_matrix = p
+    programs = gl.num_programs(0)
+    num_k = gl.cdiv(K, BK)
+    g = 0
+    for t in range(gl.program_id(0), total, programs):
+        batch = t // per_matrix
+        i, j = _tile_of(t % per_matrix)
+        for ki in range(num_k):
+            slot = g % STAGES
+            mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, desc_a.block_type.nbytes + desc_b.block_type.nbytes)
+            if TRANSPOSED:
+                tma.async_copy_global_to_shared(desc_a, [batch, ki * BK, i * BM], bar, a_bufs.index(slot))
+                tma.async_copy_global_to_shared(desc_b, [batch, ki * BK, j * BM], bar, b_bufs.index(slot))
+            else:
+                tma.async_copy_global_to_shared(desc_a, [batch, i * BM, ki * BK], bar, a_bufs.index(slot))
+                tma.async_copy_global_to_shared(desc_b, [batch, j * BM, ki * BK], bar, b_bufs.index(slot))
+            g += 1
+
+
+@gluon.jit
+def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.constexpr, HAS_C: gl.constexpr,
+             HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+             STAGES: gl.constexpr):
+    """Consumer warpgroup CONSUMER: this program's tiles l ≡ CONSUMER (mod 2), products then epilogue."""
+    (desc_out, c_ptr, scale_ptr, a_bufs, b_bufs, staging_bufs, ready, empty, turn,
+     M, K, total, per_matrix, alpha, beta, diag) = p
+    dtype: gl.constexpr = desc_out.dtype
+    staging3 = staging_bufs.index(CONSUMER)  # [1, BM, BM], for TMA
+    staging = staging3.reshape([BM, BM])
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))[:, None]
+    cols = gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))[None, :]
+    programs = gl.num_programs(0)
+    num_k = gl.cdiv(K, BK)
+    local = CONSUMER
+    for t in range(gl.program_id(0) + CONSUMER * programs, total, 2 * programs):
+        batch = t // per_matrix
+        i, j = _tile_of(t % per_matrix)
+        row0 = i * BM
+        col0 = j * BM
+        # Our turn on the ring: the other consumer has issued all of its previous tile's products.
+        mbarrier.wait(turn.index(CONSUMER), ((local // 2) & 1) ^ (1 - CONSUMER))
+        acc = gl.zeros([BM, BM], gl.float32, ACC)
+        g = local * num_k
+        for ki in range(num_k):
+            slot = g % STAGES
+            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+            if TRANSPOSED:
+                a_op = a_bufs.index(slot).reshape([BK, BM]).permute((1, 0))
+                b_op = b_bufs.index(slot).reshape([BK, BM])
+            else:
+                a_op = a_bufs.index(slot).reshape([BM, BK])
+                b_op = b_bufs.index(slot).reshape([BM, BK]).permute((1, 0))
+            acc = warpgroup_mma(a_op, b_op, acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+            g += 1
+        mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
+        local += 2
+
+        result = acc * alpha
+        if HAS_C:
+            r = rows + row0
+            c = cols + col0
+            c_tile = gl.load(c_ptr + batch.to(gl.int64) * M * M + r * M + c, mask=(r < M) & (c < M), other=0.0)
+            result += beta * c_tile.to(gl.float32)
+        if HAS_DIAG:
+            result += gl.where(rows + row0 == cols + col0, diag, 0.0)
+        if SCALE_POWER > 0:
+            factor = gl.load(scale_ptr + batch)
+            if SCALE_POWER == 2:
+                factor = factor * factor
+            result = result * factor
+        tile = result.to(dtype)
+        tma.store_wait(0)  # the previous tile's stores have left the staging buffer
+        if i == j:
+            staging.permute((1, 0)).store(tile)
+            staging.store(gl.where(rows >= cols, tile, staging.load(ACC)))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(desc_out, [batch, row0, col0], staging3)
+        else:
+            staging.store(tile)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(desc_out, [batch, row0, col0], staging3)
+            tma.store_wait(0)
+            staging.permute((1, 0)).store(tile)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(desc_out, [batch, col0, row0], staging3)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def ws_syrk_kernel(
+    desc_a, desc_b, desc_out, c_ptr, scale_ptr, M, K, total, per_matrix, alpha, beta, diag,
+    TRANSPOSED: gl.constexpr, HAS_C: gl.constexpr, HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr,
+    ACC: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """One persistent program per SM over ``total`` lower tiles (``per_matrix`` per matrix): a producer
+    warp and two consumer warpgroups sharing a TMA ring of STAGES K slices."""
+    dtype: gl.constexpr = desc_out.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_a.block_type.shape, desc_a.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_b.block_type.shape, desc_b.layout)
+    staging = gl.allocate_shared_memory(dtype, [2] + desc_out.block_type.shape, desc_out.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for s in gl.static_range(2):
+        mbarrier.init(turn.index(s), count=1)
+    consumer = (desc_out, c_ptr, scale_ptr, a_bufs, b_bufs, staging, ready, empty, turn,
+                M, K, total, per_matrix, alpha, beta, diag)
+    producer = (desc_a, desc_b, a_bufs, b_bufs, ready, empty, K, total, per_matrix)
+    gl.warp_specialize([(_consume, (consumer, 0, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES)),
+                        (_consume, (consumer, 1, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES)),
+                        (_produce, (producer, TRANSPOSED, BM, BK, STAGES))],
+                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
