@@ -1,6 +1,6 @@
 """Newton–Schulz (5 Keller steps, bf16) side by side: plain torch, torch.optim.Muon, Emerging-Optimizers, ours
-(as dispatched, replayed from CUDA graphs as the optimizer runs it, and forced to the standard and the Gram
-form).
+(as dispatched, replayed from CUDA graphs as the optimizer runs it, forced to the standard and the Gram
+form, and with the Triton SYRK kernel in place of the warp-specialized Gluon one).
 
     python bench/bench_newton_schulz.py                 # on a GPU: the full table, JSON to --out
     python bench/bench_newton_schulz.py --quick         # anywhere (CPU too): tiny shapes, smoke check
@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from dtensor_muon.kernels import select_backend, use_backend, use_gram
+from dtensor_muon.kernels.ws_syrk import ws_syrk_enabled
 from dtensor_muon.newton_schulz import KELLER_COEFFICIENTS, newton_schulz
 from dtensor_muon.ns_graphs import NewtonSchulzGraphs
 
@@ -119,7 +120,12 @@ def ours_gram(g: Tensor) -> Tensor:
     return newton_schulz(g, algorithm="gram")
 
 
-METHOD_KEYS = ("torch", "muon", "eo", "ours", "graphs", "standard", "gram")
+def ours_triton_syrk(g: Tensor) -> Tensor:
+    with ws_syrk_enabled(False):
+        return newton_schulz(g)
+
+
+METHOD_KEYS = ("torch", "muon", "eo", "ours", "graphs", "standard", "gram", "triton")
 
 
 def select_methods(keys: str, cuda: bool) -> dict[str, Method]:
@@ -142,6 +148,8 @@ def select_methods(keys: str, cuda: bool) -> dict[str, Method]:
         methods["ours, standard form"] = ours_standard
     if "gram" in wanted:
         methods["ours, Gram form"] = ours_gram
+    if "triton" in wanted:
+        methods["ours, Triton SYRK"] = ours_triton_syrk
     return methods
 
 

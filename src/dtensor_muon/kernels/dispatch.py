@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from .shapes import matrix_count
 from .torch_matmuls import TORCH_MATMULS
 
 try:
@@ -82,8 +83,7 @@ def triton_eligible(x: Tensor) -> bool:
 
 def gram_work(x: Tensor) -> int:
     """B·m²·n multiply-adds of one Gram matrix of ``x`` ([m, n] or [B, m, n])."""
-    batch = x.size(0) if x.ndim == 3 else 1
-    return batch * x.size(-2) ** 2 * x.size(-1)
+    return matrix_count(x) * x.size(-2) ** 2 * x.size(-1)
 
 
 def select_backend(x: Tensor) -> Backend:
@@ -130,8 +130,7 @@ def use_gram(algorithm: str, x: Tensor, backend: Backend, schedule_validated: bo
         min_aspect, min_work = GRAM_MIN_ASPECT_SMALL, MIN_GRAM_PRODUCT_WORK_SMALL
     else:
         min_aspect, min_work = GRAM_MIN_ASPECT, MIN_GRAM_PRODUCT_WORK
-    batch = x.size(0) if x.ndim == 3 else 1
-    return x.size(-1) >= min_aspect * m and batch * m**3 >= min_work
+    return x.size(-1) >= min_aspect * m and matrix_count(x) * m**3 >= min_work
 
 
 def forced_backend() -> str | None:

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .shapes import matrix_count
+
 BLOCK = 4096
 
 
@@ -62,6 +64,21 @@ def _scale_from_partials_kernel(partial_ptr, scale_ptr, NUM_PARTIALS, eps, CHUNK
     tl.store(scale_ptr + matrix, 1.0 / tl.maximum(norm, eps))
 
 
+def require_scale(scale: Tensor, matrices: int, device: torch.device, caller: str) -> None:
+    """Raises ValueError, naming ``caller``, unless ``scale`` is a contiguous float32 tensor of ``matrices``
+    entries on ``device``: the per-matrix scale the kernels read."""
+    if (
+        scale.dtype != torch.float32
+        or scale.numel() != matrices
+        or not scale.is_contiguous()
+        or scale.device != device
+    ):
+        raise ValueError(
+            f"{caller}: scale must be a contiguous float32 tensor of {matrices} entries on {device}, got "
+            f"{tuple(scale.shape)} {scale.dtype} on {scale.device}"
+        )
+
+
 def scale_cast_applies(g: Tensor, out: Tensor) -> bool:
     """Whether :func:`normalize_into` and :func:`cast_and_scale_into` apply: both contiguous, same shape, not
     empty, and each matrix under 2³¹ entries (the kernels' offsets within a matrix are 32-bit)."""
@@ -99,14 +116,11 @@ def cast_and_scale_into(g: Tensor, out: Tensor, eps: float, scale: Tensor | None
 
     ``g`` and ``out`` must be contiguous and of one shape (:func:`scale_cast_applies`)."""
     _require_kernel_layout(g, out, "cast_and_scale_into")
-    matrices = g.size(0) if g.ndim == 3 else 1
+    matrices = matrix_count(g)
     if scale is None:
         scale = torch.empty(matrices, device=g.device, dtype=torch.float32)
-    elif scale.dtype != torch.float32 or scale.numel() != matrices or not scale.is_contiguous():
-        raise ValueError(
-            f"cast_and_scale_into: scale must be a contiguous float32 tensor of {matrices} entries, got "
-            f"{tuple(scale.shape)} {scale.dtype}"
-        )
+    else:
+        require_scale(scale, matrices, g.device, "cast_and_scale_into")
     per_matrix = g.size(-2) * g.size(-1)
     blocks = triton.cdiv(per_matrix, BLOCK)
     partials = torch.empty(matrices, blocks, device=g.device, dtype=torch.float32)

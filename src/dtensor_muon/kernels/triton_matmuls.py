@@ -24,8 +24,10 @@ from __future__ import annotations
 from torch import Tensor
 
 from .normalize import cast_and_scale_into, normalize_into, scale_cast_applies
+from .shapes import matrix_count
 from .torch_matmuls import TORCH_MATMULS, scaled
 from .triton_syrk import is_transposed_view, lower_tile_count, symmetric_product, syrk
+from .ws_syrk import ws_syrk, ws_syrk_applies
 
 # Smallest Gram side for the SYRK kernels, and fewest 128×128 lower-triangle tiles (all matrices of a batch
 # together) to fill the GPU: below these cuBLAS's full products are as fast. Measured on the H200: SYRK
@@ -34,10 +36,30 @@ MIN_SYRK_DIM = 1280
 MIN_SYRK_TILES = 264
 
 
+def symmetric_kernel(
+    x: Tensor,
+    y: Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    c: Tensor | None = None,
+    diag: float = 0.0,
+    scale: Tensor | None = None,
+    scale_power: int = 1,
+) -> Tensor:
+    """s^p·(alpha·X·Yᵀ + beta·C + diag·I), Y = X by default, on the faster of the two SYRK kernels for x: the
+    warp-specialized Gluon one on Hopper where it applies (:mod:`.ws_syrk`), else the Triton one."""
+    if ws_syrk_applies(x, y):
+        return ws_syrk(x, y, alpha, beta, c, diag, scale, scale_power)
+    if y is None:
+        return syrk(x, alpha, beta, c, diag, scale=scale, scale_power=scale_power)
+    if (alpha, beta, c, diag, scale_power) != (1.0, 0.0, None, 0.0, 1):
+        raise ValueError("symmetric_kernel: with Y the Triton kernel takes only X·Yᵀ times a scale")
+    return symmetric_product(x, y, scale=scale)
+
+
 def syrk_pays(x: Tensor) -> bool:
     """Whether the SYRK kernels beat cuBLAS on the Gram matrix of ``x`` ([m, k] or [B, m, k])."""
-    batch = x.size(0) if x.ndim == 3 else 1
-    return x.size(-2) >= MIN_SYRK_DIM and batch * lower_tile_count(x.size(-2), 128, 1) >= MIN_SYRK_TILES
+    return x.size(-2) >= MIN_SYRK_DIM and matrix_count(x) * lower_tile_count(x.size(-2), 128, 1) >= MIN_SYRK_TILES
 
 
 class TritonMatmuls:
@@ -75,19 +97,19 @@ class TritonMatmuls:
     def gram(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
         """A = s²·X·Xᵀ (per matrix of a batch; s = 1 without ``scale``), exactly symmetric on the SYRK path."""
         if self.uses_syrk(x):
-            return syrk(x, scale=scale, scale_power=2)
+            return symmetric_kernel(x, scale=scale, scale_power=2)
         return scaled(x @ x.mT, scale, 2)
 
     def poly(self, gram: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor:
         """P = s·(a·I + b·A + c·A·A) for a symmetric A (s = 1 without ``scale``): the SYRK kernel at every
         size, whose fp32 epilogue rounds P once (rounding b·A + c·A·A before adding a·I doubles Gram
         Newton–Schulz's error, and an fp32 sum after cuBLAS costs more than the product on 8×1024×1024, H200)."""
-        return syrk(gram, alpha=c, beta=b, c=gram, diag=a, scale=scale)
+        return symmetric_kernel(gram, alpha=c, beta=b, c=gram, diag=a, scale=scale)
 
     def symmetric_product(self, x: Tensor, y: Tensor, scale: Tensor | None = None) -> Tensor:
         """s·X·Yᵀ for a product known to be symmetric (exactly symmetric on the SYRK path)."""
         if self.uses_syrk(x):
-            return symmetric_product(x, y, scale=scale)
+            return symmetric_kernel(x, y, scale=scale)
         return scaled(x @ y.mT, scale, 1)
 
     def apply(self, p: Tensor, x: Tensor) -> Tensor:

@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .normalize import require_scale
+
 # (RATIO, BLOCK_N, BLOCK_K, num_warps, num_stages, maxnreg): square 128² tiles and Hopper-sized 256×128
 # tiles. Chosen from bench/bench_syrk_configs.py on the H200 (BENCHMARKS.md): 128×128×64 tiles win every
 # product up to m = 4096, with 8 warps capped at 128 registers (two programs per SM) for most, 4 warps or
@@ -393,12 +395,7 @@ def _launch(
     x3 = _as_batch(x, "X")
     batch, m, k = x3.shape
     if scale is not None:
-        well_formed = scale.dtype == torch.float32 and scale.numel() == batch and scale.is_contiguous()
-        if not well_formed or scale.device != x.device:
-            raise ValueError(
-                f"syrk: scale must be a contiguous float32 tensor of {batch} entries on {x.device}, got "
-                f"{tuple(scale.shape)} {scale.dtype} on {scale.device}"
-            )
+        require_scale(scale, batch, x.device, "syrk")
         if scale_power not in (1, 2):
             raise ValueError(f"syrk: scale_power must be 1 or 2, got {scale_power}")
     if y is None:

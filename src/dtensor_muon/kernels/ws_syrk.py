@@ -37,6 +37,8 @@ import torch
 import triton
 from torch import Tensor
 
+from .normalize import require_scale
+
 try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -83,15 +85,18 @@ def _tma_readable(t: Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
 
 
-def ws_syrk_applies(x: Tensor) -> bool:
-    """Whether :func:`ws_syrk` runs the products on ``x`` ([m, k] or [B, m, k]): enabled, Gluon's Hopper API
-    present, x bf16/fp16 on a compute-capability-9 GPU, 8 | m ≤ WS_MAX_DIM, and x readable by TMA."""
+def ws_syrk_applies(x: Tensor, y: Tensor | None = None) -> bool:
+    """Whether :func:`ws_syrk` runs the products on ``x`` ([m, k] or [B, m, k]) and ``y``: enabled, Gluon's
+    Hopper API present, x bf16/fp16 on a compute-capability-9 GPU, 8 | m ≤ WS_MAX_DIM, x readable by TMA,
+    and y (when given) of x's shape, strides and dtype."""
     if not (_enabled and ws_syrk_kernel is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     m = x.size(-2)
-    if m > WS_MAX_DIM or m % 8 or not _on_hopper(x.device.index or 0):
+    if m > WS_MAX_DIM or m % 8 or x.ndim not in (2, 3) or not _on_hopper(x.device.index or 0):
         return False
-    return _tma_readable(_tma_storage(x if x.ndim == 3 else x.unsqueeze(0)))
+    if y is not None and (y.shape != x.shape or y.stride() != x.stride() or y.dtype != x.dtype):
+        return False
+    return all(_tma_readable(_tma_storage(t if t.ndim == 3 else t.unsqueeze(0))) for t in (x, x if y is None else y))
 
 
 def _nvmma(shape: list[int], dtype: torch.dtype) -> object:
@@ -119,13 +124,21 @@ def ws_syrk(
     scale: Tensor | None = None,
     scale_power: int = 1,
 ) -> Tensor:
-    """``s^p·(alpha·X·Yᵀ + beta·C + diag·I)`` for X (and Y, default X; same shape, strides and dtype) where
-    :func:`ws_syrk_applies` (x); C symmetric [.., m, m]; ``scale`` fp32 with one entry per matrix. The caller
-    validates the arguments (:func:`.triton_syrk.syrk` does the same checks). Returns a new, exactly
-    symmetric [.., m, m] tensor in x's dtype."""
+    """``s^p·(alpha·X·Yᵀ + beta·C + diag·I)`` for X and Y (default X) where :func:`ws_syrk_applies` (x, y);
+    C symmetric [.., m, m]; ``scale`` s fp32 with one entry per matrix, p = ``scale_power`` 1 or 2. Returns a
+    new, exactly symmetric [.., m, m] tensor in x's dtype."""
+    if not ws_syrk_applies(x, y):
+        raise ValueError("ws_syrk: X and Y do not meet ws_syrk_applies (Hopper, bf16/fp16, 8 | m ≤ "
+                         f"{WS_MAX_DIM}, TMA-aligned, Y like X), got X {tuple(x.shape)} {x.stride()} {x.dtype}")
     x3 = x if x.ndim == 3 else x.unsqueeze(0)
     y3 = x3 if y is None else (y if y.ndim == 3 else y.unsqueeze(0))
     batch, m, k = x3.shape
+    if scale is not None:
+        require_scale(scale, batch, x.device, "ws_syrk")
+        if scale_power not in (1, 2):
+            raise ValueError(f"ws_syrk: scale_power must be 1 or 2, got {scale_power}")
+    if c is not None and c.shape[-2:] != (m, m):
+        raise ValueError(f"ws_syrk: C must be [.., {m}, {m}], got {tuple(c.shape)}")
     transposed = x3.stride(-2) == 1 and x3.stride(-1) != 1
     block = [1, BLOCK_K, BLOCK] if transposed else [1, BLOCK, BLOCK_K]
     out = torch.empty((batch, m, m), device=x.device, dtype=x.dtype)

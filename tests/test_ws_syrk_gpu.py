@@ -1,0 +1,92 @@
+"""The warp-specialized Hopper SYRK kernel (``kernels/ws_syrk``) on the GPU: skipped without a Hopper GPU and
+Gluon (CPU CI never runs it; the Triton interpreter cannot run Gluon). Each test asserts against an
+independent reference: fp32/fp64 products, exact integer arithmetic, per-slice results, or the Triton kernel
+within bf16 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtensor_muon.kernels import triton_syrk
+from dtensor_muon.kernels.ws_syrk import ws_syrk, ws_syrk_applies, ws_syrk_enabled
+from dtensor_muon.newton_schulz import newton_schulz
+
+
+def _hopper_with_gluon() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    probe = torch.empty(128, 128, device="cuda", dtype=torch.bfloat16)
+    return ws_syrk_applies(probe)
+
+
+pytestmark = pytest.mark.skipif(not _hopper_with_gluon(), reason="needs a Hopper GPU and Triton's Gluon")
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("shape", [(512, 384), (304, 200), (1000, 776), (3, 1408, 2048)])
+def test_gram_matches_fp64_and_is_exactly_symmetric(shape):
+    x = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
+    out = ws_syrk(x)
+    ref = x.double() @ x.double().mT
+    assert _rel_err(out, ref) < 4e-3  # one bf16 rounding of the output: about 2⁻⁹ relative
+    assert torch.equal(out, out.mT)
+    assert torch.equal(out, ws_syrk(x))  # deterministic
+
+
+def test_small_integers_are_exact():
+    """Entries in {-1, 0, 1}, k = 64: every product, sum, scale 2⁻¹ and diagonal is exact in fp32 and bf16."""
+    gen = torch.Generator("cuda").manual_seed(2)
+    x = torch.randint(-1, 2, (2, 264, 64), device="cuda", generator=gen).bfloat16()
+    c = x.float() @ x.float().mT
+    scale = torch.tensor([0.5, 0.25], device="cuda")
+    out = ws_syrk(x, None, 2.0, -1.0, c.bfloat16(), 3.0, scale, 2)
+    ref = scale.view(2, 1, 1) ** 2 * (2.0 * c - c + 3.0 * torch.eye(264, device="cuda"))
+    assert torch.equal(out.float(), ref)
+
+
+def test_batched_equals_per_slice_and_transposed_view_matches():
+    gen = torch.Generator("cuda").manual_seed(3)
+    storage = torch.randn(4, 2048, 1408, device="cuda", generator=gen).bfloat16()
+    x = storage.mT  # [4, 1408, 2048], a transposed view: read in place
+    out = ws_syrk(x)
+    for b in range(4):
+        assert torch.equal(out[b], ws_syrk(x[b]))
+    dense = ws_syrk(x.contiguous())
+    assert _rel_err(out, dense.double()) < 1e-6  # same sums, other load layout
+
+
+def test_symmetric_product_with_scale_matches_fp64():
+    gen = torch.Generator("cuda").manual_seed(4)
+    a = torch.randn(2, 1408, 1408, device="cuda", generator=gen)
+    a = ((a + a.mT) / 64).bfloat16()
+    y = (2.0 * a.double() + a.double() @ a.double()).bfloat16()  # a polynomial in a: a·yᵀ is symmetric
+    scale = torch.tensor([0.7, 1.3], device="cuda")
+    out = ws_syrk(a, y, scale=scale)
+    ref = scale.double().view(2, 1, 1) * (a.double() @ y.double().mT)
+    assert _rel_err(out, ref) < 4e-3
+    assert torch.equal(out, out.mT)
+
+
+def test_bad_scale_is_rejected_by_name():
+    x = torch.randn(256, 256, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="ws_syrk: scale must be a contiguous float32 tensor of 1 entries"):
+        ws_syrk(x, scale=torch.ones(2, device="cuda"))
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (8, 2048, 1408)])
+def test_newton_schulz_agrees_with_the_triton_kernel(shape):
+    """The whole iteration with the kernel on and off: within bf16 rounding of each other."""
+    g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    triton_syrk._TUNED.clear()
+    with ws_syrk_enabled(True):
+        fast = newton_schulz(g)
+    with ws_syrk_enabled(False):
+        plain = newton_schulz(g)
+    assert _rel_err(fast, plain.double()) < 2e-2
+    s_fast = torch.linalg.svdvals(fast.double())
+    s_plain = torch.linalg.svdvals(plain.double())
+    assert (s_fast.max() - s_plain.max()).abs().item() < 0.02
