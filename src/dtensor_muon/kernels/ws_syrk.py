@@ -38,6 +38,7 @@ import triton
 from torch import Tensor
 
 from .normalize import require_scale
+from .shapes import matrix_count
 
 try:
     from triton.experimental.gluon import language as gl
@@ -53,7 +54,12 @@ STAGES = 5
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 MAX_REGS = 168  # 12 warps (two consumer warpgroups, the producer's warpgroup) · 32 · 168 ≤ 65536 registers
-WS_MAX_DIM = 4096
+WS_MAX_DIM = 4096  # above it the Triton kernel's 256×128 tiles win (8192²: 0.93 vs 0.89 ms, H200)
+# Fewest multiply-adds (B·m²·k) per product for this kernel. Below it, measured on the H200 (eighth session,
+# bench/bench_newton_schulz.py, 7 rounds), Newton–Schulz on 4096² took 2.34–2.81 ms with it against 2.18–2.22
+# with the Triton kernel, the GPU idling between products (SM clock samples 1.7–1.9 GHz after its rounds
+# against 1.5 GHz); at 64×1408²×2048 (2^37.9) and 64×1408³ (2^37.4) it wins: 8.07–8.41 vs 8.19–8.70 ms.
+WS_MIN_WORK = 2**37
 _enabled = os.environ.get("DTENSOR_MUON_WS_SYRK", "1") != "0"
 
 
@@ -85,22 +91,37 @@ def _tma_readable(t: Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
 
 
-def ws_syrk_applies(x: Tensor, y: Tensor | None = None) -> bool:
-    """Whether :func:`ws_syrk` runs the products on ``x`` ([m, k] or [B, m, k]) and ``y``: enabled, Gluon's
-    Hopper API present, x bf16/fp16 on a compute-capability-9 GPU, 8 | m ≤ WS_MAX_DIM, x readable by TMA,
-    and y (when given) of x's shape, strides and dtype."""
-    if not (_enabled and ws_syrk_kernel is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+def ws_syrk_supports(x: Tensor, y: Tensor | None = None) -> bool:
+    """Whether :func:`ws_syrk` can run the products on ``x`` ([m, k] or [B, m, k]) and ``y``: Gluon's Hopper
+    API present, x bf16/fp16 on a compute-capability-9 GPU, 8 | m, x readable by TMA, and y (when given) of
+    x's shape, strides and dtype."""
+    if not (ws_syrk_kernel is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
-    m = x.size(-2)
-    if m > WS_MAX_DIM or m % 8 or x.ndim not in (2, 3) or not _on_hopper(x.device.index or 0):
+    if x.ndim not in (2, 3) or x.size(-2) % 8 or not _on_hopper(x.device.index or 0):
         return False
     if y is not None and (y.shape != x.shape or y.stride() != x.stride() or y.dtype != x.dtype):
         return False
     return all(_tma_readable(_tma_storage(t if t.ndim == 3 else t.unsqueeze(0))) for t in (x, x if y is None else y))
 
 
-def _nvmma(shape: list[int], dtype: torch.dtype) -> object:
-    return gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+def ws_syrk_pays(x: Tensor, y: Tensor | None = None) -> bool:
+    """Whether the backend should run the products on ``x`` and ``y`` with this kernel rather than the Triton
+    one: enabled, m ≤ WS_MAX_DIM, at least WS_MIN_WORK multiply-adds (B·m²·k), and supported."""
+    m = x.size(-2)
+    work = matrix_count(x) * m * m * x.size(-1)
+    return _enabled and m <= WS_MAX_DIM and work >= WS_MIN_WORK and ws_syrk_supports(x, y)
+
+
+@functools.cache
+def _nvmma(shape: tuple[int, ...], dtype: torch.dtype) -> object:
+    """The shared-memory layout of a TMA block (cached: launches are on the host's critical path)."""
+    return gl.NVMMASharedLayout.get_default_for(list(shape), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+@functools.cache
+def _accumulator_layout() -> object:
+    """wgmma accumulator of one warpgroup: 4 warps along the 128 rows, 64×128 instructions."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
 
 
 def lower_tile_count(m: int) -> int:
@@ -124,12 +145,12 @@ def ws_syrk(
     scale: Tensor | None = None,
     scale_power: int = 1,
 ) -> Tensor:
-    """``s^p·(alpha·X·Yᵀ + beta·C + diag·I)`` for X and Y (default X) where :func:`ws_syrk_applies` (x, y);
+    """``s^p·(alpha·X·Yᵀ + beta·C + diag·I)`` for X and Y (default X) where :func:`ws_syrk_supports` (x, y);
     C symmetric [.., m, m]; ``scale`` s fp32 with one entry per matrix, p = ``scale_power`` 1 or 2. Returns a
     new, exactly symmetric [.., m, m] tensor in x's dtype."""
-    if not ws_syrk_applies(x, y):
-        raise ValueError("ws_syrk: X and Y do not meet ws_syrk_applies (Hopper, bf16/fp16, 8 | m ≤ "
-                         f"{WS_MAX_DIM}, TMA-aligned, Y like X), got X {tuple(x.shape)} {x.stride()} {x.dtype}")
+    if not ws_syrk_supports(x, y):
+        raise ValueError("ws_syrk: X and Y must meet ws_syrk_supports (a Hopper GPU, bf16/fp16, 8 | m, "
+                         f"TMA-aligned, Y like X), got X {tuple(x.shape)} {x.stride()} {x.dtype}")
     x3 = x if x.ndim == 3 else x.unsqueeze(0)
     y3 = x3 if y is None else (y if y.ndim == 3 else y.unsqueeze(0))
     batch, m, k = x3.shape
@@ -140,12 +161,12 @@ def ws_syrk(
     if c is not None and c.shape[-2:] != (m, m):
         raise ValueError(f"ws_syrk: C must be [.., {m}, {m}], got {tuple(c.shape)}")
     transposed = x3.stride(-2) == 1 and x3.stride(-1) != 1
-    block = [1, BLOCK_K, BLOCK] if transposed else [1, BLOCK, BLOCK_K]
+    block = (1, BLOCK_K, BLOCK) if transposed else (1, BLOCK, BLOCK_K)
     out = torch.empty((batch, m, m), device=x.device, dtype=x.dtype)
-    desc_a = TensorDescriptor.from_tensor(_tma_storage(x3), block, _nvmma(block, x.dtype))
-    desc_b = TensorDescriptor.from_tensor(_tma_storage(y3), block, _nvmma(block, x.dtype))
-    out_block = [1, BLOCK, BLOCK]
-    desc_out = TensorDescriptor.from_tensor(out, out_block, _nvmma(out_block, x.dtype))
+    desc_a = TensorDescriptor.from_tensor(_tma_storage(x3), list(block), _nvmma(block, x.dtype))
+    desc_b = TensorDescriptor.from_tensor(_tma_storage(y3), list(block), _nvmma(block, x.dtype))
+    out_block = (1, BLOCK, BLOCK)
+    desc_out = TensorDescriptor.from_tensor(out, list(out_block), _nvmma(out_block, x.dtype))
     c3 = out if c is None else (c if c.ndim == 3 else c.unsqueeze(0)).contiguous()
     per_matrix = lower_tile_count(m)
     total = per_matrix * batch
@@ -155,7 +176,7 @@ def ws_syrk(
         float(alpha), float(beta), float(diag),
         TRANSPOSED=transposed, HAS_C=c is not None, HAS_DIAG=diag != 0.0,
         SCALE_POWER=0 if scale is None else scale_power,
-        ACC=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]),
+        ACC=_accumulator_layout(),
         BM=BLOCK, BK=BLOCK_K, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4, maxnreg=MAX_REGS,
     )
