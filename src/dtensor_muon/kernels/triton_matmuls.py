@@ -10,6 +10,10 @@
     apply:  X' = P·X  (= a·X + B·X)        (cuBLAS: a full product, nothing to save)
     symmetric_product: X·Yᵀ known symmetric (Gram Newton–Schulz's R·Z, Q·Z; lower tiles, or cuBLAS)
 
+The SYRK products run on one of two kernels (:func:`symmetric_kernel`): the warp-specialized Gluon kernel
+(:mod:`.ws_syrk`) on Hopper for products of at least 2³⁷ multiply-adds with m ≤ 4096, the Triton kernel
+(:mod:`.triton_syrk`) everywhere else.
+
 Folding a·X into P turns the third product into a plain matmul, which cuBLAS runs faster than the
 ``addmm`` with a C term (0.68 vs 0.75 ms on 4096×14336, 0.78 vs 0.99 ms on 64×1408×2048, H200); the cost
 is that a + B_ii is rounded to bf16 once, within bf16 rounding of the result, not bitwise torch's.

@@ -1,5 +1,6 @@
 """Warp-specialized Hopper SYRK kernel (Gluon, code in :mod:`.ws_syrk_kernel`): the products of
-:mod:`.triton_syrk`, faster than that kernel on the H200 for Gram sides m ≤ 4096.
+:mod:`.triton_syrk`, faster than that kernel on the H200 for large products with Gram side m ≤ 4096, where
+the GPU backend takes it (:func:`ws_syrk_pays`).
 
     out_b = s_b^p·(alpha·X_b·Y_bᵀ + beta·C_b + d·I)     X, Y: [B, m, k] (or transposed views of
                                                          contiguous [B, k, m]), C: [B, m, m] symmetric
@@ -19,11 +20,13 @@ tile t goes to program t mod P, so at any moment the programs work on neighbouri
 in L2. A tile below the diagonal is stored by TMA twice, as itself and transposed (through the consumer's
 staging buffer); a diagonal tile has its lower part mirrored into its upper part in shared memory and is
 stored once. Every element is written once: the result is exactly symmetric and deterministic, and equals
-the Triton kernel's up to the order of the fp32 sums.
+the Triton kernel's up to the order of the fp32 sums (Newton–Schulz on the H200 gave the same bits with
+either).
 
-Measured on the H200 (``bench/gluon_syrk_probe.py --kernel ws``, BENCHMARKS.md, eighth session), against the
-Triton kernel: 4096² X·Xᵀ 0.112 vs 0.116 ms, the 64×1408² products 0.34–0.36 vs 0.38, 64×1408×2048 X·Xᵀ 0.46
-vs 0.49; but 8192² 0.98 vs 0.92, hence WS_MAX_DIM.
+Measured on the H200 (``bench/gluon_syrk_probe.py --kernel ws``, BENCHMARKS.md, eighth session), each product
+alone against the Triton kernel: 4096² X·Xᵀ 0.109–0.113 vs 0.113–0.115 ms, the 64×1408² products 0.34–0.36 vs
+0.38–0.39, 64×1408×2048 X·Xᵀ 0.46–0.47 vs 0.49–0.50; 8192² 0.93–0.98 vs 0.89–0.92, hence WS_MAX_DIM. In the
+whole iteration the small products lose (WS_MIN_WORK).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ STAGES = 5
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 MAX_REGS = 168  # 12 warps (two consumer warpgroups, the producer's warpgroup) · 32 · 168 ≤ 65536 registers
-WS_MAX_DIM = 4096  # above it the Triton kernel's 256×128 tiles win (8192²: 0.93 vs 0.89 ms, H200)
+WS_MAX_DIM = 4096  # above it the Triton kernel's 256×128 tiles win (8192²: 0.93–0.98 vs 0.89–0.92 ms, H200)
 # Fewest multiply-adds (B·m²·k) per product for this kernel. Below it, measured on the H200 (eighth session,
 # bench/bench_newton_schulz.py, 7 rounds), Newton–Schulz on 4096² took 2.34–2.81 ms with it against 2.18–2.22
 # with the Triton kernel, the GPU idling between products (SM clock samples 1.7–1.9 GHz after its rounds
