@@ -1,0 +1,75 @@
+"""Ring depth and register split of the warp-specialized Gluon SYRK kernel (``kernels/ws_syrk.py``), each
+variant against the Triton SYRK kernel on the Newton–Schulz products of the issue's shapes (GPU only).
+
+    PYTHONPATH=src python3 bench/ws_syrk_tuning.py --rounds 2 --out bench/results/gluon_syrk_ws_tuning_h200.json
+
+A variant is (STAGES, PRODUCER_REGS, CONSUMER_REGS, MAX_REGS), set on the module before each launch. Each
+case times the Triton kernel once per round and every variant once per round
+(``triton.testing.do_bench_cudagraph``); the table shows the medians in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+
+from dtensor_muon.kernels import ws_syrk as ws
+from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
+
+VARIANTS = ((4, 40, 232, 168), (3, 40, 232, 168), (5, 40, 232, 168), (4, 24, 240, 168), (5, 24, 240, 168))
+
+
+def cases() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+    """(Gluon, Triton) calls of the same product per case."""
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    x = torch.randn(4096, 4096, device="cuda", dtype=bf) / 64
+    a = x @ x.mT
+    wide = torch.randn(4096, 14336, device="cuda", dtype=bf) / 100
+    xt = (torch.randn(64, 2048, 1408, device="cuda", dtype=bf) / 45).mT
+    r = xt @ xt.mT
+    q = torch.randn(64, 1408, 1408, device="cuda", dtype=bf) / 38
+    return {
+        "gram 4096²": (lambda: ws.ws_syrk(x), lambda: syrk(x)),
+        "poly 4096²": (lambda: ws.ws_syrk(a, None, -4.7, 2.0, a, 3.4), lambda: syrk(a, -4.7, 2.0, a, 3.4)),
+        "gram 4096x14336": (lambda: ws.ws_syrk(wide), lambda: syrk(wide)),
+        "gram 64x1408x2048T": (lambda: ws.ws_syrk(xt), lambda: syrk(xt)),
+        "poly 64x1408²": (lambda: ws.ws_syrk(r, None, -4.7, 2.0, r, 3.4), lambda: syrk(r, -4.7, 2.0, r, 3.4)),
+        "product 64x1408²": (lambda: ws.ws_syrk(r, q), lambda: symmetric_product(r, q)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    chosen = (ws.STAGES, ws.PRODUCER_REGS, ws.CONSUMER_REGS, ws.MAX_REGS)
+    result: dict[str, dict[str, list[float]]] = {}
+    print(f"{'case':<20} triton " + " ".join(str(v) for v in VARIANTS))
+    try:
+        for name, (gluon, plain) in cases().items():
+            plain()
+            row: dict[str, list[float]] = {"triton": []}
+            for _ in range(args.rounds):
+                for variant in VARIANTS:
+                    ws.STAGES, ws.PRODUCER_REGS, ws.CONSUMER_REGS, ws.MAX_REGS = variant
+                    gluon()  # compile outside the timing
+                    row.setdefault(str(variant), []).append(triton.testing.do_bench_cudagraph(gluon, rep=60))
+                row["triton"].append(triton.testing.do_bench_cudagraph(plain, rep=60))
+            result[name] = row
+            print(f"{name:<20} " + " ".join(f"{statistics.median(v):.4f}" for v in row.values()), flush=True)
+    finally:
+        ws.STAGES, ws.PRODUCER_REGS, ws.CONSUMER_REGS, ws.MAX_REGS = chosen
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
