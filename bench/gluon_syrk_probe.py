@@ -2,7 +2,7 @@
 (``bench/gluon_syrk.py``, ``--kernel persistent``) or the warp-specialized one the library runs on Hopper
 (``dtensor_muon.kernels.ws_syrk``, ``--kernel ws``).
 
-    PYTHONPATH=src python3 bench/gluon_syrk_probe.py --kernel ws --rounds 3 --out bench/results/gluon_syrk_ws_h200.json
+    PYTHONPATH=src python3 bench/gluon_syrk_probe.py --kernel ws --rounds 3 --out bench/results/ws.json
 
 First each variant (2-D and batched, row-major and transposed views, Y ≠ X, a C term with a diagonal and a
 per-matrix scale, sizes off the tile grid) is checked against an fp32 product: relative Frobenius error
@@ -48,8 +48,9 @@ def reference(x: Tensor, y: Tensor | None, alpha: float, beta: float, c: Tensor 
     return r
 
 
-def check(kernel: Callable[..., Tensor], name: str, x: Tensor, y: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0,
-          c: Tensor | None = None, diag: float = 0.0, scale: Tensor | None = None, power: int = 1) -> dict:
+def check(kernel: Callable[..., Tensor], name: str, x: Tensor, y: Tensor | None = None, alpha: float = 1.0,
+          beta: float = 0.0, c: Tensor | None = None, diag: float = 0.0, scale: Tensor | None = None,
+          power: int = 1) -> dict:
     out = kernel(x, y, alpha, beta, c, diag, scale, power)
     ref = reference(x, y, alpha, beta, c, diag, scale, power)
     err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -178,7 +179,8 @@ def main() -> None:
     kernel = KERNELS[args.kernel]
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                     "kernel": args.kernel}
-    parts = [("correctness", lambda: correctness(kernel, device)), ("timing", lambda: timing(kernel, device, args.rounds))]
+    parts = [("correctness", lambda: correctness(kernel, device)),
+             ("timing", lambda: timing(kernel, device, args.rounds))]
     if args.kernel == "persistent":
         parts.insert(1, ("probe", lambda: probe(device)))
     for part, run in parts:

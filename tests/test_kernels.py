@@ -408,6 +408,20 @@ def test_scale_arguments_are_checked() -> None:
         syrk(x, scale=torch.ones(2), scale_power=3)
     with pytest.raises(ValueError, match="cast_and_scale_into: scale"):
         cast_and_scale_into(torch.zeros(2, 8, 16), x.clone(), 1e-7, torch.ones(1))
+    with pytest.raises(ValueError, match="cast_and_scale_into: scale .* on cpu, got .* on meta"):
+        cast_and_scale_into(torch.zeros(2, 8, 16), x.clone(), 1e-7, torch.ones(2, device="meta"))
+
+
+def test_ws_syrk_refuses_what_it_cannot_run() -> None:
+    """The warp-specialized kernel needs a Hopper GPU: on CPU the backend never picks it, and a direct call
+    fails with an error naming it (its results are tested on the GPU, tests/test_ws_syrk_gpu.py)."""
+    from dtensor_muon.kernels.ws_syrk import ws_syrk, ws_syrk_pays, ws_syrk_supports
+
+    x = torch.zeros(2, 1408, 2048, dtype=torch.bfloat16)
+    assert not ws_syrk_supports(x)
+    assert not ws_syrk_pays(x)
+    with pytest.raises(ValueError, match="ws_syrk: X and Y must meet ws_syrk_supports"):
+        ws_syrk(x)
 
 
 def test_torch_backend_honours_a_scale() -> None:

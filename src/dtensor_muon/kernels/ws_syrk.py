@@ -97,10 +97,10 @@ def _tma_readable(t: Tensor) -> bool:
 def ws_syrk_supports(x: Tensor, y: Tensor | None = None) -> bool:
     """Whether :func:`ws_syrk` can run the products on ``x`` ([m, k] or [B, m, k]) and ``y``: Gluon's Hopper
     API present, x bf16/fp16 on a compute-capability-9 GPU, 8 | m, x readable by TMA, and y (when given) of
-    x's shape, strides and dtype."""
+    x's shape, strides and dtype; not empty."""
     if not (ws_syrk_kernel is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
-    if x.ndim not in (2, 3) or x.size(-2) % 8 or not _on_hopper(x.device.index or 0):
+    if x.ndim not in (2, 3) or x.numel() == 0 or x.size(-2) % 8 or not _on_hopper(x.device.index or 0):
         return False
     if y is not None and (y.shape != x.shape or y.stride() != x.stride() or y.dtype != x.dtype):
         return False
@@ -161,8 +161,9 @@ def ws_syrk(
         require_scale(scale, batch, x.device, "ws_syrk")
         if scale_power not in (1, 2):
             raise ValueError(f"ws_syrk: scale_power must be 1 or 2, got {scale_power}")
-    if c is not None and c.shape[-2:] != (m, m):
-        raise ValueError(f"ws_syrk: C must be [.., {m}, {m}], got {tuple(c.shape)}")
+    c3 = None if c is None else (c if c.ndim == 3 else c.unsqueeze(0)).contiguous()
+    if c3 is not None and tuple(c3.shape) != (batch, m, m):
+        raise ValueError(f"ws_syrk: C must have X's batch and be {m}×{m}, got {tuple(c.shape)}")
     transposed = x3.stride(-2) == 1 and x3.stride(-1) != 1
     block = (1, BLOCK_K, BLOCK) if transposed else (1, BLOCK, BLOCK_K)
     out = torch.empty((batch, m, m), device=x.device, dtype=x.dtype)
@@ -170,12 +171,11 @@ def ws_syrk(
     desc_b = TensorDescriptor.from_tensor(_tma_storage(y3), list(block), _nvmma(block, x.dtype))
     out_block = (1, BLOCK, BLOCK)
     desc_out = TensorDescriptor.from_tensor(out, list(out_block), _nvmma(out_block, x.dtype))
-    c3 = out if c is None else (c if c.ndim == 3 else c.unsqueeze(0)).contiguous()
     per_matrix = lower_tile_count(m)
     total = per_matrix * batch
     programs = min(_sm_count(x.device.index or 0), triton.cdiv(total, 2))
     ws_syrk_kernel[(programs,)](
-        desc_a, desc_b, desc_out, c3, out if scale is None else scale, m, k, total, per_matrix,
+        desc_a, desc_b, desc_out, out if c3 is None else c3, out if scale is None else scale, m, k, total, per_matrix,
         float(alpha), float(beta), float(diag),
         TRANSPOSED=transposed, HAS_C=c is not None, HAS_DIAG=diag != 0.0,
         SCALE_POWER=0 if scale is None else scale_power,
