@@ -51,7 +51,7 @@ def symmetric_kernel(
     scale_power: int = 1,
 ) -> Tensor:
     """s^p·(alpha·X·Yᵀ + beta·C + diag·I), Y = X by default, on the faster of the two SYRK kernels for x: the
-    warp-specialized Gluon one on Hopper where it applies (:mod:`.ws_syrk`), else the Triton one."""
+    warp-specialized Gluon one where :func:`.ws_syrk.ws_syrk_pays` holds, else the Triton one."""
     if ws_syrk_pays(x, y):
         return ws_syrk(x, y, alpha, beta, c, diag, scale, scale_power)
     if y is None:
