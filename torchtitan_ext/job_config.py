@@ -9,8 +9,8 @@ a message that lists the valid choices.
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dtensor_muon.newton_schulz import NAMED_COEFFICIENTS, SUPPORTED_NS_DTYPES
 from dtensor_muon.kernels import NS_ALGORITHMS
+from dtensor_muon.newton_schulz import NAMED_COEFFICIENTS, SUPPORTED_NS_DTYPES
 
 OPTIMIZER_NAMES = ("Adam", "AdamW", "Muon")
 ADJUST_LR_CHOICES = ("match_rms_adamw", "original")

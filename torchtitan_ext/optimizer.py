@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torchtitan.components import optimizer as titan_optimizer
 from torchtitan.components.ft import FTManager
 from torchtitan.components.optimizer import OptimizersContainer

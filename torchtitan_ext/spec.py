@@ -20,7 +20,7 @@ import functools
 from collections.abc import Callable
 from importlib import import_module
 
-import torch.nn as nn
+from torch import nn
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.models import _supported_models

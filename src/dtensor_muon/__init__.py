@@ -3,4 +3,4 @@
 from .newton_schulz import NAMED_COEFFICIENTS, newton_schulz, polar_factor
 from .optimizer import Muon
 
-__all__ = ["Muon", "newton_schulz", "polar_factor", "NAMED_COEFFICIENTS"]
+__all__ = ["NAMED_COEFFICIENTS", "Muon", "newton_schulz", "polar_factor"]

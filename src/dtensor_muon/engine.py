@@ -22,11 +22,11 @@ from torch.distributed.tensor import DTensor
 
 from . import metrics as metrics_lib
 from .exchange import MeshGroup, PendingExchange, mesh_group, start_all_to_all
-from .pending import BackExchange, PendingUpdates
-from .layout import ParamLayout, box_numel, box_shape, box_slices, relative_slices
 from .kernels import resolve_ns_algorithm
+from .layout import ParamLayout, box_numel, box_shape, box_slices, relative_slices
 from .newton_schulz import newton_schulz, resolve_coefficients, resolve_ns_dtype
 from .ns_graphs import NewtonSchulzGraphs
+from .pending import BackExchange, PendingUpdates
 from .plan import MatrixRoute, Plan, build_plan, chunk_by_budget, matrix_shape
 from .rules import adamw as adamw_rule
 from .rules import muon as muon_rule

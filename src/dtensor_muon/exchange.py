@@ -39,7 +39,7 @@ class MeshGroup:
 
 # Cached per mesh object and dropped with it: a module-level cache would keep process groups alive past
 # destroy_process_group(), to be destroyed during interpreter shutdown, which can abort gloo.
-_GROUP_CACHE: "weakref.WeakKeyDictionary[DeviceMesh, MeshGroup]" = weakref.WeakKeyDictionary()
+_GROUP_CACHE: weakref.WeakKeyDictionary[DeviceMesh, MeshGroup] = weakref.WeakKeyDictionary()
 
 
 def mesh_group(mesh: DeviceMesh | None, mesh_rank: int) -> MeshGroup:

@@ -18,8 +18,8 @@ from torch import Tensor
 from .engine import EXCHANGE_MODES, Engine, Entry
 from .kernels import resolve_ns_algorithm
 from .layout import read_layout
-from .overlap import attach_hooks
 from .newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec, resolve_coefficients, resolve_ns_dtype
+from .overlap import attach_hooks
 from .routing import uses_muon
 from .rules import adamw as adamw_rule
 from .rules.muon import ADJUST_LR_NAMES, AdjustLrFn
@@ -228,7 +228,7 @@ class Muon(torch.optim.Optimizer):
         return Engine(entries, **self._engine_options)
 
     @staticmethod
-    def _rebuild_after_load(optimizer: "Muon") -> None:
+    def _rebuild_after_load(optimizer: Muon) -> None:
         for group in optimizer.param_groups:  # checkpoints from before the option existed
             group.setdefault("ns_algorithm", "auto")
         optimizer._engine = optimizer._build_engine()

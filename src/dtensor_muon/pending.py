@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class BackExchange:
     """One bucket's return all-to-all, in flight until unpacked."""
 
-    work: "MeshWork"
+    work: MeshWork
     bucket: list[int]
     exchange: PendingExchange
     unpacked: bool = False
@@ -34,8 +34,8 @@ class PendingUpdates:
 
     def __init__(
         self,
-        engine: "Engine",
-        scratch: "StepScratch",
+        engine: Engine,
+        scratch: StepScratch,
         active: set[int],
         backs: list[BackExchange],
         hyperparameters: dict[int, tuple[float, float, float]],

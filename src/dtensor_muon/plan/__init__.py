@@ -17,8 +17,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 from math import prod
+from typing import Any
 
 import torch
 
