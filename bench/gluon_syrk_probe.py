@@ -10,6 +10,8 @@ per-matrix scale, sizes off the tile grid) is checked against an fp32 product: r
 timed ``--rounds`` times interleaved (``triton.testing.do_bench_cudagraph``, median ms): Gluon, the Triton
 SYRK kernel as the backend runs it, and cuBLAS's full product. Before that, for the persistent kernel, the
 "probe" part times it whole, without its transposed stores and without its epilogue (``gluon_syrk.PROBE``).
+Last, the "host" part times each launch's host cost (added in the eighth session after its device time ran
+out: not yet run).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -169,6 +172,28 @@ def probe(device: torch.device) -> list[dict]:
     return rows
 
 
+def host_cost(gluon: Callable[..., Tensor], device: torch.device, calls: int = 50) -> list[dict]:
+    """Host time per call (µs) of each case's Gluon and Triton launch: ``calls`` calls queued back to back
+    without synchronizing, after a synchronized warm-up, so the wall clock is the host's (the launch queue
+    holds them all). Where it exceeds the product's GPU time, launches starve the GPU in an eager chain."""
+    rows = []
+    for case, fns in cases(gluon, device).items():
+        line = f"{case:<34}"
+        for method in ("gluon", "triton"):
+            fn = fns[method]
+            fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host_us = (time.perf_counter() - start) / calls * 1e6
+            torch.cuda.synchronize()
+            rows.append({"case": case, "method": method, "host_us_per_call": host_us})
+            line += f" {method} {host_us:.1f} µs"
+        print(line)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernel", choices=sorted(KERNELS), default="persistent")
@@ -180,7 +205,8 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                     "kernel": args.kernel}
     parts = [("correctness", lambda: correctness(kernel, device)),
-             ("timing", lambda: timing(kernel, device, args.rounds))]
+             ("timing", lambda: timing(kernel, device, args.rounds)),
+             ("host", lambda: host_cost(kernel, device))]
     if args.kernel == "persistent":
         parts.insert(1, ("probe", lambda: probe(device)))
     for part, run in parts:
