@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .shapes import matrix_count
+from .shapes import gram_work, matrix_count
 from .torch_matmuls import TORCH_MATMULS
 
 try:
@@ -79,11 +79,6 @@ def triton_eligible(x: Tensor) -> bool:
         and x.dtype in (torch.bfloat16, torch.float16)
         and torch.cuda.get_device_capability(x.device) >= (8, 0)
     )
-
-
-def gram_work(x: Tensor) -> int:
-    """B·m²·n multiply-adds of one Gram matrix of ``x`` ([m, n] or [B, m, n])."""
-    return matrix_count(x) * x.size(-2) ** 2 * x.size(-1)
 
 
 def select_backend(x: Tensor) -> Backend:

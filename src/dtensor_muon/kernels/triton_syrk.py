@@ -279,7 +279,7 @@ def _tma_allocator(size: int, alignment: int, stream: int | None) -> Tensor:
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-def _can_use_tma(x: Tensor, transposed: bool) -> bool:
+def tma_aligned(x: Tensor, transposed: bool) -> bool:
     """TMA needs a 16-byte aligned base and 16-byte aligned strides (elements are 2 bytes)."""
     strides = [x.stride(-1) if transposed else x.stride(-2)]
     if x.ndim == 3:
@@ -296,13 +296,13 @@ TMA_MODES = ("off", "device", "host")
 
 
 @functools.cache
-def _capability_major(device_index: int) -> int:
+def capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
 def on_hopper(x: Tensor) -> bool:
     """Whether ``x`` lives on a CUDA device of compute capability 9.0 or newer (TMA available)."""
-    return x.device.type == "cuda" and _capability_major(x.device.index or 0) >= 9
+    return x.device.type == "cuda" and capability_major(x.device.index or 0) >= 9
 
 
 def _flattens(x3: Tensor, transposed: bool) -> bool:
@@ -326,7 +326,7 @@ def tma_mode_for(x3: Tensor, tma: str | None) -> int:
     if tma is not None and tma not in TMA_MODES:
         raise ValueError(f"syrk: tma must be None or one of {TMA_MODES}, got {tma!r}")
     transposed = is_transposed_view(x3)
-    if tma == "off" or not _can_use_tma(x3, transposed) or (tma is None and not on_hopper(x3)):
+    if tma == "off" or not tma_aligned(x3, transposed) or (tma is None and not on_hopper(x3)):
         return 0
     if tma == "device" or not _flattens(x3, transposed):
         if x3.device.type == "cuda":
@@ -418,7 +418,7 @@ def _launch(
     else:
         c3 = out
     mode = tma_mode_for(x3, tma)
-    if mode != 0 and not _can_use_tma(y3, transposed):  # Y's base is not 16-byte aligned: read by pointers
+    if mode != 0 and not tma_aligned(y3, transposed):  # Y's base is not 16-byte aligned: read by pointers
         mode = 0
 
     def grid(meta: dict) -> tuple[int, int]:

@@ -41,7 +41,8 @@ import triton
 from torch import Tensor
 
 from .normalize import require_scale
-from .shapes import matrix_count
+from .shapes import gram_work
+from .triton_syrk import capability_major, is_transposed_view, lower_tile_count, tma_aligned
 
 try:
     from triton.experimental.gluon import language as gl
@@ -78,20 +79,15 @@ def ws_syrk_enabled(enabled: bool) -> Iterator[None]:
         _enabled = before
 
 
-@functools.cache
-def _on_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
 def _tma_storage(x3: Tensor) -> Tensor:
     """The row-major storage TMA reads: x itself, or [B, k, m] for a transposed view."""
-    return x3.mT if x3.stride(-2) == 1 and x3.stride(-1) != 1 else x3
+    return x3.mT if is_transposed_view(x3) else x3
 
 
-def _tma_readable(t: Tensor) -> bool:
-    """Unit stride last, every other stride and the base 16-byte aligned."""
-    size = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+def _tma_readable(t3: Tensor) -> bool:
+    """Whether TMA reads [B, m, k] ``t3`` in place: its storage's last stride 1, the base and other strides
+    16-byte aligned."""
+    return _tma_storage(t3).stride(-1) == 1 and tma_aligned(t3, is_transposed_view(t3))
 
 
 def ws_syrk_supports(x: Tensor, y: Tensor | None = None) -> bool:
@@ -100,19 +96,17 @@ def ws_syrk_supports(x: Tensor, y: Tensor | None = None) -> bool:
     x's shape, strides and dtype; not empty."""
     if not (ws_syrk_kernel is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
-    if x.ndim not in (2, 3) or x.numel() == 0 or x.size(-2) % 8 or not _on_hopper(x.device.index or 0):
+    if x.ndim not in (2, 3) or x.numel() == 0 or x.size(-2) % 8 or capability_major(x.device.index or 0) != 9:
         return False
     if y is not None and (y.shape != x.shape or y.stride() != x.stride() or y.dtype != x.dtype):
         return False
-    return all(_tma_readable(_tma_storage(t if t.ndim == 3 else t.unsqueeze(0))) for t in (x, x if y is None else y))
+    return all(_tma_readable(t if t.ndim == 3 else t.unsqueeze(0)) for t in (x, x if y is None else y))
 
 
 def ws_syrk_pays(x: Tensor, y: Tensor | None = None) -> bool:
     """Whether the backend should run the products on ``x`` and ``y`` with this kernel rather than the Triton
     one: enabled, m ≤ WS_MAX_DIM, at least WS_MIN_WORK multiply-adds (B·m²·k), and supported."""
-    m = x.size(-2)
-    work = matrix_count(x) * m * m * x.size(-1)
-    return _enabled and m <= WS_MAX_DIM and work >= WS_MIN_WORK and ws_syrk_supports(x, y)
+    return _enabled and x.size(-2) <= WS_MAX_DIM and gram_work(x) >= WS_MIN_WORK and ws_syrk_supports(x, y)
 
 
 @functools.cache
@@ -125,12 +119,6 @@ def _nvmma(shape: tuple[int, ...], dtype: torch.dtype) -> object:
 def _accumulator_layout() -> object:
     """wgmma accumulator of one warpgroup: 4 warps along the 128 rows, 64×128 instructions."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
-
-
-def lower_tile_count(m: int) -> int:
-    """128×128 tiles on or below the diagonal of an m×m matrix: r(r+1)/2 with r = ⌈m/128⌉."""
-    rows = triton.cdiv(m, BLOCK)
-    return rows * (rows + 1) // 2
 
 
 @functools.cache
@@ -164,14 +152,14 @@ def ws_syrk(
     c3 = None if c is None else (c if c.ndim == 3 else c.unsqueeze(0)).contiguous()
     if c3 is not None and tuple(c3.shape) != (batch, m, m):
         raise ValueError(f"ws_syrk: C must have X's batch and be {m}×{m}, got {tuple(c.shape)}")
-    transposed = x3.stride(-2) == 1 and x3.stride(-1) != 1
+    transposed = is_transposed_view(x3)
     block = (1, BLOCK_K, BLOCK) if transposed else (1, BLOCK, BLOCK_K)
     out = torch.empty((batch, m, m), device=x.device, dtype=x.dtype)
     desc_a = TensorDescriptor.from_tensor(_tma_storage(x3), list(block), _nvmma(block, x.dtype))
     desc_b = TensorDescriptor.from_tensor(_tma_storage(y3), list(block), _nvmma(block, x.dtype))
     out_block = (1, BLOCK, BLOCK)
     desc_out = TensorDescriptor.from_tensor(out, list(out_block), _nvmma(out_block, x.dtype))
-    per_matrix = lower_tile_count(m)
+    per_matrix = lower_tile_count(m, BLOCK, 1)  # 128×128 squares on or below the diagonal
     total = per_matrix * batch
     programs = min(_sm_count(x.device.index or 0), triton.cdiv(total, 2))
     ws_syrk_kernel[(programs,)](
