@@ -26,7 +26,7 @@ import torch
 import triton
 from torch import Tensor
 
-from dtensor_muon.kernels import triton_syrk
+from dtensor_muon.kernels import triton_syrk, ws_syrk
 from dtensor_muon.kernels.triton_matmuls import TritonMatmuls
 from dtensor_muon.newton_schulz import (
     KELLER_COEFFICIENTS,
@@ -134,8 +134,13 @@ def main() -> None:
     parser.add_argument("--shapes", default="4096x4096,64x2048x1408")
     parser.add_argument("--algorithms", default="standard,gram")
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--ws-min-work", type=float, default=None,
+                        help="override ws_syrk.WS_MIN_WORK (fewest multiply-adds for the Gluon kernel; 0: every "
+                             "product it supports)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.ws_min_work is not None:
+        ws_syrk.WS_MIN_WORK = args.ws_min_work
     results = []
     for spec in args.shapes.split(","):
         shape = tuple(int(v) for v in spec.split("x"))

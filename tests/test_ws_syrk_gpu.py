@@ -99,3 +99,34 @@ def test_small_products_stay_on_the_triton_kernel():
     x = torch.randn(4096, 4096, device="cuda").bfloat16()
     assert ws_syrk_supports(x)
     assert not ws_syrk_pays(x)
+
+
+def test_direct_launches_give_the_jit_launch_bits():
+    """After a variant's first launch through Triton's JIT, ws_syrk launches the compiled kernel directly. On
+    sizes that launch did not see (m and k off multiples of 16, a batch) the result must have the bits of a
+    fresh JIT launch and match fp64."""
+    from dtensor_muon.kernels import ws_syrk as ws
+
+    gen = torch.Generator("cuda").manual_seed(6)
+    inputs = [torch.randn(shape, device="cuda", generator=gen).bfloat16() for shape in
+              [(512, 384), (1000, 776), (2, 264, 200)]]
+    ws._COMPILED.clear()
+    direct = [ws_syrk(x, None, 1.5, 0.0, None, 0.5) for x in inputs]  # the first compiles, the others launch directly
+    for x, out in zip(inputs, direct):
+        ws._COMPILED.clear()
+        assert torch.equal(out, ws_syrk(x, None, 1.5, 0.0, None, 0.5))
+        eye = torch.eye(x.size(-2), device="cuda", dtype=torch.float64)
+        assert _rel_err(out, 1.5 * x.double() @ x.double().mT + 0.5 * eye) < 4e-3
+
+
+def test_c_in_another_dtype_goes_to_the_triton_kernel_or_is_rejected_by_name(monkeypatch):
+    from dtensor_muon.kernels import ws_syrk as ws
+
+    monkeypatch.setattr(ws, "WS_MIN_WORK", 0)  # let the dispatch consider a small product
+    x = torch.randn(512, 512, device="cuda").bfloat16() / 16
+    c = torch.randn(512, 512, device="cuda")
+    c = c + c.mT
+    assert ws_syrk_pays(x) and ws_syrk_pays(x, None, c.bfloat16())
+    assert not ws_syrk_pays(x, None, c)  # fp32: its bf16 TMA descriptor cannot read it
+    with pytest.raises(ValueError, match="ws_syrk: C must have X's batch, be 512×512 in X's dtype"):
+        ws_syrk(x, None, 1.0, 1.0, c)

@@ -31,7 +31,7 @@ from .normalize import cast_and_scale_into, normalize_into, scale_cast_applies
 from .shapes import matrix_count
 from .torch_matmuls import TORCH_MATMULS, scaled
 from .triton_syrk import is_transposed_view, lower_tile_count, symmetric_product, syrk
-from .ws_syrk import ws_syrk, ws_syrk_pays
+from .ws_syrk import ws_syrk_pays, ws_syrk_supported
 
 # Smallest Gram side for the SYRK kernels, and fewest 128×128 lower-triangle tiles (all matrices of a batch
 # together) to fill the GPU: below these cuBLAS's full products are as fast. Measured on the H200: SYRK
@@ -52,8 +52,8 @@ def symmetric_kernel(
 ) -> Tensor:
     """s^p·(alpha·X·Yᵀ + beta·C + diag·I), Y = X by default, on the faster of the two SYRK kernels for x: the
     warp-specialized Gluon one where :func:`.ws_syrk.ws_syrk_pays` holds, else the Triton one."""
-    if ws_syrk_pays(x, y):
-        return ws_syrk(x, y, alpha, beta, c, diag, scale, scale_power)
+    if ws_syrk_pays(x, y, c):
+        return ws_syrk_supported(x, y, alpha, beta, c, diag, scale, scale_power)
     if y is None:
         return syrk(x, alpha, beta, c, diag, scale=scale, scale_power=scale_power)
     if (alpha, beta, c, diag, scale_power) != (1.0, 0.0, None, 0.0, 1):

@@ -56,8 +56,8 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
              HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
              STAGES: gl.constexpr):
     """Consumer warpgroup CONSUMER: this program's tiles l ≡ CONSUMER (mod 2), products then epilogue."""
-    (desc_out, c_ptr, scale_ptr, a_bufs, b_bufs, staging_bufs, ready, empty, turn,
-     M, K, total, per_matrix, alpha, beta, diag) = p
+    (desc_out, desc_c, scale_ptr, a_bufs, b_bufs, staging_bufs, ready, empty, turn, c_ready,
+     K, total, per_matrix, alpha, beta, diag) = p
     dtype: gl.constexpr = desc_out.dtype
     staging3 = staging_bufs.index(CONSUMER)  # [1, BM, BM], for TMA
     staging = staging3.reshape([BM, BM])
@@ -72,7 +72,15 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
         row0 = i * BM
         col0 = j * BM
         # Our turn on the ring: the other consumer has issued all of its previous tile's products.
-        mbarrier.wait(turn.index(CONSUMER), ((local // 2) & 1) ^ (1 - CONSUMER))
+        phase = (local // 2) & 1  # this consumer's tiles so far, mod 2
+        mbarrier.wait(turn.index(CONSUMER), phase ^ (1 - CONSUMER))
+        if HAS_C:
+            # The C tile comes by TMA into the staging buffer while the products run (once the previous
+            # tile's stores have left it).
+            tma.store_wait(0)
+            c_bar = c_ready.index(CONSUMER)
+            mbarrier.expect(c_bar, desc_c.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_c, [batch, row0, col0], c_bar, staging3)
         acc = gl.zeros([BM, BM], gl.float32, ACC)
         g = local * num_k
         for ki in range(num_k):
@@ -95,10 +103,8 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
 
         result = acc * alpha
         if HAS_C:
-            r = rows + row0
-            c = cols + col0
-            c_tile = gl.load(c_ptr + batch.to(gl.int64) * M * M + r * M + c, mask=(r < M) & (c < M), other=0.0)
-            result += beta * c_tile.to(gl.float32)
+            mbarrier.wait(c_bar, phase)
+            result += beta * staging.load(ACC).to(gl.float32)
         if HAS_DIAG:
             result += gl.where(rows + row0 == cols + col0, diag, 0.0)
         if SCALE_POWER > 0:
@@ -124,9 +130,11 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
     tma.store_wait(0)
 
 
-@gluon.jit
+# No specialization on the integers' values or the pointers' alignment: one compiled kernel serves every size,
+# so the host launches it directly after the first call (``ws_syrk._launch``).
+@gluon.jit(do_not_specialize=["K", "total", "per_matrix"], do_not_specialize_on_alignment=["scale_ptr"])
 def ws_syrk_kernel(
-    desc_a, desc_b, desc_out, c_ptr, scale_ptr, M, K, total, per_matrix, alpha, beta, diag,
+    desc_a, desc_b, desc_out, desc_c, scale_ptr, K, total, per_matrix, alpha, beta, diag,
     TRANSPOSED: gl.constexpr, HAS_C: gl.constexpr, HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr,
     ACC: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -145,8 +153,11 @@ def ws_syrk_kernel(
         mbarrier.init(empty.index(s), count=1)
     for s in gl.static_range(2):
         mbarrier.init(turn.index(s), count=1)
-    consumer = (desc_out, c_ptr, scale_ptr, a_bufs, b_bufs, staging, ready, empty, turn,
-                M, K, total, per_matrix, alpha, beta, diag)
+    c_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2):
+        mbarrier.init(c_ready.index(s), count=1)
+    consumer = (desc_out, desc_c, scale_ptr, a_bufs, b_bufs, staging, ready, empty, turn, c_ready,
+                K, total, per_matrix, alpha, beta, diag)
     producer = (desc_a, desc_b, a_bufs, b_bufs, ready, empty, K, total, per_matrix)
     gl.warp_specialize([(_consume, (consumer, 0, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES)),
                         (_consume, (consumer, 1, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES)),
