@@ -76,7 +76,7 @@ def test_bad_scale_is_rejected_by_name():
         ws_syrk(x, scale=torch.ones(2, device="cuda"))
 
 
-@pytest.mark.parametrize("shape", [(4096, 14336), (64, 2048, 1408)])
+@pytest.mark.parametrize("shape", [(4096, 14336), (64, 2048, 1408), (4096, 4096)])
 def test_newton_schulz_agrees_with_the_triton_kernel(shape):
     """The whole iteration with the kernel on and off (shapes where the backend takes it): within bf16
     rounding of each other (on the H200 the two gave the same bits)."""
@@ -95,10 +95,11 @@ def test_newton_schulz_agrees_with_the_triton_kernel(shape):
 
 
 def test_small_products_stay_on_the_triton_kernel():
-    """Below WS_MIN_WORK multiply-adds the backend keeps the Triton kernel (measured faster there)."""
-    x = torch.randn(4096, 4096, device="cuda").bfloat16()
-    assert ws_syrk_supports(x)
-    assert not ws_syrk_pays(x)
+    """Below WS_MIN_WORK (2³⁶) multiply-adds the backend keeps the Triton kernel; 4096² (2³⁶) takes this one."""
+    small = torch.randn(2048, 2048, device="cuda").bfloat16()
+    assert ws_syrk_supports(small)
+    assert not ws_syrk_pays(small)
+    assert ws_syrk_pays(torch.randn(4096, 4096, device="cuda").bfloat16())
 
 
 def test_direct_launches_give_the_jit_launch_bits():

@@ -11,7 +11,7 @@
     symmetric_product: X·Yᵀ known symmetric (Gram Newton–Schulz's R·Z, Q·Z; lower tiles, or cuBLAS)
 
 The SYRK products run on one of two kernels (:func:`symmetric_kernel`): the warp-specialized Gluon kernel
-(:mod:`.ws_syrk`) on Hopper for products of at least 2³⁷ multiply-adds with m ≤ 4096, the Triton kernel
+(:mod:`.ws_syrk`) on Hopper for products of at least 2³⁶ multiply-adds with m ≤ 4096, the Triton kernel
 (:mod:`.triton_syrk`) everywhere else.
 
 Folding a·X into P turns the third product into a plain matmul, which cuBLAS runs faster than the

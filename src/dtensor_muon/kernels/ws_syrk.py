@@ -25,8 +25,8 @@ either).
 
 Measured on the H200 (``bench/gluon_syrk_probe.py --kernel ws``, BENCHMARKS.md, eighth session), each product
 alone against the Triton kernel: 4096² X·Xᵀ 0.109–0.113 vs 0.113–0.115 ms, the 64×1408² products 0.34–0.36 vs
-0.38–0.39, 64×1408×2048 X·Xᵀ 0.46–0.47 vs 0.49–0.50; 8192² 0.93–0.98 vs 0.89–0.92, hence WS_MAX_DIM. In the
-whole iteration the small products lose (WS_MIN_WORK).
+0.38–0.39, 64×1408×2048 X·Xᵀ 0.46–0.47 vs 0.49–0.50; 8192² 0.93–0.98 vs 0.89–0.92, hence WS_MAX_DIM. Smaller
+products than WS_MIN_WORK stay on the Triton kernel (not measured against it).
 """
 
 from __future__ import annotations
@@ -59,11 +59,12 @@ CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 MAX_REGS = 168  # 12 warps (two consumer warpgroups, the producer's warpgroup) · 32 · 168 ≤ 65536 registers
 WS_MAX_DIM = 4096  # above it the Triton kernel's 256×128 tiles win (8192²: 0.93–0.98 vs 0.89–0.92 ms, H200)
-# Fewest multiply-adds (B·m²·k) per product for this kernel. Below it, measured on the H200 (eighth session,
-# bench/bench_newton_schulz.py, 7 rounds), Newton–Schulz on 4096² took 2.34–2.81 ms with it against 2.18–2.22
-# with the Triton kernel, the GPU idling between products (SM clock samples 1.7–1.9 GHz after its rounds
-# against 1.5 GHz); at 64×1408²×2048 (2^37.9) and 64×1408³ (2^37.4) it wins: 8.07–8.41 vs 8.19–8.70 ms.
-WS_MIN_WORK = 2**37
+# Fewest multiply-adds (B·m²·k) per product for this kernel. The eighth session set 2³⁷: with the kernel on
+# 4096² products (2³⁶) Newton–Schulz took 2.34–2.81 ms against 2.18–2.22 on the Triton kernel, the GPU idling
+# between products, its launches then costing the host 87–175 µs. With the direct launch (ninth session,
+# bench/bench_newton_schulz.py, 5 rounds side by side) it wins there too: 4096² 2.255 vs 2.271 ms, 4096×14336
+# 4.729 vs 4.770, 64×2048×1408 8.132 vs 8.632. Below 2³⁶ it is not measured against the Triton kernel.
+WS_MIN_WORK = 2**36
 _enabled = os.environ.get("DTENSOR_MUON_WS_SYRK", "1") != "0"
 
 
