@@ -13,7 +13,8 @@ Each SM runs one persistent program of three partitions:
 - two consumer warpgroups take the program's tiles in turn (its l-th tile goes to consumer l mod 2), each
   with a 128×128 fp32 accumulator in registers. A ``turn`` barrier hands the ring from one to the other once
   it has issued its tile's last wgmma, so one consumer's epilogue (scale, C term, diagonal, rounding,
-  stores) runs while the other's products keep the tensor cores busy.
+  stores) runs while the other's products keep the tensor cores busy. The C tile is loaded by TMA into the
+  consumer's staging buffer when its turn starts, so it has arrived by the epilogue (``c_ready`` barriers).
 
 Tiles are the 128×128 squares (i, j), j ≤ i, of the lower triangle, numbered row by row over the batch;
 tile t goes to program t mod P, so at any moment the programs work on neighbouring tiles that share panels
