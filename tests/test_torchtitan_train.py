@@ -31,9 +31,13 @@ SMALL = [
 
 
 def torchrun(config: str, dump: Path, *overrides: str, nproc: int = 2, timeout: int = 170):
-    """Run the launcher under torchrun; return (returncode, output, {step: loss} from rank 0)."""
+    """Run the launcher under torchrun; return (returncode, output, {step: loss} from rank 0). Every rank's
+    output is also kept under ``dump``/ranks; when the run fails, the tail of each rank's stderr is appended
+    to the output (the console shows rank 0 only)."""
+    logs = dump / "ranks"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--local-ranks-filter", "0",
+        "--log-dir", str(logs), "--tee", "3",
         "-m", "torchtitan_ext.train", "--job.config_file", f"train_configs/{config}",
         "--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides,
     ]  # fmt: skip
@@ -41,6 +45,9 @@ def torchrun(config: str, dump: Path, *overrides: str, nproc: int = 2, timeout: 
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     output = proc.stdout + proc.stderr
     losses = {int(s): float(v) for s, v in LOSS_LINE.findall(output)}
+    if proc.returncode != 0:
+        for log in sorted(logs.rglob("stderr.log")):
+            output += f"\n--- {log.relative_to(logs)} (tail) ---\n" + log.read_text(errors="replace")[-1500:]
     return proc.returncode, output, losses
 
 
