@@ -202,8 +202,9 @@ def ws_syrk_supported(
 # The compiled kernel for each set of constexprs and compile options (the flags and the module's tunables,
 # which bench/ws_syrk_tuning.py varies) and argument types, from its first launch through Triton's JIT. The
 # kernel specializes on nothing else (no integer values, no alignments), so later launches skip the JIT's
-# argument binding and specialization. With the dispatch's single support check, a launch's host time fell
-# from 87 to 64 µs on the H200's host (ninth session; the Triton kernel's: 91–106 µs).
+# argument binding and specialization. With that and the dispatch's single support check a launch costs the
+# H200's host 63–71 µs against the Triton kernel's 91–106 in the same run (ninth session); before, the two
+# cost about the same (87 vs 88–99 µs, another start of the machine).
 _COMPILED: dict[tuple, object] = {}
 
 
