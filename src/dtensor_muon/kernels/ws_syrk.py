@@ -105,6 +105,11 @@ def ws_syrk_supports(x: Tensor, y: Tensor | None = None) -> bool:
     return all(_tma_readable(t if t.ndim == 3 else t.unsqueeze(0)) for t in (x, x if y is None else y))
 
 
+def _tma_reads_c(c: Tensor, x: Tensor) -> bool:
+    """Whether the kernel's TMA descriptor reads C in place: contiguous, 16-byte aligned, in x's dtype."""
+    return c.dtype == x.dtype and c.is_contiguous() and c.data_ptr() % 16 == 0
+
+
 def ws_syrk_pays(x: Tensor, y: Tensor | None = None, c: Tensor | None = None) -> bool:
     """Whether the backend should run the products on ``x``, ``y`` and ``c`` with this kernel rather than the
     Triton one: enabled, m ≤ WS_MAX_DIM, at least WS_MIN_WORK multiply-adds (B·m²·k), supported, and C (if
@@ -113,7 +118,7 @@ def ws_syrk_pays(x: Tensor, y: Tensor | None = None, c: Tensor | None = None) ->
         _enabled
         and x.size(-2) <= WS_MAX_DIM
         and gram_work(x) >= WS_MIN_WORK
-        and (c is None or (c.dtype == x.dtype and c.is_contiguous() and c.data_ptr() % 16 == 0))
+        and (c is None or _tma_reads_c(c, x))
         and ws_syrk_supports(x, y)
     )
 
@@ -174,7 +179,7 @@ def ws_syrk_supported(
         if scale_power not in (1, 2):
             raise ValueError(f"ws_syrk: scale_power must be 1 or 2, got {scale_power}")
     c3 = None if c is None else (c if c.ndim == 3 else c.unsqueeze(0)).contiguous()
-    if c3 is not None and (tuple(c3.shape) != (batch, m, m) or c3.dtype != x.dtype or c3.data_ptr() % 16):
+    if c3 is not None and (tuple(c3.shape) != (batch, m, m) or not _tma_reads_c(c3, x)):
         raise ValueError(f"ws_syrk: C must have X's batch, be {m}×{m} in X's dtype {x.dtype} and 16-byte aligned, "
                          f"got {tuple(c.shape)} {c.dtype}")
     transposed = is_transposed_view(x3)
@@ -209,7 +214,8 @@ _COMPILED: dict[tuple, object] = {}
 
 
 def _launch(programs: int, args: tuple, flags: tuple[bool, bool, bool, int], types: tuple) -> None:
-    constexprs = (*flags, _accumulator_layout(), BLOCK, BLOCK_K, STAGES, CONSUMER_REGS, PRODUCER_REGS)
+    acc = _accumulator_layout()
+    constexprs = (*flags, acc, BLOCK, BLOCK_K, STAGES, CONSUMER_REGS, PRODUCER_REGS)
     key = (constexprs, MAX_REGS, types)
     compiled = _COMPILED.get(key)
     if compiled is not None:
@@ -218,6 +224,6 @@ def _launch(programs: int, args: tuple, flags: tuple[bool, bool, bool, int], typ
     transposed, has_c, has_diag, scale_power = flags
     _COMPILED[key] = ws_syrk_kernel[(programs,)](
         *args, TRANSPOSED=transposed, HAS_C=has_c, HAS_DIAG=has_diag, SCALE_POWER=scale_power,
-        ACC=constexprs[4], BM=BLOCK, BK=BLOCK_K, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
+        ACC=acc, BM=BLOCK, BK=BLOCK_K, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS,
     )
