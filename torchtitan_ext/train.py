@@ -10,7 +10,7 @@ state, meshes) still holds the gloo backends, whose worker threads can be releas
 to a Python-owned tensor at that moment. Doing that during interpreter finalization makes the thread
 take the GIL, CPython ends the thread with a forced unwind, and the C++ runtime aborts ("terminate
 called without an active exception", SIGABRT, after "Process group destroyed" was logged): seen on
-rank 1 in CI and in 1 of 14 local runs of the tiny Llama3 job; torchrun then reports the whole job
+rank 1 in CI and in 1 of 74 local runs of the tiny Llama3 job; torchrun then reports the whole job
 failed. A run that raises leaves through the normal path, with its traceback.
 """
 
