@@ -1,8 +1,10 @@
 """The Gluon SYRK kernels against the Triton SYRK kernel and cuBLAS: the persistent one
-(``bench/gluon_syrk.py``, ``--kernel persistent``) or the warp-specialized one the library runs on Hopper
-(``dtensor_muon.kernels.ws_syrk``, ``--kernel ws``).
+(``bench/gluon_syrk.py``, ``--kernel persistent``), the warp-specialized one the library runs on Hopper
+(``dtensor_muon.kernels.ws_syrk``, ``--kernel ws``) or the paired experiment (``bench/pair_syrk.py``,
+``--kernel pairs``); ``--compare`` times more of them in the same rounds (``ws``, ``pairs:BKxSTAGES``).
 
     PYTHONPATH=src python3 bench/gluon_syrk_probe.py --kernel ws --rounds 3 --out bench/results/ws.json
+    PYTHONPATH=src python3 bench/gluon_syrk_probe.py --kernel pairs --compare ws --parts correctness,timing
 
 First each variant (2-D and batched, row-major and transposed views, Y ≠ X, a C term with a diagonal and a
 per-matrix scale, sizes off the tile grid) is checked against an fp32 product: relative Frobenius error
@@ -17,6 +19,7 @@ out: not yet run).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -26,13 +29,25 @@ from pathlib import Path
 
 import torch
 import triton
-from gluon_syrk import gluon_syrk  # bench/ is on the path: this script runs as bench/gluon_syrk_probe.py
+import pair_syrk as pair_module  # bench/ is on the path: this script runs as bench/gluon_syrk_probe.py
+from gluon_syrk import gluon_syrk
+from pair_syrk import pair_syrk
 from torch import Tensor
 
 from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
 from dtensor_muon.kernels.ws_syrk import ws_syrk
 
-KERNELS: dict[str, Callable[..., Tensor]] = {"persistent": gluon_syrk, "ws": ws_syrk}
+KERNELS: dict[str, Callable[..., Tensor]] = {"persistent": gluon_syrk, "ws": ws_syrk, "pairs": pair_syrk}
+# Further Gluon kernels timed beside the chosen one (``--compare``), by name.
+COMPARED: dict[str, Callable[..., Tensor]] = {}
+
+
+def pair_config(block_k: int, stages: int) -> Callable[..., Tensor]:
+    """The paired kernel with the given K slice and ring depth (set on each call, so the variants interleave)."""
+    def run(*args: object) -> Tensor:
+        pair_module.BLOCK_K, pair_module.STAGES = block_k, stages
+        return pair_syrk(*args)
+    return run
 
 
 def reference(x: Tensor, y: Tensor | None, alpha: float, beta: float, c: Tensor | None, diag: float,
@@ -99,27 +114,30 @@ def cases(gluon: Callable[..., Tensor], device: torch.device) -> dict[str, dict[
     r = xt @ xt.mT
     q = torch.randn(64, 1408, 1408, device=device, dtype=bf) / 38
     big = torch.randn(8192, 8192, device=device, dtype=bf) / 90
-    return {
-        "gram 4096²": {"gluon": lambda: gluon(x), "triton": lambda: syrk(x), "cuBLAS": lambda: x @ x.mT},
+    # The Gluon kernels' arguments per case (X, Y, alpha, beta, C, diag), then the other methods.
+    arguments = {"gram 4096²": (x,), "poly 4096²": (a, None, -4.7, 2.0, a, 3.4), "gram 8192²": (big,),
+                 "gram 64x1408x2048 (transposed)": (xt,), "poly 64x1408²": (r, None, -4.7, 2.0, r, 3.4),
+                 "product 64x1408²": (r, q)}
+    others = {
+        "gram 4096²": {"triton": lambda: syrk(x), "cuBLAS": lambda: x @ x.mT},
         "poly 4096²": {
-            "gluon": lambda: gluon(a, None, -4.7, 2.0, a, 3.4),
             "triton": lambda: syrk(a, -4.7, 2.0, a, 3.4),
             "cuBLAS": lambda: torch.addmm(a, a, a, beta=2.0, alpha=-4.7),
         },
-        "gram 8192²": {"gluon": lambda: gluon(big), "triton": lambda: syrk(big)},
-        "gram 64x1408x2048 (transposed)": {
-            "gluon": lambda: gluon(xt), "triton": lambda: syrk(xt), "cuBLAS": lambda: xt @ xt.mT,
-        },
+        "gram 8192²": {"triton": lambda: syrk(big)},
+        "gram 64x1408x2048 (transposed)": {"triton": lambda: syrk(xt), "cuBLAS": lambda: xt @ xt.mT},
         "poly 64x1408²": {
-            "gluon": lambda: gluon(r, None, -4.7, 2.0, r, 3.4),
             "triton": lambda: syrk(r, -4.7, 2.0, r, 3.4),
             "cuBLAS": lambda: torch.baddbmm(r, r, r, beta=2.0, alpha=-4.7),
         },
-        "product 64x1408²": {
-            "gluon": lambda: gluon(r, q), "triton": lambda: symmetric_product(r, q),
-            "cuBLAS": lambda: r @ q.mT,
-        },
+        "product 64x1408²": {"triton": lambda: symmetric_product(r, q), "cuBLAS": lambda: r @ q.mT},
     }
+    table = {}
+    for case, args in arguments.items():
+        table[case] = {"gluon": functools.partial(gluon, *args), **others[case]}
+        for name, other in COMPARED.items():
+            table[case][name] = functools.partial(other, *args)
+    return table
 
 
 def timing(gluon: Callable[..., Tensor], device: torch.device, rounds: int) -> list[dict]:
@@ -201,8 +219,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--parts", default="correctness,probe,timing,host",
                         help="which parts to run, comma-separated (probe: the persistent kernel only)")
+    parser.add_argument("--compare", default="",
+                        help="more kernels timed beside it, comma-separated: ws, or pairs:BKxSTAGES (e.g. pairs:32x6)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    for name in filter(None, args.compare.split(",")):
+        if name.startswith("pairs:"):
+            block_k, stages = (int(v) for v in name.split(":")[1].split("x"))
+            COMPARED[name] = pair_config(block_k, stages)
+        else:
+            COMPARED[name] = KERNELS[name]
     device = torch.device("cuda")
     kernel = KERNELS[args.kernel]
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
