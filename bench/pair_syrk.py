@@ -23,10 +23,11 @@ epilogue (scale, C term, diagonal, stores, as in ``ws_syrk``) then runs on both 
 the ring for the next unit, so the tensor cores wait for it (in the ping-pong kernel the other consumer's
 products hide it).
 
-Result on the H200 (BENCHMARKS.md, eleventh session): the same bits as the ping-pong kernel on every case;
-faster where K is long (X·Xᵀ 4096² 1.6%, 64×1408×2048 3.2%, 8192² 5%), slower on the K = 1408 products
-(4% plain, 7% with the C term), where the exposed epilogue costs more than the shared panel saves. Keeping the
-finished tile in registers to store it under the next unit's first products spilled it (and ran 15–35%
+Result on the H200 (BENCHMARKS.md, eleventh session, three runs against the ping-pong kernel): correct, and
+the same bits as the ping-pong kernel where compared; faster where K is long (X·Xᵀ 4096² 1.6–5.5%,
+64×1408×2048 2.2–4.6%, 8192² 5–9%), slower on the K = 1408 products (2–5% plain, 4–7% with the C term), where
+the exposed epilogue costs more than the shared panel saves: under 1% on Newton–Schulz either way. Keeping the
+finished tile in registers to store it under the next unit's first products spilled it (and ran up to 36%
 slower), so the library keeps the ping-pong kernel.
 """
 
@@ -39,29 +40,19 @@ import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from dtensor_muon.kernels.normalize import require_scale
-from dtensor_muon.kernels.triton_syrk import is_transposed_view
 from dtensor_muon.kernels.ws_syrk import (
     BLOCK,
     CONSUMER_REGS,
     MAX_REGS,
     PRODUCER_REGS,
     _accumulator_layout,
-    _nvmma,
     _sm_count,
-    _tma_reads_c,
-    _tma_storage,
+    launch_operands,
     ws_syrk_supports,
 )
+from dtensor_muon.kernels.ws_syrk_kernel import finish_tile, load_c_tile
 
 BLOCK_K = 64  # the K slice and ring depth (gluon_syrk_probe.py --compare pairs:BKxSTAGES varies them)
 STAGES = 3  # three panels of 128×64 per slot: 3 · 48 KB ring + 2 · 32 KB staging = 208 KB of shared memory
@@ -136,20 +127,14 @@ def _tile(p, staging3, c_bar, batch, i, j, a_index, b_index, for_both, g, phase,
           TRANSPOSED: gl.constexpr, HAS_C: gl.constexpr, HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr,
           BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     """One consumer's tile (i, j) of a unit: its products from the slots' panels a_index and b_index, then
-    its epilogue and stores (as the ping-pong kernel's). Releases each slot once, twice when ``for_both``
-    (the unit's only tile). Returns the slice counter and the C barrier's phase after it."""
+    the ping-pong kernel's epilogue. Releases each slot once, twice when ``for_both`` (the unit's only tile).
+    Returns the slice counter and the C barrier's phase after it."""
     (desc_out, desc_c, scale_ptr, bufs, staging_bufs, ready, empty, c_ready, K, total, per_matrix, units_ptr,
      alpha, beta, diag) = p
-    dtype: gl.constexpr = desc_out.dtype
-    staging = staging3.reshape([BM, BM])
-    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))[:, None]
-    cols = gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))[None, :]
     row0 = i * BM
     col0 = j * BM
     if HAS_C:
-        tma.store_wait(0)  # the previous tile's stores have read the staging buffer
-        mbarrier.expect(c_bar, desc_c.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_c, [batch, row0, col0], c_bar, staging3)
+        load_c_tile(desc_c, staging3, c_bar, batch, row0, col0)
     acc = gl.zeros([BM, BM], gl.float32, ACC)
     for ki in range(gl.cdiv(K, BK)):
         slot = g % STAGES
@@ -165,34 +150,10 @@ def _tile(p, staging3, c_bar, batch, i, j, a_index, b_index, for_both, g, phase,
     released = empty.index((g + STAGES - 1) % STAGES)
     mbarrier.arrive(released, count=1)
     mbarrier.arrive(released, count=1, pred=for_both)
-
-    result = acc * alpha
+    finish_tile(acc, desc_out, staging3, c_bar, phase, scale_ptr, batch, row0, col0, alpha, beta, diag, ACC, HAS_C,
+                HAS_DIAG, SCALE_POWER, BM)
     if HAS_C:
-        mbarrier.wait(c_bar, phase)
         phase ^= 1
-        result += beta * staging.load(ACC).to(gl.float32)
-    if HAS_DIAG:
-        result += gl.where(rows + row0 == cols + col0, diag, 0.0)
-    if SCALE_POWER > 0:
-        factor = gl.load(scale_ptr + batch)
-        if SCALE_POWER == 2:
-            factor = factor * factor
-        result = result * factor
-    tile = result.to(dtype)
-    tma.store_wait(0)
-    if i == j:
-        staging.permute((1, 0)).store(tile)
-        staging.store(gl.where(rows >= cols, tile, staging.load(ACC)))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(desc_out, [batch, row0, col0], staging3)
-    else:
-        staging.store(tile)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(desc_out, [batch, row0, col0], staging3)
-        tma.store_wait(0)
-        staging.permute((1, 0)).store(tile)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(desc_out, [batch, col0, row0], staging3)
     return g, phase
 
 
@@ -299,34 +260,14 @@ def pair_syrk(
     if not ws_syrk_supports(x, y):
         raise ValueError("pair_syrk: X and Y must meet ws_syrk_supports (a Hopper GPU, bf16/fp16, 8 | m, "
                          f"TMA-aligned, Y like X), got X {tuple(x.shape)} {x.stride()} {x.dtype}")
-    x3 = x if x.ndim == 3 else x.unsqueeze(0)
-    y3 = x3 if y is None else (y if y.ndim == 3 else y.unsqueeze(0))
-    batch, m, k = x3.shape
-    if scale is not None:
-        require_scale(scale, batch, x.device, "pair_syrk")
-        if scale_power not in (1, 2):
-            raise ValueError(f"pair_syrk: scale_power must be 1 or 2, got {scale_power}")
-    c3 = None if c is None else (c if c.ndim == 3 else c.unsqueeze(0)).contiguous()
-    if c3 is not None and (tuple(c3.shape) != (batch, m, m) or not _tma_reads_c(c3, x)):
-        raise ValueError(f"pair_syrk: C must have X's batch, be {m}×{m} in X's dtype {x.dtype} and 16-byte "
-                         f"aligned, got {tuple(c.shape)} {c.dtype}")
-    transposed = is_transposed_view(x3)
-    block = (1, BLOCK_K, BLOCK) if transposed else (1, BLOCK, BLOCK_K)
-    out = torch.empty((batch, m, m), device=x.device, dtype=x.dtype)
-    in_layout = _nvmma(block, x.dtype)
-    desc_a = TensorDescriptor.from_tensor(_tma_storage(x3), list(block), in_layout)
-    desc_b = desc_a if y is None else TensorDescriptor.from_tensor(_tma_storage(y3), list(block), in_layout)
-    out_block = (1, BLOCK, BLOCK)
-    out_layout = _nvmma(out_block, x.dtype)
-    desc_out = TensorDescriptor.from_tensor(out, list(out_block), out_layout)
-    desc_c = desc_out if c3 is None else TensorDescriptor.from_tensor(c3, list(out_block), out_layout)
-    units = _unit_table(triton.cdiv(m, BLOCK), x.device.index or 0)
+    out, operands, transposed = launch_operands(x, y, c, scale, scale_power, "pair_syrk", BLOCK_K)
+    units = _unit_table(triton.cdiv(out.size(1), BLOCK), x.device.index or 0)
     per_matrix = units.numel()
-    total = per_matrix * batch
+    total = per_matrix * out.size(0)
     programs = min(_sm_count(x.device.index or 0), total)
-    scale_arg = out if scale is None else scale
+    desc_a, desc_b, desc_out, desc_c, scale_arg = operands
     pair_syrk_kernel[(programs,)](
-        desc_a, desc_b, desc_out, desc_c, scale_arg, units, k, total, per_matrix, float(alpha), float(beta),
+        desc_a, desc_b, desc_out, desc_c, scale_arg, units, x.size(-1), total, per_matrix, float(alpha), float(beta),
         float(diag), TRANSPOSED=transposed, HAS_C=c is not None, HAS_DIAG=diag != 0.0,
         SCALE_POWER=0 if scale is None else scale_power, ACC=_accumulator_layout(), BM=BLOCK, BK=BLOCK_K,
         STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS,

@@ -140,6 +140,38 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def launch_operands(
+    x: Tensor, y: Tensor | None, c: Tensor | None, scale: Tensor | None, scale_power: int, caller: str,
+    block_k: int = BLOCK_K,
+) -> tuple[Tensor, tuple, bool]:
+    """What a launch of the Gluon SYRK kernels needs, after checking C and the scale (errors name
+    ``caller``): the new [B, m, m] output, the TMA descriptors of X and Y (128-row panels, ``block_k`` deep),
+    the output and C (the output's when no C), the scale argument (the output when none), and whether X is a
+    transposed view."""
+    x3 = x if x.ndim == 3 else x.unsqueeze(0)
+    y3 = x3 if y is None else (y if y.ndim == 3 else y.unsqueeze(0))
+    batch, m, _ = x3.shape
+    if scale is not None:
+        require_scale(scale, batch, x.device, caller)
+        if scale_power not in (1, 2):
+            raise ValueError(f"{caller}: scale_power must be 1 or 2, got {scale_power}")
+    c3 = None if c is None else (c if c.ndim == 3 else c.unsqueeze(0)).contiguous()
+    if c3 is not None and (tuple(c3.shape) != (batch, m, m) or not _tma_reads_c(c3, x)):
+        raise ValueError(f"{caller}: C must have X's batch, be {m}×{m} in X's dtype {x.dtype} and 16-byte "
+                         f"aligned, got {tuple(c.shape)} {c.dtype}")
+    transposed = is_transposed_view(x3)
+    block = (1, block_k, BLOCK) if transposed else (1, BLOCK, block_k)
+    out = torch.empty((batch, m, m), device=x.device, dtype=x.dtype)
+    in_layout = _nvmma(block, x.dtype)
+    desc_a = TensorDescriptor.from_tensor(_tma_storage(x3), list(block), in_layout)
+    desc_b = desc_a if y is None else TensorDescriptor.from_tensor(_tma_storage(y3), list(block), in_layout)
+    out_block = (1, BLOCK, BLOCK)
+    out_layout = _nvmma(out_block, x.dtype)
+    desc_out = TensorDescriptor.from_tensor(out, list(out_block), out_layout)
+    desc_c = desc_out if c3 is None else TensorDescriptor.from_tensor(c3, list(out_block), out_layout)
+    return out, (desc_a, desc_b, desc_out, desc_c, out if scale is None else scale), transposed
+
+
 def ws_syrk(
     x: Tensor,
     y: Tensor | None = None,
@@ -171,36 +203,15 @@ def ws_syrk_supported(
 ) -> Tensor:
     """:func:`ws_syrk` for a caller that has established ``ws_syrk_supports(x, y)`` (the dispatch, through
     :func:`ws_syrk_pays`): the same checks of C and the scale, without that one's host cost again."""
-    x3 = x if x.ndim == 3 else x.unsqueeze(0)
-    y3 = x3 if y is None else (y if y.ndim == 3 else y.unsqueeze(0))
-    batch, m, k = x3.shape
-    if scale is not None:
-        require_scale(scale, batch, x.device, "ws_syrk")
-        if scale_power not in (1, 2):
-            raise ValueError(f"ws_syrk: scale_power must be 1 or 2, got {scale_power}")
-    c3 = None if c is None else (c if c.ndim == 3 else c.unsqueeze(0)).contiguous()
-    if c3 is not None and (tuple(c3.shape) != (batch, m, m) or not _tma_reads_c(c3, x)):
-        raise ValueError(f"ws_syrk: C must have X's batch, be {m}×{m} in X's dtype {x.dtype} and 16-byte aligned, "
-                         f"got {tuple(c.shape)} {c.dtype}")
-    transposed = is_transposed_view(x3)
-    block = (1, BLOCK_K, BLOCK) if transposed else (1, BLOCK, BLOCK_K)
-    out = torch.empty((batch, m, m), device=x.device, dtype=x.dtype)
-    in_layout = _nvmma(block, x.dtype)
-    desc_a = TensorDescriptor.from_tensor(_tma_storage(x3), list(block), in_layout)
-    desc_b = desc_a if y is None else TensorDescriptor.from_tensor(_tma_storage(y3), list(block), in_layout)
-    out_block = (1, BLOCK, BLOCK)
-    out_layout = _nvmma(out_block, x.dtype)
-    desc_out = TensorDescriptor.from_tensor(out, list(out_block), out_layout)
-    desc_c = desc_out if c3 is None else TensorDescriptor.from_tensor(c3, list(out_block), out_layout)
+    out, operands, transposed = launch_operands(x, y, c, scale, scale_power, "ws_syrk")
+    batch, m, k = out.size(0), out.size(1), x.size(-1)
     per_matrix = lower_tile_count(m, BLOCK, 1)  # 128×128 squares on or below the diagonal
     total = per_matrix * batch
     programs = min(_sm_count(x.device.index or 0), triton.cdiv(total, 2))
-    scale_arg = out if scale is None else scale
     flags = (transposed, c is not None, diag != 0.0, 0 if scale is None else scale_power)
     # Triton types the integers i32 or i64 by value, so their range is part of the compiled kernel's key.
-    types = (x.dtype, scale_arg.dtype, x.device.index, max(k, total) >= 2**31)
-    _launch(programs, (desc_a, desc_b, desc_out, desc_c, scale_arg, k, total, per_matrix,
-                       float(alpha), float(beta), float(diag)), flags, types)
+    types = (x.dtype, operands[-1].dtype, x.device.index, max(k, total) >= 2**31)
+    _launch(programs, (*operands, k, total, per_matrix, float(alpha), float(beta), float(diag)), flags, types)
     return out if x.ndim == 3 else out.squeeze(0)
 
 

@@ -28,6 +28,54 @@ def _tile_of(t):
 
 
 @gluon.jit
+def load_c_tile(desc_c, staging3, c_bar, batch, row0, col0):
+    """The C tile at (row0, col0) by TMA into the staging buffer, once earlier stores have read it: it arrives
+    (``c_bar``) while the tile's products run."""
+    tma.store_wait(0)
+    mbarrier.expect(c_bar, desc_c.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc_c, [batch, row0, col0], c_bar, staging3)
+
+
+@gluon.jit
+def finish_tile(acc, desc_out, staging3, c_bar, c_phase, scale_ptr, batch, row0, col0, alpha, beta, diag,
+                ACC: gl.constexpr, HAS_C: gl.constexpr, HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr,
+                BM: gl.constexpr):
+    """A finished tile's epilogue: s^p·(alpha·acc + beta·C + d·I) in fp32 (C from the staging buffer once
+    ``c_bar`` completes phase ``c_phase``), rounded once, stored by TMA through the staging buffer. A tile
+    below the diagonal is stored as itself and transposed; a diagonal tile (row0 = col0) has its lower part
+    mirrored into its upper part and is stored once."""
+    staging = staging3.reshape([BM, BM])
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))[:, None]
+    cols = gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))[None, :]
+    result = acc * alpha
+    if HAS_C:
+        mbarrier.wait(c_bar, c_phase)
+        result += beta * staging.load(ACC).to(gl.float32)
+    if HAS_DIAG:
+        result += gl.where(rows + row0 == cols + col0, diag, 0.0)
+    if SCALE_POWER > 0:
+        factor = gl.load(scale_ptr + batch)
+        if SCALE_POWER == 2:
+            factor = factor * factor
+        result = result * factor
+    tile = result.to(desc_out.dtype)
+    tma.store_wait(0)  # the previous tile's stores have left the staging buffer
+    if row0 == col0:
+        staging.permute((1, 0)).store(tile)
+        staging.store(gl.where(rows >= cols, tile, staging.load(ACC)))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc_out, [batch, row0, col0], staging3)
+    else:
+        staging.store(tile)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc_out, [batch, row0, col0], staging3)
+        tma.store_wait(0)
+        staging.permute((1, 0)).store(tile)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc_out, [batch, col0, row0], staging3)
+
+
+@gluon.jit
 def _produce(p, TRANSPOSED: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     """The producer warp: every K slice of every tile of this program, in tile order, into the ring."""
     desc_a, desc_b, a_bufs, b_bufs, ready, empty, K, total, per_matrix = p
@@ -58,11 +106,8 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
     """Consumer warpgroup CONSUMER: this program's tiles l ≡ CONSUMER (mod 2), products then epilogue."""
     (desc_out, desc_c, scale_ptr, a_bufs, b_bufs, staging_bufs, ready, empty, turn, c_ready,
      K, total, per_matrix, alpha, beta, diag) = p
-    dtype: gl.constexpr = desc_out.dtype
     staging3 = staging_bufs.index(CONSUMER)  # [1, BM, BM], for TMA
-    staging = staging3.reshape([BM, BM])
-    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, ACC))[:, None]
-    cols = gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))[None, :]
+    c_bar = c_ready.index(CONSUMER)
     programs = gl.num_programs(0)
     num_k = gl.cdiv(K, BK)
     local = CONSUMER
@@ -75,12 +120,7 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
         phase = (local // 2) & 1  # this consumer's tiles so far, mod 2
         mbarrier.wait(turn.index(CONSUMER), phase ^ (1 - CONSUMER))
         if HAS_C:
-            # The C tile comes by TMA into the staging buffer while the products run (once the previous
-            # tile's stores have left it).
-            tma.store_wait(0)
-            c_bar = c_ready.index(CONSUMER)
-            mbarrier.expect(c_bar, desc_c.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_c, [batch, row0, col0], c_bar, staging3)
+            load_c_tile(desc_c, staging3, c_bar, batch, row0, col0)
         acc = gl.zeros([BM, BM], gl.float32, ACC)
         g = local * num_k
         for ki in range(num_k):
@@ -101,32 +141,8 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
         mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
         local += 2
 
-        result = acc * alpha
-        if HAS_C:
-            mbarrier.wait(c_bar, phase)
-            result += beta * staging.load(ACC).to(gl.float32)
-        if HAS_DIAG:
-            result += gl.where(rows + row0 == cols + col0, diag, 0.0)
-        if SCALE_POWER > 0:
-            factor = gl.load(scale_ptr + batch)
-            if SCALE_POWER == 2:
-                factor = factor * factor
-            result = result * factor
-        tile = result.to(dtype)
-        tma.store_wait(0)  # the previous tile's stores have left the staging buffer
-        if i == j:
-            staging.permute((1, 0)).store(tile)
-            staging.store(gl.where(rows >= cols, tile, staging.load(ACC)))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(desc_out, [batch, row0, col0], staging3)
-        else:
-            staging.store(tile)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(desc_out, [batch, row0, col0], staging3)
-            tma.store_wait(0)
-            staging.permute((1, 0)).store(tile)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(desc_out, [batch, col0, row0], staging3)
+        finish_tile(acc, desc_out, staging3, c_bar, phase, scale_ptr, batch, row0, col0, alpha, beta, diag, ACC,
+                    HAS_C, HAS_DIAG, SCALE_POWER, BM)
     tma.store_wait(0)
 
 
