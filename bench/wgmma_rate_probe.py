@@ -75,22 +75,22 @@ def layout(rows: int) -> object:
     return gl.NVMMASharedLayout.get_default_for([rows, BK], gl.bfloat16)
 
 
-def case(kind: str, bm: int, bn: int, iters: int, programs: int):
-    """(callable, multiply-adds) of one case."""
+def case(kind: str, bm: int, bn: int, target_macs: float, programs: int):
+    """(callable, multiply-adds per call) of one case, as many iterations as make about ``target_macs``."""
+    warps = 8 if kind == "coop" else 4
+    per_iteration = (2 if kind == "two" else 1) * programs * bm * bn * BK
+    iters = max(1, int(target_macs / per_iteration))
     a = torch.randn(bm, BK, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(bn, BK, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(programs, bm, bn, device="cuda")
-    if kind == "coop":
-        acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, bn, 16])
-        fn = lambda: one_kernel[(programs,)](a, b, out, iters, acc, bm, bn, layout(bm), layout(bn), num_warps=8)
-        return fn, programs * iters * bm * bn * BK
-    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, bn, 16])
-    if kind == "one":
-        fn = lambda: one_kernel[(programs,)](a, b, out, iters, acc, bm, bn, layout(bm), layout(bn), num_warps=4)
-        return fn, programs * iters * bm * bn * BK
-    out2 = torch.empty_like(out)
-    fn = lambda: two_kernel[(programs,)](a, b, out, out2, iters, acc, bm, bn, layout(bm), layout(bn), num_warps=4)
-    return fn, 2 * programs * iters * bm * bn * BK
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, bn, 16])
+    shapes = (acc, bm, bn, layout(bm), layout(bn))
+    if kind == "two":
+        out2 = torch.empty_like(out)
+        fn = lambda: two_kernel[(programs,)](a, b, out, out2, iters, *shapes, num_warps=warps)
+    else:
+        fn = lambda: one_kernel[(programs,)](a, b, out, iters, *shapes, num_warps=warps)
+    return fn, iters * per_iteration
 
 
 # Gluon's tensors have power-of-two shapes, so 128×176 or 128×192 accumulators (cuBLAS's 176-wide tiles)
@@ -108,9 +108,8 @@ def main() -> None:
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     cases = {}
     for kind, bm, bn in CASES:
-        per_call = (2 if kind == "two" else 1) * programs * bm * bn * BK
         try:
-            fn, macs = case(kind, bm, bn, max(1, int(args.macs / per_call)), programs)
+            fn, macs = case(kind, bm, bn, args.macs, programs)
             fn()
             torch.cuda.synchronize()
             cases[f"{kind} {bm}x{bn}"] = (fn, macs)
