@@ -52,7 +52,7 @@ from dtensor_muon.kernels.ws_syrk import (
     launch_operands,
     ws_syrk_supports,
 )
-from dtensor_muon.kernels.ws_syrk_kernel import finish_tile, load_c_tile
+from dtensor_muon.kernels.ws_syrk_kernel import finish_tile, load_c_tile, load_panel, slice_operands
 
 BLOCK_K = 64  # the K slice and ring depth (gluon_syrk_probe.py --compare pairs:BKxSTAGES varies them)
 STAGES = 3  # three panels of 128×64 per slot: 3 · 48 KB ring + 2 · 32 KB staging = 208 KB of shared memory
@@ -66,15 +66,6 @@ def _unit_of(units_ptr, u, per_matrix):
     The table packs a0 | b0 << 8 | a1 << 16 | b1 << 24 per unit of one matrix."""
     code = gl.load(units_ptr + u % per_matrix)
     return u // per_matrix, code & 255, (code >> 8) & 255, (code >> 16) & 255, (code >> 24) & 255
-
-
-@gluon.jit
-def _load(desc, panel, k, batch, bar, buf, TRANSPOSED: gl.constexpr, BM: gl.constexpr):
-    """Panel ``panel`` (rows panel·BM.. of the [B, m, k] operand), K slice starting at k, into ``buf``."""
-    if TRANSPOSED:
-        tma.async_copy_global_to_shared(desc, [batch, k, panel * BM], bar, buf)
-    else:
-        tma.async_copy_global_to_shared(desc, [batch, panel * BM, k], bar, buf)
 
 
 @gluon.jit
@@ -98,28 +89,14 @@ def _produce(p, TRANSPOSED: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, ST
                 mbarrier.expect(bar, 2 * panel_bytes)
             else:
                 mbarrier.expect(bar, 3 * panel_bytes)
-            _load(desc_a, a0, k, batch, bar, bufs.index(3 * slot), TRANSPOSED, BM)
-            _load(desc_b, b0, k, batch, bar, bufs.index(3 * slot + 1), TRANSPOSED, BM)
+            load_panel(desc_a, a0, k, batch, bar, bufs.index(3 * slot), TRANSPOSED, BM)
+            load_panel(desc_b, b0, k, batch, bar, bufs.index(3 * slot + 1), TRANSPOSED, BM)
             if not single:
                 if a1 == a0:
-                    _load(desc_b, b1, k, batch, bar, bufs.index(3 * slot + 2), TRANSPOSED, BM)
+                    load_panel(desc_b, b1, k, batch, bar, bufs.index(3 * slot + 2), TRANSPOSED, BM)
                 else:
-                    _load(desc_a, a1, k, batch, bar, bufs.index(3 * slot + 2), TRANSPOSED, BM)
+                    load_panel(desc_a, a1, k, batch, bar, bufs.index(3 * slot + 2), TRANSPOSED, BM)
             g += 1
-
-
-@gluon.jit
-def _operands(bufs, slot, a_index, b_index, TRANSPOSED: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr):
-    """The wgmma operands A [BM, BK] and Bᵀ [BK, BM] from the slot's panels a_index and b_index."""
-    a = bufs.index(3 * slot + a_index)
-    b = bufs.index(3 * slot + b_index)
-    if TRANSPOSED:
-        a_op = a.reshape([BK, BM]).permute((1, 0))
-        b_op = b.reshape([BK, BM])
-    else:
-        a_op = a.reshape([BM, BK])
-        b_op = b.reshape([BM, BK]).permute((1, 0))
-    return a_op, b_op
 
 
 @gluon.jit
@@ -139,7 +116,7 @@ def _tile(p, staging3, c_bar, batch, i, j, a_index, b_index, for_both, g, phase,
     for ki in range(gl.cdiv(K, BK)):
         slot = g % STAGES
         mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-        a_op, b_op = _operands(bufs, slot, a_index, b_index, TRANSPOSED, BM, BK)
+        a_op, b_op = slice_operands(bufs, 3 * slot + a_index, 3 * slot + b_index, TRANSPOSED, BM, BK)
         acc = warpgroup_mma(a_op, b_op, acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc, ))
         released = empty.index((g + STAGES - 1) % STAGES)
