@@ -1,7 +1,6 @@
 """Newton–Schulz (5 Keller steps, bf16) side by side: plain torch, torch.optim.Muon, Emerging-Optimizers, ours
 (as dispatched, replayed from CUDA graphs as the optimizer runs it, forced to the standard and the Gram
-form, with the Triton SYRK kernel in place of the warp-specialized Gluon one, and with that one loading both
-panels of its diagonal tiles).
+form, and with the Triton SYRK kernel in place of the warp-specialized Gluon one).
 
     python bench/bench_newton_schulz.py                 # on a GPU: the full table, JSON to --out
     python bench/bench_newton_schulz.py --quick         # anywhere (CPU too): tiny shapes, smoke check
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dtensor_muon.kernels import select_backend, triton_matmuls, use_backend, use_gram
+from dtensor_muon.kernels import select_backend, use_backend, use_gram
 from dtensor_muon.kernels.ws_syrk import ws_syrk_enabled
 from dtensor_muon.newton_schulz import KELLER_COEFFICIENTS, newton_schulz
 from dtensor_muon.ns_graphs import NewtonSchulzGraphs
@@ -126,22 +125,7 @@ def ours_triton_syrk(g: Tensor) -> Tensor:
         return newton_schulz(g)
 
 
-def ours_two_panels(g: Tensor) -> Tensor:
-    """Ours with every Gluon SYRK launch given Y = X explicitly, so that its diagonal tiles load X's panel twice,
-    as before the twelfth session (the same products and sums: the same bits)."""
-    one_panel = triton_matmuls.ws_syrk_supported
-
-    def two_panels(x: Tensor, y: Tensor | None = None, *rest: object) -> Tensor:
-        return one_panel(x, x if y is None else y, *rest)
-
-    triton_matmuls.ws_syrk_supported = two_panels
-    try:
-        return newton_schulz(g)
-    finally:
-        triton_matmuls.ws_syrk_supported = one_panel
-
-
-METHOD_KEYS = ("torch", "muon", "eo", "ours", "graphs", "standard", "gram", "triton", "two-panels")
+METHOD_KEYS = ("torch", "muon", "eo", "ours", "graphs", "standard", "gram", "triton")
 
 
 def select_methods(keys: str, cuda: bool) -> dict[str, Method]:
@@ -166,8 +150,6 @@ def select_methods(keys: str, cuda: bool) -> dict[str, Method]:
         methods["ours, Gram form"] = ours_gram
     if "triton" in wanted:
         methods["ours, Triton SYRK"] = ours_triton_syrk
-    if "two-panels" in wanted:
-        methods["ours, diagonal tiles two panels"] = ours_two_panels
     return methods
 
 

@@ -1,12 +1,10 @@
 """The Gluon SYRK kernels against the Triton SYRK kernel and cuBLAS: the persistent one
 (``bench/gluon_syrk.py``, ``--kernel persistent``), the warp-specialized one the library runs on Hopper
 (``dtensor_muon.kernels.ws_syrk``, ``--kernel ws``) or the paired experiment (``bench/pair_syrk.py``,
-``--kernel pairs``); ``--compare`` times more of them in the same rounds (``ws``, ``ws-two-panels``: the
-warp-specialized kernel loading both panels of diagonal tiles, ``pairs:BKxSTAGES``).
+``--kernel pairs``); ``--compare`` times more of them in the same rounds (``ws``, ``pairs:BKxSTAGES``).
 
     PYTHONPATH=src python3 bench/gluon_syrk_probe.py --kernel ws --rounds 3 --out bench/results/ws.json
     PYTHONPATH=src python3 bench/gluon_syrk_probe.py --kernel pairs --compare ws --parts correctness,timing
-    PYTHONPATH=src python3 bench/gluon_syrk_probe.py --kernel ws --compare ws-two-panels --parts correctness,timing
 
 First each variant (2-D and batched, row-major and transposed views, Y ≠ X, a C term with a diagonal and a
 per-matrix scale, sizes off the tile grid) is checked against an fp32 product: relative Frobenius error
@@ -39,15 +37,7 @@ from torch import Tensor
 from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
 from dtensor_muon.kernels.ws_syrk import ws_syrk
 
-
-def ws_two_panels(x: Tensor, y: Tensor | None = None, *rest: object) -> Tensor:
-    """The warp-specialized kernel given Y = X explicitly, so that diagonal tiles load X's panel twice (as
-    every tile did before the twelfth session) instead of once."""
-    return ws_syrk(x, x if y is None else y, *rest)
-
-
-KERNELS: dict[str, Callable[..., Tensor]] = {"persistent": gluon_syrk, "ws": ws_syrk, "pairs": pair_syrk,
-                                             "ws-two-panels": ws_two_panels}
+KERNELS: dict[str, Callable[..., Tensor]] = {"persistent": gluon_syrk, "ws": ws_syrk, "pairs": pair_syrk}
 # Further Gluon kernels timed beside the chosen one (``--compare``), by name.
 COMPARED: dict[str, Callable[..., Tensor]] = {}
 
@@ -230,8 +220,7 @@ def main() -> None:
     parser.add_argument("--parts", default="correctness,probe,timing,host",
                         help="which parts to run, comma-separated (probe: the persistent kernel only)")
     parser.add_argument("--compare", default="",
-                        help="more kernels timed beside it, comma-separated: ws, ws-two-panels, or pairs:BKxSTAGES "
-                             "(e.g. pairs:32x6)")
+                        help="more kernels timed beside it, comma-separated: ws, or pairs:BKxSTAGES (e.g. pairs:32x6)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     for name in filter(None, args.compare.split(",")):

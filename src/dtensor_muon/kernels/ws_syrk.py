@@ -208,7 +208,7 @@ def ws_syrk_supported(
     per_matrix = lower_tile_count(m, BLOCK, 1)  # 128×128 squares on or below the diagonal
     total = per_matrix * batch
     programs = min(_sm_count(x.device.index or 0), triton.cdiv(total, 2))
-    flags = (transposed, y is None, c is not None, diag != 0.0, 0 if scale is None else scale_power)
+    flags = (transposed, c is not None, diag != 0.0, 0 if scale is None else scale_power)
     # Triton types the integers i32 or i64 by value, so their range is part of the compiled kernel's key.
     types = (x.dtype, operands[-1].dtype, x.device.index, max(k, total) >= 2**31)
     _launch(programs, (*operands, k, total, per_matrix, float(alpha), float(beta), float(diag)), flags, types)
@@ -224,7 +224,7 @@ def ws_syrk_supported(
 _COMPILED: dict[tuple, object] = {}
 
 
-def _launch(programs: int, args: tuple, flags: tuple[bool, bool, bool, bool, int], types: tuple) -> None:
+def _launch(programs: int, args: tuple, flags: tuple[bool, bool, bool, int], types: tuple) -> None:
     acc = _accumulator_layout()
     constexprs = (*flags, acc, BLOCK, BLOCK_K, STAGES, CONSUMER_REGS, PRODUCER_REGS)
     key = (constexprs, MAX_REGS, types)
@@ -232,10 +232,9 @@ def _launch(programs: int, args: tuple, flags: tuple[bool, bool, bool, bool, int
     if compiled is not None:
         compiled[(programs, 1, 1)](*args, *constexprs)
         return
-    transposed, same_operand, has_c, has_diag, scale_power = flags
+    transposed, has_c, has_diag, scale_power = flags
     _COMPILED[key] = ws_syrk_kernel[(programs,)](
-        *args, TRANSPOSED=transposed, SAME_OPERAND=same_operand, HAS_C=has_c, HAS_DIAG=has_diag,
-        SCALE_POWER=scale_power,
+        *args, TRANSPOSED=transposed, HAS_C=has_c, HAS_DIAG=has_diag, SCALE_POWER=scale_power,
         ACC=acc, BM=BLOCK, BK=BLOCK_K, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS,
     )

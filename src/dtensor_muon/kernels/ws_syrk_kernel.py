@@ -100,16 +100,9 @@ def slice_operands(panels, a_index, b_index, TRANSPOSED: gl.constexpr, BM: gl.co
 
 
 @gluon.jit
-def _one_panel(i, j, SAME_OPERAND: gl.constexpr):
-    """Whether tile (i, j) reads a single panel as both operands: a diagonal tile when Y is X."""
-    return (i == j) & SAME_OPERAND
-
-
-@gluon.jit
-def _produce(p, TRANSPOSED: gl.constexpr, SAME_OPERAND: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-             STAGES: gl.constexpr):
+def _produce(p, TRANSPOSED: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     """The producer warp: every K slice of every tile of this program, in tile order, into the ring: slot s
-    holds X's panel in ring panel 2s and Y's in 2s + 1, or X's alone for a tile that reads it twice."""
+    holds X's panel in ring panel 2s and Y's in 2s + 1."""
     desc_a, desc_b, panels, ready, empty, K, total, per_matrix = p
     programs = gl.num_programs(0)
     num_k = gl.cdiv(K, BK)
@@ -117,24 +110,20 @@ def _produce(p, TRANSPOSED: gl.constexpr, SAME_OPERAND: gl.constexpr, BM: gl.con
     for t in range(gl.program_id(0), total, programs):
         batch = t // per_matrix
         i, j = _tile_of(t % per_matrix)
-        one_panel = _one_panel(i, j, SAME_OPERAND)
         for ki in range(num_k):
             slot = g % STAGES
             mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            if one_panel:
-                mbarrier.expect(bar, desc_a.block_type.nbytes)
-            else:
-                mbarrier.expect(bar, desc_a.block_type.nbytes + desc_b.block_type.nbytes)
-                load_panel(desc_b, j, ki * BK, batch, bar, panels.index(2 * slot + 1), TRANSPOSED, BM)
+            mbarrier.expect(bar, desc_a.block_type.nbytes + desc_b.block_type.nbytes)
             load_panel(desc_a, i, ki * BK, batch, bar, panels.index(2 * slot), TRANSPOSED, BM)
+            load_panel(desc_b, j, ki * BK, batch, bar, panels.index(2 * slot + 1), TRANSPOSED, BM)
             g += 1
 
 
 @gluon.jit
-def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.constexpr, SAME_OPERAND: gl.constexpr,
-             HAS_C: gl.constexpr, HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr, BM: gl.constexpr,
-             BK: gl.constexpr, STAGES: gl.constexpr):
+def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.constexpr, HAS_C: gl.constexpr,
+             HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+             STAGES: gl.constexpr):
     """Consumer warpgroup CONSUMER: this program's tiles l ≡ CONSUMER (mod 2), products then epilogue."""
     (desc_out, desc_c, scale_ptr, panels, staging_bufs, ready, empty, turn, c_ready,
      K, total, per_matrix, alpha, beta, diag) = p
@@ -154,12 +143,11 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
         if HAS_C:
             load_c_tile(desc_c, staging3, c_bar, batch, row0, col0)
         acc = gl.zeros([BM, BM], gl.float32, ACC)
-        b_panel = gl.where(_one_panel(i, j, SAME_OPERAND), 0, 1)
         g = local * num_k
         for ki in range(num_k):
             slot = g % STAGES
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-            a_op, b_op = slice_operands(panels, 2 * slot, 2 * slot + b_panel, TRANSPOSED, BM, BK)
+            a_op, b_op = slice_operands(panels, 2 * slot, 2 * slot + 1, TRANSPOSED, BM, BK)
             acc = warpgroup_mma(a_op, b_op, acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))
             mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=ki > 0)
@@ -179,13 +167,12 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
 @gluon.jit(do_not_specialize=["K", "total", "per_matrix"], do_not_specialize_on_alignment=["scale_ptr"])
 def ws_syrk_kernel(
     desc_a, desc_b, desc_out, desc_c, scale_ptr, K, total, per_matrix, alpha, beta, diag,
-    TRANSPOSED: gl.constexpr, SAME_OPERAND: gl.constexpr, HAS_C: gl.constexpr, HAS_DIAG: gl.constexpr,
-    SCALE_POWER: gl.constexpr, ACC: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+    TRANSPOSED: gl.constexpr, HAS_C: gl.constexpr, HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr,
+    ACC: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """One persistent program per SM over ``total`` lower tiles (``per_matrix`` per matrix): a producer
-    warp and two consumer warpgroups sharing a TMA ring of STAGES K slices (two panels each). SAME_OPERAND:
-    Y is X (desc_b is desc_a), and a diagonal tile loads its one panel once."""
+    warp and two consumer warpgroups sharing a TMA ring of STAGES K slices (two panels each)."""
     dtype: gl.constexpr = desc_out.dtype
     panels = gl.allocate_shared_memory(dtype, [2 * STAGES] + desc_a.block_type.shape, desc_a.layout)
     staging = gl.allocate_shared_memory(dtype, [2] + desc_out.block_type.shape, desc_out.layout)
@@ -203,9 +190,7 @@ def ws_syrk_kernel(
     consumer = (desc_out, desc_c, scale_ptr, panels, staging, ready, empty, turn, c_ready,
                 K, total, per_matrix, alpha, beta, diag)
     producer = (desc_a, desc_b, panels, ready, empty, K, total, per_matrix)
-    gl.warp_specialize([(_consume, (consumer, 0, ACC, TRANSPOSED, SAME_OPERAND, HAS_C, HAS_DIAG, SCALE_POWER, BM,
-                                    BK, STAGES)),
-                        (_consume, (consumer, 1, ACC, TRANSPOSED, SAME_OPERAND, HAS_C, HAS_DIAG, SCALE_POWER, BM,
-                                    BK, STAGES)),
-                        (_produce, (producer, TRANSPOSED, SAME_OPERAND, BM, BK, STAGES))],
+    gl.warp_specialize([(_consume, (consumer, 0, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES)),
+                        (_consume, (consumer, 1, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES)),
+                        (_produce, (producer, TRANSPOSED, BM, BK, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
