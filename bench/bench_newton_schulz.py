@@ -1,6 +1,7 @@
 """Newton–Schulz (5 Keller steps, bf16) side by side: plain torch, torch.optim.Muon, Emerging-Optimizers, ours
 (as dispatched, replayed from CUDA graphs as the optimizer runs it, forced to the standard and the Gram
-form, and with the Triton SYRK kernel in place of the warp-specialized Gluon one).
+form, with the Triton SYRK kernel in place of the warp-specialized Gluon one, and with that one's consumers
+passing the turn at a tile's end as before the twelfth session).
 
     python bench/bench_newton_schulz.py                 # on a GPU: the full table, JSON to --out
     python bench/bench_newton_schulz.py --quick         # anywhere (CPU too): tiny shapes, smoke check
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dtensor_muon.kernels import select_backend, use_backend, use_gram
+from dtensor_muon.kernels import select_backend, use_backend, use_gram, ws_syrk
 from dtensor_muon.kernels.ws_syrk import ws_syrk_enabled
 from dtensor_muon.newton_schulz import KELLER_COEFFICIENTS, newton_schulz
 from dtensor_muon.ns_graphs import NewtonSchulzGraphs
@@ -125,7 +126,17 @@ def ours_triton_syrk(g: Tensor) -> Tensor:
         return newton_schulz(g)
 
 
-METHOD_KEYS = ("torch", "muon", "eo", "ours", "graphs", "standard", "gram", "triton")
+def ours_turn_at_end(g: Tensor) -> Tensor:
+    """Ours with the Gluon kernel's consumers passing the turn after a tile's last K slice (``TURN_LEAD`` 0, as
+    before the twelfth session)."""
+    lead, ws_syrk.TURN_LEAD = ws_syrk.TURN_LEAD, 0
+    try:
+        return newton_schulz(g)
+    finally:
+        ws_syrk.TURN_LEAD = lead
+
+
+METHOD_KEYS = ("torch", "muon", "eo", "ours", "graphs", "standard", "gram", "triton", "turn-at-end")
 
 
 def select_methods(keys: str, cuda: bool) -> dict[str, Method]:
@@ -150,6 +161,8 @@ def select_methods(keys: str, cuda: bool) -> dict[str, Method]:
         methods["ours, Gram form"] = ours_gram
     if "triton" in wanted:
         methods["ours, Triton SYRK"] = ours_triton_syrk
+    if "turn-at-end" in wanted:
+        methods["ours, turn at the tile's end"] = ours_turn_at_end
     return methods
 
 

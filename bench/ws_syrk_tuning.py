@@ -3,8 +3,8 @@ variant against the Triton SYRK kernel on the Newton–Schulz products of the is
 
     PYTHONPATH=src python3 bench/ws_syrk_tuning.py --rounds 2 --out bench/results/gluon_syrk_ws_tuning_h200.json
 
-A variant is (STAGES, PRODUCER_REGS, CONSUMER_REGS, MAX_REGS), set on the module before each launch. Each
-case times the Triton kernel once per round and every variant once per round
+A variant is (STAGES, PRODUCER_REGS, CONSUMER_REGS, MAX_REGS, TURN_LEAD), set on the module before each
+launch. Each case times the Triton kernel once per round and every variant once per round
 (``triton.testing.do_bench_cudagraph``); the table shows the medians in ms.
 """
 
@@ -22,7 +22,7 @@ import triton
 from dtensor_muon.kernels import ws_syrk as ws
 from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
 
-VARIANTS = ((4, 40, 232, 168), (3, 40, 232, 168), (5, 40, 232, 168), (4, 24, 240, 168), (5, 24, 240, 168))
+VARIANTS = ((5, 24, 240, 168, 0), (5, 24, 240, 168, 1), (5, 24, 240, 168, 2), (5, 24, 240, 168, 4))
 
 
 def cases() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    chosen = (ws.STAGES, ws.PRODUCER_REGS, ws.CONSUMER_REGS, ws.MAX_REGS)
+    chosen = (ws.STAGES, ws.PRODUCER_REGS, ws.CONSUMER_REGS, ws.MAX_REGS, ws.TURN_LEAD)
     result: dict[str, dict[str, list[float]]] = {}
     print(f"{'case':<20} triton " + " ".join(str(v) for v in VARIANTS))
     try:
@@ -59,14 +59,14 @@ def main() -> None:
             row: dict[str, list[float]] = {"triton": []}
             for _ in range(args.rounds):
                 for variant in VARIANTS:
-                    ws.STAGES, ws.PRODUCER_REGS, ws.CONSUMER_REGS, ws.MAX_REGS = variant
+                    ws.STAGES, ws.PRODUCER_REGS, ws.CONSUMER_REGS, ws.MAX_REGS, ws.TURN_LEAD = variant
                     gluon()  # compile outside the timing
                     row.setdefault(str(variant), []).append(triton.testing.do_bench_cudagraph(gluon, rep=60))
                 row["triton"].append(triton.testing.do_bench_cudagraph(plain, rep=60))
             result[name] = row
             print(f"{name:<20} " + " ".join(f"{statistics.median(v):.4f}" for v in row.values()), flush=True)
     finally:
-        ws.STAGES, ws.PRODUCER_REGS, ws.CONSUMER_REGS, ws.MAX_REGS = chosen
+        ws.STAGES, ws.PRODUCER_REGS, ws.CONSUMER_REGS, ws.MAX_REGS, ws.TURN_LEAD = chosen
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

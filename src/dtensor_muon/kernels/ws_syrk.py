@@ -12,8 +12,9 @@ Each SM runs one persistent program of three partitions:
   that read it releases it (``empty`` barriers);
 - two consumer warpgroups take the program's tiles in turn (its l-th tile goes to consumer l mod 2), each
   with a 128×128 fp32 accumulator in registers. A ``turn`` barrier hands the ring from one to the other once
-  it has issued its tile's last wgmma, so one consumer's epilogue (scale, C term, diagonal, rounding,
-  stores) runs while the other's products keep the tensor cores busy. The C tile is loaded by TMA into the
+  it has issued its tile's second-to-last wgmma (``TURN_LEAD``), so the other's first products are queued
+  before the tensor cores run dry, and one consumer's epilogue (scale, C term, diagonal, rounding, stores)
+  runs while the other's products keep the tensor cores busy. The C tile is loaded by TMA into the
   consumer's staging buffer when its turn starts, so it has arrived by the epilogue (``c_ready`` barriers).
 
 Tiles are the 128×128 squares (i, j), j ≤ i, of the lower triangle, numbered row by row over the batch;
@@ -56,6 +57,11 @@ except ImportError:  # a Triton without Gluon's Hopper API: the Triton kernel ru
 BLOCK = 128
 BLOCK_K = 64
 STAGES = 5
+# The turn passes to the other consumer once the wgmma TURN_LEAD K slices before a tile's last is issued: with 0
+# (the eighth to eleventh sessions) the tensor cores held one slice of work when the other consumer woke, and
+# idled between tiles; 1 made the K = 1408 products 3–6% faster on the H200, 2 and 4 less (twelfth session,
+# bench/ws_syrk_tuning.py).
+TURN_LEAD = 1
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 MAX_REGS = 168  # 12 warps (two consumer warpgroups, the producer's warpgroup) · 32 · 168 ≤ 65536 registers
@@ -226,7 +232,7 @@ _COMPILED: dict[tuple, object] = {}
 
 def _launch(programs: int, args: tuple, flags: tuple[bool, bool, bool, int], types: tuple) -> None:
     acc = _accumulator_layout()
-    constexprs = (*flags, acc, BLOCK, BLOCK_K, STAGES, CONSUMER_REGS, PRODUCER_REGS)
+    constexprs = (*flags, acc, BLOCK, BLOCK_K, STAGES, TURN_LEAD, CONSUMER_REGS, PRODUCER_REGS)
     key = (constexprs, MAX_REGS, types)
     compiled = _COMPILED.get(key)
     if compiled is not None:
@@ -235,6 +241,6 @@ def _launch(programs: int, args: tuple, flags: tuple[bool, bool, bool, int], typ
     transposed, has_c, has_diag, scale_power = flags
     _COMPILED[key] = ws_syrk_kernel[(programs,)](
         *args, TRANSPOSED=transposed, HAS_C=has_c, HAS_DIAG=has_diag, SCALE_POWER=scale_power,
-        ACC=acc, BM=BLOCK, BK=BLOCK_K, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
+        ACC=acc, BM=BLOCK, BK=BLOCK_K, STAGES=STAGES, TURN_LEAD=TURN_LEAD, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS,
     )

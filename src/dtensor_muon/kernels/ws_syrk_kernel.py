@@ -123,8 +123,9 @@ def _produce(p, TRANSPOSED: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, ST
 @gluon.jit
 def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.constexpr, HAS_C: gl.constexpr,
              HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-             STAGES: gl.constexpr):
-    """Consumer warpgroup CONSUMER: this program's tiles l ≡ CONSUMER (mod 2), products then epilogue."""
+             STAGES: gl.constexpr, TURN_LEAD: gl.constexpr):
+    """Consumer warpgroup CONSUMER: this program's tiles l ≡ CONSUMER (mod 2), products then epilogue. The turn
+    passes to the other consumer once the wgmma TURN_LEAD slices before the tile's last is issued."""
     (desc_out, desc_c, scale_ptr, panels, staging_bufs, ready, empty, turn, c_ready,
      K, total, per_matrix, alpha, beta, diag) = p
     staging3 = staging_bufs.index(CONSUMER)  # [1, BM, BM], for TMA
@@ -137,13 +138,14 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
         i, j = _tile_of(t % per_matrix)
         row0 = i * BM
         col0 = j * BM
-        # Our turn on the ring: the other consumer has issued all of its previous tile's products.
+        # Our turn on the ring: the other consumer has issued its previous tile's products but its last TURN_LEAD.
         phase = (local // 2) & 1  # this consumer's tiles so far, mod 2
         mbarrier.wait(turn.index(CONSUMER), phase ^ (1 - CONSUMER))
         if HAS_C:
             load_c_tile(desc_c, staging3, c_bar, batch, row0, col0)
         acc = gl.zeros([BM, BM], gl.float32, ACC)
         g = local * num_k
+        handoff = gl.maximum(num_k - 1 - TURN_LEAD, 0)
         for ki in range(num_k):
             slot = g % STAGES
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
@@ -151,8 +153,8 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
             acc = warpgroup_mma(a_op, b_op, acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))
             mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+            mbarrier.arrive(turn.index(1 - CONSUMER), count=1, pred=ki == handoff)
             g += 1
-        mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
         local += 2
@@ -168,7 +170,7 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
 def ws_syrk_kernel(
     desc_a, desc_b, desc_out, desc_c, scale_ptr, K, total, per_matrix, alpha, beta, diag,
     TRANSPOSED: gl.constexpr, HAS_C: gl.constexpr, HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr,
-    ACC: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+    ACC: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, TURN_LEAD: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """One persistent program per SM over ``total`` lower tiles (``per_matrix`` per matrix): a producer
@@ -190,7 +192,9 @@ def ws_syrk_kernel(
     consumer = (desc_out, desc_c, scale_ptr, panels, staging, ready, empty, turn, c_ready,
                 K, total, per_matrix, alpha, beta, diag)
     producer = (desc_a, desc_b, panels, ready, empty, K, total, per_matrix)
-    gl.warp_specialize([(_consume, (consumer, 0, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES)),
-                        (_consume, (consumer, 1, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES)),
+    gl.warp_specialize([(_consume, (consumer, 0, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES,
+                                    TURN_LEAD)),
+                        (_consume, (consumer, 1, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES,
+                                    TURN_LEAD)),
                         (_produce, (producer, TRANSPOSED, BM, BK, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
