@@ -5,12 +5,13 @@ same wgmma with no traffic.
     PYTHONPATH=src python3 bench/smem_traffic_probe.py --rounds 3 --out bench/results/smem_traffic_h200.json
 
 Why: the warp-specialized SYRK kernel keeps the tensor pipe 81% busy where cuBLAS keeps it 97% (eleventh
-session, Nsight Compute), and halving the operand loads of diagonal tiles barely moved it (twelfth). Per SM
-and clock at the full wgmma rate (2048 multiply-adds), the ping-pong kernel's 128×128 tiles read 0.047 bytes of
-shared memory per multiply-add as wgmma operands (96 B/clk) and write 0.031 by TMA (32 KB per 128·128·64 step,
-62 B/clk): 158 B/clk, against 128 B/clk that shared memory serves, a cap of 81%. cuBLAS's cooperative 128×256
-tiles need 0.039 + 0.023 (80 + 47 = 127 B/clk). If shared-memory bandwidth is what the two share, the traffic
-alone, with no data dependency, brings wgmma down to about those shares.
+session, Nsight Compute), and halving the operand loads of diagonal tiles barely moved it (twelfth). The
+hypothesis tested: per SM and clock at the full wgmma rate (2048 multiply-adds), the ping-pong kernel's 128×128
+tiles read 0.047 bytes of shared memory per multiply-add as wgmma operands (96 B/clk) and write 0.031 by TMA
+(32 KB per 128·128·64 step, 62 B/clk), 158 B/clk against the 128 that shared memory serves, a cap of 81%;
+cuBLAS's cooperative 128×256 tiles need 0.039 + 0.023 (127 B/clk). Measured on the H200 (BENCHMARKS.md, twelfth
+session): the traffic costs 8% per clock for the 128×128 step and 3% for the 128×256 one, not 19%; the rest
+of the gap was a per-tile cost (the SYRK kernel matches cuBLAS per clock at K = 14336, not at K = 1408).
 
 Each program (one per SM) holds A [BM, 64] and B [BN, 64] in shared memory. The consumer (one warpgroup, or two
 cooperating on 128 rows each 64) issues ``iters`` wgmma steps acc += A·Bᵀ, one group in flight; before step g
@@ -38,20 +39,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from wgmma_rate_probe import BK, layout, resident  # bench/ is on the path: this script runs as bench/...
 
-BK = 64
 PANEL_ROWS = 128
 SOURCE_ROWS = 4096  # 512 KB of source panels: L2-resident, as the SYRK kernel's panels mostly are
 STAGES = 5
-
-
-@gluon.jit
-def _resident(ptr, ROWS: gl.constexpr, LAYOUT: gl.constexpr, num_warps: gl.constexpr):
-    """A [ROWS, BK] block of ``ptr`` copied into shared memory."""
-    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, load_layout))[:, None]
-    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, load_layout))[None, :]
-    return gl.allocate_shared_memory(ptr.dtype.element_ty, [ROWS, 64], LAYOUT, gl.load(ptr + rows * 64 + cols))
 
 
 @gluon.jit
@@ -90,8 +82,8 @@ def _produce(desc, ring, ready, empty, iters, PANELS: gl.constexpr, STAGES: gl.c
 def traffic_kernel(a_ptr, b_ptr, out_ptr, desc, iters, ACC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                    A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, PANELS: gl.constexpr, STAGES: gl.constexpr,
                    SOURCE: gl.constexpr, num_warps: gl.constexpr):
-    a_smem = _resident(a_ptr, BM, A_LAYOUT, num_warps)
-    b_smem = _resident(b_ptr, BN, B_LAYOUT, num_warps)
+    a_smem = resident(a_ptr, BM, A_LAYOUT, num_warps)
+    b_smem = resident(b_ptr, BN, B_LAYOUT, num_warps)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -122,10 +114,6 @@ def under_load(fn, calls: int) -> tuple[int, float]:
     return clock, power
 
 
-def layout(rows: int) -> object:
-    return gl.NVMMASharedLayout.get_default_for([rows, BK], gl.bfloat16)
-
-
 def case(bm: int, bn: int, panels: int, target_macs: float, programs: int):
     """(callable, multiply-adds per call, traffic bytes per multiply-add): a BM×BN accumulator (two cooperating
     warpgroups for BM = 128 with BN = 256), ``panels`` 16 KB blocks streamed per 64-deep step."""
@@ -145,8 +133,9 @@ def case(bm: int, bn: int, panels: int, target_macs: float, programs: int):
 
 
 def products() -> dict[str, tuple]:
-    """The Gluon SYRK kernel's poly (C term and diagonal) and plain X·Yᵀ on 64 symmetric 1408² matrices, and
-    cuBLAS's full X·Yᵀ, as (callable, multiply-adds as run, no traffic figure, no tile)."""
+    """The Gluon SYRK kernel's poly (C term and diagonal) and plain X·Yᵀ on 64 symmetric 1408² matrices and
+    cuBLAS's full X·Yᵀ on them, then both on X·Xᵀ of 16 matrices 1408×14336, as (callable, multiply-adds as
+    run, no traffic figure, no tile)."""
     from dtensor_muon.kernels.ws_syrk import ws_syrk
 
     r = torch.randn(64, 1408, 1408, device="cuda", dtype=torch.bfloat16) / 38
@@ -172,7 +161,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--macs", type=float, default=2.0**40, help="multiply-adds per timed call, about")
-    parser.add_argument("--products", action="store_true", help="also the real products on 64×1408² matrices")
+    parser.add_argument("--products", action="store_true", help="also the real products (K = 1408 and 14336)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     programs = torch.cuda.get_device_properties(0).multi_processor_count

@@ -46,7 +46,7 @@ def _issue(a_smem, b_smem, out_ptr, iters, ACC: gl.constexpr, BM: gl.constexpr, 
 
 
 @gluon.jit
-def _resident(ptr, ROWS: gl.constexpr, LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+def resident(ptr, ROWS: gl.constexpr, LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     """A [ROWS, BK] block of ``ptr`` copied into shared memory."""
     load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, load_layout))[:, None]
@@ -57,16 +57,16 @@ def _resident(ptr, ROWS: gl.constexpr, LAYOUT: gl.constexpr, num_warps: gl.const
 @gluon.jit
 def one_kernel(a_ptr, b_ptr, out_ptr, iters, ACC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
-    a_smem = _resident(a_ptr, BM, A_LAYOUT, num_warps)
-    b_smem = _resident(b_ptr, BN, B_LAYOUT, num_warps)
+    a_smem = resident(a_ptr, BM, A_LAYOUT, num_warps)
+    b_smem = resident(b_ptr, BN, B_LAYOUT, num_warps)
     _issue(a_smem, b_smem, out_ptr, iters, ACC, BM, BN)
 
 
 @gluon.jit
 def two_kernel(a_ptr, b_ptr, out_ptr, out2_ptr, iters, ACC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
-    a_smem = _resident(a_ptr, BM, A_LAYOUT, num_warps)
-    b_smem = _resident(b_ptr, BN, B_LAYOUT, num_warps)
+    a_smem = resident(a_ptr, BM, A_LAYOUT, num_warps)
+    b_smem = resident(b_ptr, BN, B_LAYOUT, num_warps)
     gl.warp_specialize([(_issue, (a_smem, b_smem, out_ptr, iters, ACC, BM, BN)),
                         (_issue, (a_smem, b_smem, out2_ptr, iters, ACC, BM, BN))], [4], [232])
 
