@@ -1,5 +1,5 @@
-"""Ring depth and register split of the warp-specialized Gluon SYRK kernel (``kernels/ws_syrk.py``), each
-variant against the Triton SYRK kernel on the Newton–Schulz products of the issue's shapes (GPU only).
+"""Ring depth, register split and turn lead of the warp-specialized Gluon SYRK kernel (``kernels/ws_syrk.py``),
+each variant against the Triton SYRK kernel on the Newton–Schulz products of the issue's shapes (GPU only).
 
     PYTHONPATH=src python3 bench/ws_syrk_tuning.py --rounds 2 --out bench/results/gluon_syrk_ws_tuning_h200.json
 
