@@ -13,8 +13,9 @@ CPU; the methods interleaved round by round) and the rounds' range; TFLOP/s coun
 as % of an 8192³ bf16 matmul timed in the same round (the card runs power-capped, its clock moving with its
 state; the SM clock after each timing is in the JSON); the output's singular-value range (min σ, max σ)
 from float64 (eigenvalues of the float64 Gram matrix, i.e. squared singular values); the relative
-difference to plain torch's output; and whether the output has the same bits as ours (eager). Inputs are
-fp32 gradients (Emerging-Optimizers requires fp32).
+difference to plain torch's output; whether the output has the same bits as ours (eager); and the host's
+milliseconds per call with calls enqueued back to back (at or above the GPU time, the call is host-bound: its
+time is the host's, and moves with it). Inputs are fp32 gradients (Emerging-Optimizers requires fp32).
 """
 
 from __future__ import annotations
@@ -81,6 +82,22 @@ def time_ms(fn: Callable[[], object], cuda: bool) -> float:
         fn()
         runs.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(runs)
+
+
+def host_ms(fn: Callable[[], object], cuda: bool, calls: int = 20) -> float:
+    """Host milliseconds per call: ``calls`` calls enqueued back to back without synchronizing, after a
+    synchronized one. Where it reaches the GPU time the call waits on its own launches, so its time is the
+    host's and moves with the host's speed (on CPU it is simply the wall time)."""
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e3
+    if cuda:
+        torch.cuda.synchronize()
+    return host
 
 
 def torch_muon(g: Tensor) -> Tensor:
@@ -229,6 +246,8 @@ def bench_shape(
         for row, fn in pairs[r % len(pairs) :] + pairs[: r % len(pairs)]:
             row["ms_rounds"].append(time_ms(lambda fn=fn: fn(g), cuda))
             row["sm_mhz_rounds"].append(sm_clock_mhz(cuda))
+    for row, fn in pairs:
+        row["host_ms"] = host_ms(lambda fn=fn: fn(g), cuda)
     for row in rows:
         row["ms"] = statistics.median(row["ms_rounds"])
         row["tflops"] = ns_flops(shape) / row["ms"] / 1e9
@@ -314,7 +333,7 @@ def main() -> None:
                 f"[{min(row['ms_rounds']):.3f}–{max(row['ms_rounds']):.3f}] {row['tflops']:7.1f} TFLOP/s "
                 f"{row['pct_of_matmul']:5.1f}%  σ [{row['sigma_min']:.3f}, {row['sigma_max']:.3f}] "
                 f"Δtorch {row['rel_diff_vs_torch']:.1e} same bits {row['same_bits_as_ours']!s:5} "
-                f"ours→{row['ours_backend']}",
+                f"host {row['host_ms']:.3f} ms ours→{row['ours_backend']}",
                 flush=True,
             )
         if cuda:
