@@ -50,7 +50,7 @@ from dtensor_muon.kernels.ws_syrk import (
     _accumulator_layout,
     _sm_count,
     launch_operands,
-    ws_syrk_supports,
+    require_ws_syrk_support,
 )
 from dtensor_muon.kernels.ws_syrk_kernel import finish_tile, load_c_tile, load_panel, slice_operands
 
@@ -234,9 +234,7 @@ def pair_syrk(
     scale_power: int = 1,
 ) -> Tensor:
     """``s^p·(alpha·X·Yᵀ + beta·C + diag·I)`` like ``ws_syrk.ws_syrk``, on the paired kernel."""
-    if not ws_syrk_supports(x, y):
-        raise ValueError("pair_syrk: X and Y must meet ws_syrk_supports (a Hopper GPU, bf16/fp16, 8 | m, "
-                         f"TMA-aligned, Y like X), got X {tuple(x.shape)} {x.stride()} {x.dtype}")
+    require_ws_syrk_support(x, y, "pair_syrk")
     out, operands, transposed = launch_operands(x, y, c, scale, scale_power, "pair_syrk", BLOCK_K)
     units = _unit_table(triton.cdiv(out.size(1), BLOCK), x.device.index or 0)
     per_matrix = units.numel()

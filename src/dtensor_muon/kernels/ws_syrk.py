@@ -111,6 +111,13 @@ def ws_syrk_supports(x: Tensor, y: Tensor | None = None) -> bool:
     return all(_tma_readable(t if t.ndim == 3 else t.unsqueeze(0)) for t in (x, x if y is None else y))
 
 
+def require_ws_syrk_support(x: Tensor, y: Tensor | None, caller: str) -> None:
+    """Raises ValueError naming ``caller`` unless :func:`ws_syrk_supports` (x, y)."""
+    if not ws_syrk_supports(x, y):
+        raise ValueError(f"{caller}: X and Y must meet ws_syrk_supports (a Hopper GPU, bf16/fp16, 8 | m, "
+                         f"TMA-aligned, Y like X), got X {tuple(x.shape)} {x.stride()} {x.dtype}")
+
+
 def _tma_reads_c(c: Tensor, x: Tensor) -> bool:
     """Whether the kernel's TMA descriptor reads C in place: contiguous, 16-byte aligned, in x's dtype."""
     return c.dtype == x.dtype and c.is_contiguous() and c.data_ptr() % 16 == 0
@@ -191,9 +198,7 @@ def ws_syrk(
     """``s^p·(alpha·X·Yᵀ + beta·C + diag·I)`` for X and Y (default X) where :func:`ws_syrk_supports` (x, y);
     C symmetric [.., m, m] in x's dtype; ``scale`` s fp32 with one entry per matrix, p = ``scale_power`` 1 or
     2. Returns a new, exactly symmetric [.., m, m] tensor in x's dtype."""
-    if not ws_syrk_supports(x, y):
-        raise ValueError("ws_syrk: X and Y must meet ws_syrk_supports (a Hopper GPU, bf16/fp16, 8 | m, "
-                         f"TMA-aligned, Y like X), got X {tuple(x.shape)} {x.stride()} {x.dtype}")
+    require_ws_syrk_support(x, y, "ws_syrk")
     return ws_syrk_supported(x, y, alpha, beta, c, diag, scale, scale_power)
 
 
