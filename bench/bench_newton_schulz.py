@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from dtensor_muon.kernels import select_backend, use_backend, use_gram, ws_syrk
-from dtensor_muon.kernels.ws_syrk import ws_syrk_enabled
 from dtensor_muon.newton_schulz import KELLER_COEFFICIENTS, newton_schulz
 from dtensor_muon.ns_graphs import NewtonSchulzGraphs
 
@@ -139,7 +138,7 @@ def ours_gram(g: Tensor) -> Tensor:
 
 
 def ours_triton_syrk(g: Tensor) -> Tensor:
-    with ws_syrk_enabled(False):
+    with ws_syrk.ws_syrk_enabled(False):
         return newton_schulz(g)
 
 
