@@ -1,7 +1,9 @@
 """Newton–Schulz (5 Keller steps, bf16) side by side: plain torch, torch.optim.Muon, Emerging-Optimizers, ours
 (as dispatched, replayed from CUDA graphs as the optimizer runs it, forced to the standard and the Gram
-form, with the Triton SYRK kernel in place of the warp-specialized Gluon one, and with that one's consumers
-passing the turn at a tile's end as before the twelfth session).
+form, with the Triton SYRK kernel in place of the warp-specialized Gluon one, with that one's consumers
+passing the turn at a tile's end as before the twelfth session, and with the Gluon kernel only from 2³⁶
+multiply-adds per product as before the thirteenth (eager and from graphs); and, replayed from graphs, in the
+standard form and with the SYRK kernels at every size, in the dispatched and the Gram form).
 
     python bench/bench_newton_schulz.py                 # on a GPU: the full table, JSON to --out
     python bench/bench_newton_schulz.py --quick         # anywhere (CPU too): tiny shapes, smoke check
@@ -152,7 +154,40 @@ def ours_turn_at_end(g: Tensor) -> Tensor:
         ws_syrk.TURN_LEAD = lead
 
 
-METHOD_KEYS = ("torch", "muon", "eo", "ours", "graphs", "standard", "gram", "triton", "turn-at-end")
+class Graphs:
+    """Ours replayed from CUDA graphs in the given algorithm, with the backend forced to ``backend`` (None: as
+    dispatched; "syrk": the SYRK kernels for every product, whatever the size)."""
+
+    def __init__(self, algorithm: str, backend: str | None = None) -> None:
+        self.algorithm = algorithm
+        self.backend = backend
+        self.graphs = NewtonSchulzGraphs()
+
+    def __call__(self, g: Tensor) -> Tensor:
+        if self.backend is None:
+            return self.graphs(g, algorithm=self.algorithm)
+        with use_backend(self.backend):
+            return self.graphs(g, algorithm=self.algorithm)
+
+
+class WsFrom2To36:
+    """Ours (eager, or replayed from graphs) with the Gluon kernel only for products of at least 2³⁶
+    multiply-adds (``WS_MIN_WORK`` as before the thirteenth session), the Triton kernel below: the
+    dispatch of the twelfth session, whose SYRK and Gram floors were the Triton kernel's below 2³⁶."""
+
+    def __init__(self, graphs: bool) -> None:
+        self.run = NewtonSchulzGraphs() if graphs else newton_schulz
+
+    def __call__(self, g: Tensor) -> Tensor:
+        floor, ws_syrk.WS_MIN_WORK = ws_syrk.WS_MIN_WORK, 2**36
+        try:
+            return self.run(g)
+        finally:
+            ws_syrk.WS_MIN_WORK = floor
+
+
+METHOD_KEYS = ("torch", "muon", "eo", "ours", "graphs", "standard", "gram", "triton", "turn-at-end", "ws-from-2^36",
+               "ws-from-2^36-graphs", "standard-graphs", "syrk-graphs", "syrk-gram-graphs")
 
 
 def select_methods(keys: str, cuda: bool) -> dict[str, Method]:
@@ -179,6 +214,16 @@ def select_methods(keys: str, cuda: bool) -> dict[str, Method]:
         methods["ours, Triton SYRK"] = ours_triton_syrk
     if "turn-at-end" in wanted:
         methods["ours, turn at the tile's end"] = ours_turn_at_end
+    if "ws-from-2^36" in wanted:
+        methods["ours, Gluon from 2^36"] = WsFrom2To36(graphs=False)
+    if "ws-from-2^36-graphs" in wanted:
+        methods["ours, Gluon from 2^36, CUDA graphs"] = WsFrom2To36(graphs=True)
+    if "standard-graphs" in wanted:
+        methods["ours, standard form, CUDA graphs"] = Graphs("standard")
+    if "syrk-graphs" in wanted:
+        methods["ours, SYRK at every size, CUDA graphs"] = Graphs("auto", "syrk")
+    if "syrk-gram-graphs" in wanted:
+        methods["ours, SYRK at every size, Gram form, CUDA graphs"] = Graphs("gram", "syrk")
     return methods
 
 

@@ -6,12 +6,17 @@ Each piece is called n times back to back after a warm-up, without synchronizing
 (1024²) that the GPU keeps up: the wall time over n is what Python, the autotuner, Triton's launcher and
 the TMA descriptors cost per launch. The last row is one whole ``newton_schulz`` call on 4096² (there the
 GPU work, about 2.2 ms on an H200, may bound it instead).
+
+``--profile 8x1024x4096,4096x4096`` then profiles whole eager calls on those shapes (cProfile over 20 calls
+after a warm-up) and prints the functions that hold the host longest, by own time per call.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,9 +42,36 @@ def host_us(fn: Callable[[], object], calls: int = 200) -> float:
     return elapsed / calls * 1e6
 
 
+def profile_call(shape: tuple[int, ...], calls: int = 20, top: int = 25) -> list[dict]:
+    """The ``top`` functions by own host time per eager ``newton_schulz`` call on an fp32 input of ``shape``."""
+    g = torch.randn(shape, device="cuda")
+    print(f"newton_schulz {'x'.join(map(str, shape))}: {host_us(lambda: newton_schulz(g), calls):.0f} us of host "
+          "time per call (no profiler)")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        newton_schulz(g)
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats
+    rows = [
+        {"function": f"{path.rsplit('/', 1)[-1]}:{line} {name}", "calls": calls_made / calls,
+         "own_us": own / calls * 1e6, "cumulative_us": cumulative / calls * 1e6}
+        for (path, line, name), (_, calls_made, own, cumulative, _) in stats.items()
+    ]
+    rows.sort(key=lambda row: -row["own_us"])
+    total = sum(row["own_us"] for row in rows)
+    print(f"newton_schulz {'x'.join(map(str, shape))}: {total:.0f} us of host time per call (cProfile)")
+    for row in rows[:top]:
+        print(f"{row['own_us']:9.1f} us own {row['cumulative_us']:9.1f} cumulative {row['calls']:6.1f}x  "
+              f"{row['function']}")
+    return rows[:top]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", default="", help="shapes to profile whole calls on, e.g. 8x1024x4096")
     args = parser.parse_args()
     x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
     a = syrk(x)
@@ -64,6 +96,8 @@ def main() -> None:
         us = host_us(fn, 20 if "whole" in name else 200)
         result["host_us"][name] = us
         print(f"{us:9.1f} us  {name}", flush=True)
+    for spec in filter(None, args.profile.split(",")):
+        result.setdefault("profiles", {})[spec] = profile_call(tuple(int(v) for v in spec.split("x")))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

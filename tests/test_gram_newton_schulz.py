@@ -173,6 +173,32 @@ def test_auto_takes_the_gram_form_only_on_the_gpu_backend_for_rectangular_matric
         use_gram("fast", wide, TRITON_MATMULS, True)
 
 
+class _GluonProductsBackend:
+    """The GPU backend's routing facts on a Hopper GPU where the Gluon kernel runs the m×m products (on CPU
+    the real backend never reports that): every product SYRK, every m×m product on the Gluon kernel."""
+
+    name = "triton"
+
+    def uses_syrk(self, x: torch.Tensor) -> bool:
+        return True
+
+    def uses_gluon_syrk(self, x: torch.Tensor) -> bool:
+        return True
+
+
+def test_auto_takes_the_gram_form_from_aspect_1_4_where_the_gluon_kernel_runs_the_products() -> None:
+    backend = _GluonProductsBackend()
+
+    def meta(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, device="meta")
+
+    assert use_gram("auto", meta(8, 1024, 4096), backend, True)  # 2³³ per product batch: measured faster
+    assert use_gram("auto", meta(2048, 8192), backend, True)
+    assert use_gram("auto", meta(2048, 2868), backend, True)  # aspect 1.4
+    assert not use_gram("auto", meta(2048, 2860), backend, True)  # aspect 1.396
+    assert not use_gram("auto", meta(2048, 8192), backend, False)  # a schedule not validated in Gram form
+
+
 def test_optimizer_option_reaches_newton_schulz() -> None:
     """Muon(ns_algorithm="gram") steps like torch.optim.Muon up to the Gram form's rounding, and not bitwise
     (so the option is not ignored); the default on CPU is bitwise."""

@@ -480,21 +480,26 @@ def test_dispatcher_picks_torch_on_cpu(make: Callable[[], torch.Tensor]) -> None
 
 
 @pytest.mark.parametrize(
-    ("shape", "syrk", "gpu_backend"),
+    ("shape", "syrk", "syrk_on_gluon", "gpu_backend"),
     [
-        ((4096, 14336), True, True),
-        ((64, 1408, 2048), True, True),  # SYRK measured faster from m = 1408 (64 experts)
-        ((8, 1024, 4096), False, True),  # cuBLAS products, a·I folded into P
-        ((1024, 4096), False, False),  # too little work per product: plain torch is faster
-        ((2, 4096, 4096), True, True),
+        ((4096, 14336), True, True, True),
+        ((64, 1408, 2048), True, True, True),  # SYRK measured faster from m = 1408 (64 experts)
+        ((8, 1024, 4096), False, True, True),  # Triton kernel: cuBLAS products, a·I folded into P
+        ((2048, 8192), False, True, True),  # 136 tiles: enough for the Gluon kernel only
+        ((1024, 8192), False, False, True),  # 36 tiles: too few to fill the GPU
+        ((1024, 4096), False, False, False),  # too little work per product: plain torch is faster
+        ((2, 4096, 4096), True, True, True),
     ],
 )
-def test_routing_by_shape(shape: tuple[int, ...], syrk: bool, gpu_backend: bool) -> None:
+def test_routing_by_shape(shape: tuple[int, ...], syrk: bool, syrk_on_gluon: bool, gpu_backend: bool) -> None:
     from dtensor_muon.kernels.dispatch import MIN_GPU_BACKEND_WORK, gram_work
-    from dtensor_muon.kernels.triton_matmuls import syrk_pays
+    from dtensor_muon.kernels.triton_matmuls import syrk_floors_met, syrk_pays
 
     x = torch.empty(shape, device="meta")
-    assert syrk_pays(x) is syrk
+    matrices = shape[0] if len(shape) == 3 else 1
+    assert syrk_floors_met(shape[-2], matrices, gluon=False) is syrk
+    assert syrk_floors_met(shape[-2], matrices, gluon=True) is syrk_on_gluon
+    assert syrk_pays(x) is syrk  # off a Hopper GPU the Gluon kernel never runs the products
     assert (gram_work(x) >= MIN_GPU_BACKEND_WORK) is gpu_backend
 
 

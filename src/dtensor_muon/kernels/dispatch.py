@@ -37,6 +37,9 @@ NS_ALGORITHMS = ("auto", "standard", "gram")
 #   2048×5632 0.95 vs 0.96.
 # - Up to m = GRAM_SMALL_DIM, where the backend runs the m×m products through cuBLAS (full products, cheap
 #   launches): aspect 2, 2³³. 8×1024×4096 1.40 vs 1.06, 16×1024×4096 2.85 vs 2.08, 32×1024×2048 3.25 vs 2.69.
+# - Where the warp-specialized Gluon kernel runs the m×m products (from 2³³ multiply-adds, its floor): aspect
+#   1.4 alone. Thirteenth session, replayed from CUDA graphs (the optimizer's path for these sizes): 2048×8192
+#   1.132 vs 0.881, 8×1024×4096 1.145 vs 0.906, 16×1024×4096 2.228 vs 1.718.
 GRAM_MIN_ASPECT = 1.4
 MIN_GRAM_PRODUCT_WORK = 2**36
 GRAM_SMALL_DIM = 1024
@@ -59,6 +62,8 @@ class Backend(Protocol):
     ) -> Tensor | None: ...
 
     def uses_syrk(self, x: Tensor) -> bool: ...
+
+    def uses_gluon_syrk(self, x: Tensor) -> bool: ...
 
     def iteration(self, x: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor: ...
 
@@ -113,8 +118,9 @@ def use_gram(algorithm: str, x: Tensor, backend: Backend, schedule_validated: bo
     :func:`dtensor_muon.newton_schulz.gram_validated`), on the GPU backend (plain torch keeps the standard
     form, bitwise torch.optim.Muon), for n ≥ aspect·m, where the m²n products it saves outweigh the extra
     m³ ones (:mod:`..gram_newton_schulz`), and for m×m products large enough that the GPU, not the launches,
-    sets the pace: the aspect and work floor are GRAM_MIN_ASPECT and MIN_GRAM_PRODUCT_WORK, or the ``_SMALL``
-    pair for m ≤ GRAM_SMALL_DIM where the backend runs the m×m products through cuBLAS.
+    sets the pace: the aspect and work floor are GRAM_MIN_ASPECT and MIN_GRAM_PRODUCT_WORK, the ``_SMALL``
+    pair for m ≤ GRAM_SMALL_DIM where the backend runs the m×m products through cuBLAS, and GRAM_MIN_ASPECT
+    alone where the Gluon kernel runs them (its own floor, 2³³ multiply-adds, is the work floor).
     """
     if resolve_ns_algorithm(algorithm) != "auto":
         return algorithm == "gram"
@@ -123,6 +129,8 @@ def use_gram(algorithm: str, x: Tensor, backend: Backend, schedule_validated: bo
     m = x.size(-2)
     if m <= GRAM_SMALL_DIM and not backend.uses_syrk(x):
         min_aspect, min_work = GRAM_MIN_ASPECT_SMALL, MIN_GRAM_PRODUCT_WORK_SMALL
+    elif backend.uses_gluon_syrk(x):
+        min_aspect, min_work = GRAM_MIN_ASPECT, 0
     else:
         min_aspect, min_work = GRAM_MIN_ASPECT, MIN_GRAM_PRODUCT_WORK
     return x.size(-1) >= min_aspect * m and matrix_count(x) * m**3 >= min_work

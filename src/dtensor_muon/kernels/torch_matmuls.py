@@ -51,6 +51,10 @@ class TorchMatmuls:
         """Never: every product is a full matmul."""
         return False
 
+    def uses_gluon_syrk(self, x: Tensor) -> bool:
+        """Never: every product is a full matmul."""
+        return False
+
     def gram(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
         """A = s²·X·Xᵀ (per matrix of a batch; s = 1 without ``scale``)."""
         return scaled(x @ x.mT, scale, 2)

@@ -11,8 +11,9 @@
     symmetric_product: X·Yᵀ known symmetric (Gram Newton–Schulz's R·Z, Q·Z; lower tiles, or cuBLAS)
 
 The SYRK products run on one of two kernels (:func:`symmetric_kernel`): the warp-specialized Gluon kernel
-(:mod:`.ws_syrk`) on Hopper for products of at least 2³⁶ multiply-adds with m ≤ 4096, the Triton kernel
-(:mod:`.triton_syrk`) everywhere else.
+(:mod:`.ws_syrk`) on Hopper for products of at least 2³³ multiply-adds with m ≤ 4096, the Triton kernel
+(:mod:`.triton_syrk`) everywhere else; where the Gluon kernel runs them, SYRK pays from smaller sizes
+(:func:`syrk_floors_met`).
 
 Folding a·X into P turns the third product into a plain matmul, which cuBLAS runs faster than the
 ``addmm`` with a C term (0.68 vs 0.75 ms on 4096×14336, 0.78 vs 0.99 ms on 64×1408×2048, H200); the cost
@@ -31,13 +32,19 @@ from .normalize import cast_and_scale_into, normalize_into, scale_cast_applies
 from .shapes import matrix_count
 from .torch_matmuls import TORCH_MATMULS, scaled
 from .triton_syrk import is_transposed_view, lower_tile_count, symmetric_product, syrk
-from .ws_syrk import ws_syrk_pays, ws_syrk_supported
+from .ws_syrk import ws_syrk_pays, ws_syrk_runs_products, ws_syrk_supported
 
 # Smallest Gram side for the SYRK kernels, and fewest 128×128 lower-triangle tiles (all matrices of a batch
-# together) to fill the GPU: below these cuBLAS's full products are as fast. Measured on the H200: SYRK
-# loses on 8×1024×4096 (1.49 vs 1.41 ms for NS5) and wins on 64×1408×2048 (11.99 vs 12.84 ms).
+# together) to fill the GPU: below these cuBLAS's full products are as fast. They depend on the kernel that
+# runs the m×m products. The Triton kernel, measured on the H200 (eager): SYRK loses on 8×1024×4096 (1.49 vs
+# 1.41 ms for NS5) and wins on 64×1408×2048 (11.99 vs 12.84 ms).
 MIN_SYRK_DIM = 1280
 MIN_SYRK_TILES = 264
+# The warp-specialized Gluon kernel (thirteenth session, bench/bench_newton_schulz.py, NS5 replayed from CUDA
+# graphs, 5 rounds side by side, cuBLAS products against SYRK ones): 2048² (136 tiles) 0.447 vs 0.385 ms,
+# 2048×8192 1.280 vs 0.881 (Gram form), 8×1024×4096 1.054 vs 0.906, 16×1024×4096 2.102 vs 1.718.
+MIN_GLUON_SYRK_DIM = 1024
+MIN_GLUON_SYRK_TILES = 136
 
 
 def symmetric_kernel(
@@ -61,9 +68,18 @@ def symmetric_kernel(
     return symmetric_product(x, y, scale=scale)
 
 
+def syrk_floors_met(m: int, matrices: int, gluon: bool) -> bool:
+    """Whether ``matrices`` Gram matrices m×m reach the SYRK floors of the kernel running the m×m products: the
+    Gluon one (``gluon``: MIN_GLUON_SYRK_DIM, MIN_GLUON_SYRK_TILES) or the Triton one (MIN_SYRK_DIM,
+    MIN_SYRK_TILES); tiles are 128×128 on or below the diagonal."""
+    min_dim, min_tiles = (MIN_GLUON_SYRK_DIM, MIN_GLUON_SYRK_TILES) if gluon else (MIN_SYRK_DIM, MIN_SYRK_TILES)
+    return m >= min_dim and matrices * lower_tile_count(m, 128, 1) >= min_tiles
+
+
 def syrk_pays(x: Tensor) -> bool:
-    """Whether the SYRK kernels beat cuBLAS on the Gram matrix of ``x`` ([m, k] or [B, m, k])."""
-    return x.size(-2) >= MIN_SYRK_DIM and matrix_count(x) * lower_tile_count(x.size(-2), 128, 1) >= MIN_SYRK_TILES
+    """Whether the SYRK kernels beat cuBLAS on the Gram matrix and the m×m products of ``x`` ([m, k] or
+    [B, m, k]): :func:`syrk_floors_met` for the kernel that would run the m×m products."""
+    return syrk_floors_met(x.size(-2), matrix_count(x), ws_syrk_runs_products(x))
 
 
 class TritonMatmuls:
@@ -77,6 +93,10 @@ class TritonMatmuls:
     def uses_syrk(self, x: Tensor) -> bool:
         """Whether ``gram`` and ``symmetric_product`` run the SYRK kernels on x's size (else cuBLAS)."""
         return self.always_syrk or syrk_pays(x)
+
+    def uses_gluon_syrk(self, x: Tensor) -> bool:
+        """Whether the m×m products on x's size run on the warp-specialized Gluon kernel."""
+        return self.uses_syrk(x) and ws_syrk_runs_products(x)
 
     def start_into(
         self, g: Tensor, out: Tensor, x: Tensor, eps: float, scale_out: Tensor | None = None

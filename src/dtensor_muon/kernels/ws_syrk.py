@@ -28,7 +28,7 @@ either).
 Measured on the H200 (``bench/gluon_syrk_probe.py --kernel ws``, BENCHMARKS.md, eighth session), each product
 alone against the Triton kernel: 4096² X·Xᵀ 0.109–0.113 vs 0.113–0.115 ms, the 64×1408² products 0.34–0.36 vs
 0.38–0.39, 64×1408×2048 X·Xᵀ 0.46–0.47 vs 0.49–0.50; 8192² 0.93–0.98 vs 0.89–0.92, hence WS_MAX_DIM. Smaller
-products than WS_MIN_WORK stay on the Triton kernel (not measured against it).
+products than WS_MIN_WORK stay on the Triton kernel.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import triton
 from torch import Tensor
 
 from .normalize import require_scale
-from .shapes import gram_work
+from .shapes import gram_work, matrix_count
 from .triton_syrk import capability_major, is_transposed_view, lower_tile_count, tma_aligned
 
 try:
@@ -70,8 +70,10 @@ WS_MAX_DIM = 4096  # above it the Triton kernel's 256×128 tiles win (8192²: 0.
 # 4096² products (2³⁶) Newton–Schulz took 2.34–2.81 ms against 2.18–2.22 on the Triton kernel, the GPU idling
 # between products, its launches then costing the host 87–175 µs. With the direct launch (ninth session,
 # bench/bench_newton_schulz.py, 5 rounds side by side) it wins there too: 4096² 2.255 vs 2.271 ms, 4096×14336
-# 4.729 vs 4.770, 64×2048×1408 8.132 vs 8.632. Below 2³⁶ it is not measured against the Triton kernel.
-WS_MIN_WORK = 2**36
+# 4.729 vs 4.770, 64×2048×1408 8.132 vs 8.632. From 2³³ it is at least as fast on the GPU and costs the host
+# 46–67 µs per launch against the Triton kernel's 74–108 (thirteenth session, bench/ws_min_work.py: 4×2048²
+# products 0.067 vs 0.075 ms, poly 8×1024² 0.022 vs 0.026, 2048² 0.023–0.025 both). Below 2³³ not measured.
+WS_MIN_WORK = 2**33
 _enabled = os.environ.get("DTENSOR_MUON_WS_SYRK", "1") != "0"
 
 
@@ -109,6 +111,23 @@ def ws_syrk_supports(x: Tensor, y: Tensor | None = None) -> bool:
     if y is not None and (y.shape != x.shape or y.stride() != x.stride() or y.dtype != x.dtype):
         return False
     return all(_tma_readable(t if t.ndim == 3 else t.unsqueeze(0)) for t in (x, x if y is None else y))
+
+
+def ws_syrk_runs_products(x: Tensor) -> bool:
+    """Whether :func:`ws_syrk_pays` holds for the m×m products of Newton–Schulz on the wide ``x`` ([m, n] or
+    [B, m, n]): enabled, Gluon's Hopper API present, x bf16/fp16 on a compute-capability-9 GPU, 8 | m ≤
+    WS_MAX_DIM and B·m³ ≥ WS_MIN_WORK (the products are new contiguous [B, m, m] tensors, which TMA reads)."""
+    m = x.size(-2)
+    return (
+        _enabled
+        and ws_syrk_kernel is not None
+        and m <= WS_MAX_DIM
+        and m % 8 == 0
+        and matrix_count(x) * m**3 >= WS_MIN_WORK
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and capability_major(x.device.index or 0) == 9
+    )
 
 
 def require_ws_syrk_support(x: Tensor, y: Tensor | None, caller: str) -> None:
