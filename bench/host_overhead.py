@@ -7,8 +7,9 @@ Each piece is called n times back to back after a warm-up, without synchronizing
 the TMA descriptors cost per launch. The last row is one whole ``newton_schulz`` call on 4096² (there the
 GPU work, about 2.2 ms on an H200, may bound it instead).
 
-``--profile 8x1024x4096,4096x4096`` then profiles whole eager calls on those shapes (cProfile over 20 calls
-after a warm-up) and prints the functions that hold the host longest, by own time per call.
+``--profile 8x1024x4096,4096x4096`` then times whole eager calls on those shapes (20 calls after two warm-ups)
+and profiles them (cProfile, 20 more calls), printing the functions that hold the host longest, by own time per
+call.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def host_us(fn: Callable[[], object], calls: int = 200) -> float:
 def profile_call(shape: tuple[int, ...], calls: int = 20, top: int = 25) -> list[dict]:
     """The ``top`` functions by own host time per eager ``newton_schulz`` call on an fp32 input of ``shape``."""
     g = torch.randn(shape, device="cuda")
+    newton_schulz(g)  # the first call tunes and compiles; host_us's own warm-up call then compiles the chosen configs
     print(f"newton_schulz {'x'.join(map(str, shape))}: {host_us(lambda: newton_schulz(g), calls):.0f} us of host "
           "time per call (no profiler)")
     profiler = cProfile.Profile()
