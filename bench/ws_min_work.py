@@ -14,27 +14,15 @@ import argparse
 import json
 import math
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton
+from host_overhead import host_us  # bench/ is on the path: this script runs as bench/ws_min_work.py
 
 from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
 from dtensor_muon.kernels.ws_syrk import ws_syrk
-
-
-def host_us(fn: Callable[[], object], calls: int = 100) -> float:
-    """Host µs per call of ``fn``, ``calls`` calls enqueued without synchronizing."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def cases() -> dict[str, tuple[int, Callable[[], object], Callable[[], object]]]:
@@ -72,14 +60,16 @@ def main() -> None:
             gpu[name]["gluon"].append(triton.testing.do_bench_cudagraph(gluon, rep=50))
             gpu[name]["triton"].append(triton.testing.do_bench_cudagraph(plain, rep=50))
     rows = []
-    print(f"{'product':<22} {'work 2^':>7} {'gluon ms':>9} {'triton ms':>9} {'gluon host us':>13} {'triton host us':>14}")
+    print(f"{'product':<22} {'work 2^':>7} {'gluon ms':>9} {'triton ms':>9} {'gluon host us':>13} "
+          f"{'triton host us':>14}")
     for name, (work, gluon, plain) in table.items():
         row = {"product": name, "work": work, "gluon_ms": statistics.median(gpu[name]["gluon"]),
                "triton_ms": statistics.median(gpu[name]["triton"]), "gluon_rounds": gpu[name]["gluon"],
-               "triton_rounds": gpu[name]["triton"], "gluon_host_us": host_us(gluon), "triton_host_us": host_us(plain)}
+               "triton_rounds": gpu[name]["triton"], "gluon_host_us": host_us(gluon, 100),
+               "triton_host_us": host_us(plain, 100)}
         rows.append(row)
-        print(f"{name:<22} {math.log2(work):7.1f} {row['gluon_ms']:9.4f} {row['triton_ms']:9.4f} {row['gluon_host_us']:13.1f} "
-              f"{row['triton_host_us']:14.1f}", flush=True)
+        print(f"{name:<22} {math.log2(work):7.1f} {row['gluon_ms']:9.4f} {row['triton_ms']:9.4f} "
+              f"{row['gluon_host_us']:13.1f} {row['triton_host_us']:14.1f}", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                         "triton": triton.__version__, "rows": rows}, indent=1))

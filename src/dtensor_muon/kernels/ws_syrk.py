@@ -1,6 +1,6 @@
 """Warp-specialized Hopper SYRK kernel (Gluon, code in :mod:`.ws_syrk_kernel`): the products of
-:mod:`.triton_syrk`, faster than that kernel on the H200 for large products with Gram side m ≤ 4096, where
-the GPU backend takes it (:func:`ws_syrk_pays`).
+:mod:`.triton_syrk`, as fast or faster than that kernel on the H200 for products of at least 2³³ multiply-adds
+with Gram side m ≤ 4096, where the GPU backend takes it (:func:`ws_syrk_pays`).
 
     out_b = s_b^p·(alpha·X_b·Y_bᵀ + beta·C_b + d·I)     X, Y: [B, m, k] (or transposed views of
                                                          contiguous [B, k, m]), C: [B, m, m] symmetric
