@@ -130,7 +130,7 @@ def use_gram(algorithm: str, x: Tensor, backend: Backend, schedule_validated: bo
     if m <= GRAM_SMALL_DIM and not backend.uses_syrk(x):
         min_aspect, min_work = GRAM_MIN_ASPECT_SMALL, MIN_GRAM_PRODUCT_WORK_SMALL
     elif backend.uses_gluon_syrk(x):
-        min_aspect, min_work = GRAM_MIN_ASPECT, 0
+        min_aspect, min_work = GRAM_MIN_ASPECT, 0  # the Gluon kernel's own floor (2³³) is the work floor
     else:
         min_aspect, min_work = GRAM_MIN_ASPECT, MIN_GRAM_PRODUCT_WORK
     return x.size(-1) >= min_aspect * m and matrix_count(x) * m**3 >= min_work
