@@ -100,13 +100,21 @@ def _tma_readable(t3: Tensor) -> bool:
     return _tma_storage(t3).stride(-1) == 1 and tma_aligned(t3, is_transposed_view(t3))
 
 
+def _kernel_runs_on(x: Tensor) -> bool:
+    """Gluon's Hopper API present and x bf16/fp16 on a compute-capability-9 GPU."""
+    return (
+        ws_syrk_kernel is not None
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and capability_major(x.device.index or 0) == 9
+    )
+
+
 def ws_syrk_supports(x: Tensor, y: Tensor | None = None) -> bool:
     """Whether :func:`ws_syrk` can run the products on ``x`` ([m, k] or [B, m, k]) and ``y``: Gluon's Hopper
     API present, x bf16/fp16 on a compute-capability-9 GPU, 8 | m, x readable by TMA, and y (when given) of
     x's shape, strides and dtype; not empty."""
-    if not (ws_syrk_kernel is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
-        return False
-    if x.ndim not in (2, 3) or x.numel() == 0 or x.size(-2) % 8 or capability_major(x.device.index or 0) != 9:
+    if x.ndim not in (2, 3) or x.numel() == 0 or x.size(-2) % 8 or not _kernel_runs_on(x):
         return False
     if y is not None and (y.shape != x.shape or y.stride() != x.stride() or y.dtype != x.dtype):
         return False
@@ -118,16 +126,7 @@ def ws_syrk_runs_products(x: Tensor) -> bool:
     [B, m, n]): enabled, Gluon's Hopper API present, x bf16/fp16 on a compute-capability-9 GPU, 8 | m ≤
     WS_MAX_DIM and B·m³ ≥ WS_MIN_WORK (the products are new contiguous [B, m, m] tensors, which TMA reads)."""
     m = x.size(-2)
-    return (
-        _enabled
-        and ws_syrk_kernel is not None
-        and m <= WS_MAX_DIM
-        and m % 8 == 0
-        and matrix_count(x) * m**3 >= WS_MIN_WORK
-        and x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and capability_major(x.device.index or 0) == 9
-    )
+    return _enabled and m <= WS_MAX_DIM and m % 8 == 0 and matrix_count(x) * m**3 >= WS_MIN_WORK and _kernel_runs_on(x)
 
 
 def require_ws_syrk_support(x: Tensor, y: Tensor | None, caller: str) -> None:
