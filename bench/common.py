@@ -1,0 +1,140 @@
+"""What every product benchmark shares: its arguments, the machine it ran on, its table and its result file.
+
+A benchmark ``bench/NAME.py`` does::
+
+    from common import benchmark_parser, machine, markdown_table, write_result
+
+    parser = benchmark_parser(__doc__, "NAME")      # --quick, --json (default bench/results/NAME.json)
+    args = parser.parse_args()
+    rows = [...]                                    # one dict per measured case
+    print(markdown_table(rows, [("case", "case", "{}"), ("ms", "step ms", "{:.2f}")]))
+    write_result(args, rows)
+
+The result file holds ``{"benchmark", "machine", "args", "rows", ...extra}``; ``machine`` records the device,
+the host, the library's commit and the versions that decide the figures, so a figure in BENCHMARKS.md can be
+traced to the code and card that produced it. ``--quick`` runs (tiny shapes, CPU smoke checks) write no file
+unless ``--json`` is given, so a smoke run never replaces a measured result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+Column = tuple[str, str, str]
+"""(row key, header, format string such as ``"{:.2f}"``)."""
+
+
+def benchmark_parser(doc: str | None, name: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark has.
+
+    ``--quick``: tiny shapes that run anywhere (CPU included) in seconds, to check the script works.
+    ``--json PATH``: where the result goes; default ``bench/results/NAME.json`` for full runs and no file
+    for ``--quick`` runs. ``--json ''`` writes nothing.
+    """
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.set_defaults(benchmark=name)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, runs on CPU in seconds")
+    parser.add_argument(
+        "--json",
+        default=None,
+        help=f"result file (default: bench/results/{name}.json; none for --quick; '' for none)",
+    )
+    return parser
+
+
+def result_path(args: argparse.Namespace) -> Path | None:
+    """The file ``write_result`` writes for these arguments (None: write nothing)."""
+    if args.json is None:
+        return None if args.quick else RESULTS_DIR / f"{args.benchmark}.json"
+    return Path(args.json) if args.json else None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=Path(__file__).resolve().parent,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    ).stdout.strip()
+    return out.stdout.strip() + ("+changes" if dirty else "")
+
+
+def machine() -> dict[str, object]:
+    """The device, host and software a result was measured with."""
+    info: dict[str, object] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "host_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "commit": _git_commit(),
+    }
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+        info["gpus"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = None
+    else:
+        info["device"] = "cpu"
+    return info
+
+
+def markdown_table(rows: Iterable[dict], columns: Sequence[Column]) -> str:
+    """A Markdown table of ``rows``: one column per (key, header, format); a missing value prints as ``–``."""
+    lines = ["| " + " | ".join(header for _, header, _ in columns) + " |"]
+    lines.append("|" + "|".join("---" for _ in columns) + "|")
+    for row in rows:
+        cells = []
+        for key, _, fmt in columns:
+            value = row.get(key)
+            cells.append("–" if value is None else fmt.format(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def median(values: Sequence[float]) -> float:
+    """The median; raises on an empty sequence, naming it as a benchmark error."""
+    if not values:
+        raise ValueError("no timings to take the median of")
+    return statistics.median(values)
+
+
+def write_result(args: argparse.Namespace, rows: list[dict], **extra: object) -> Path | None:
+    """Write ``{"benchmark", "machine", "args", "rows", **extra}`` to ``result_path(args)``; return the path."""
+    path = result_path(args)
+    if path is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arguments = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    payload = {"benchmark": args.benchmark, "machine": machine(), "args": arguments, "rows": rows, **extra}
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path
