@@ -25,10 +25,7 @@ stored once. Every element is written once: the result is exactly symmetric and 
 the Triton kernel's up to the order of the fp32 sums (Newton–Schulz on the H200 gave the same bits with
 either).
 
-Measured on the H200 (``bench/gluon_syrk_probe.py --kernel ws``, BENCHMARKS.md, eighth session), each product
-alone against the Triton kernel: 4096² X·Xᵀ 0.109–0.113 vs 0.113–0.115 ms, the 64×1408² products 0.34–0.36 vs
-0.38–0.39, 64×1408×2048 X·Xᵀ 0.46–0.47 vs 0.49–0.50; 8192² 0.93–0.98 vs 0.89–0.92, hence WS_MAX_DIM. Smaller
-products than WS_MIN_WORK stay on the Triton kernel.
+Why it is built this way, and where it still loses to cuBLAS per clock: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -54,25 +51,20 @@ try:
 except ImportError:  # a Triton without Gluon's Hopper API: the Triton kernel runs every product
     ws_syrk_kernel = None
 
+# 128×128 tiles, 64-deep K slices: two fp32 accumulators of 128×128 fill the consumers' registers.
 BLOCK = 128
 BLOCK_K = 64
+# Ring slots: 3 lose 10–15% on every product, 4 and 5 tie within 3% (H200, tools/kernels/ws_syrk_tuning.py).
 STAGES = 5
-# The turn passes to the other consumer once the wgmma TURN_LEAD K slices before a tile's last is issued: with 0
-# (the eighth to eleventh sessions) the tensor cores held one slice of work when the other consumer woke, and
-# idled between tiles; 1 made the K = 1408 products 3–6% faster on the H200, 2 and 4 less (twelfth session,
-# bench/ws_syrk_tuning.py).
+# Turn lead (slices): 1 is 3–6% faster than 0 on the K = 1408 products, 2 and 4 no faster (H200, same tool).
 TURN_LEAD = 1
+# Registers: a producer of 24 or 40 ties within noise, the consumers take the rest (H200, same tool).
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 MAX_REGS = 168  # 12 warps (two consumer warpgroups, the producer's warpgroup) · 32 · 168 ≤ 65536 registers
-WS_MAX_DIM = 4096  # above it the Triton kernel's 256×128 tiles win (8192²: 0.93–0.98 vs 0.89–0.92 ms, H200)
-# Fewest multiply-adds (B·m²·k) per product for this kernel. The eighth session set 2³⁷: with the kernel on
-# 4096² products (2³⁶) Newton–Schulz took 2.34–2.81 ms against 2.18–2.22 on the Triton kernel, the GPU idling
-# between products, its launches then costing the host 87–175 µs. With the direct launch (ninth session,
-# bench/bench_newton_schulz.py, 5 rounds side by side) it wins there too: 4096² 2.255 vs 2.271 ms, 4096×14336
-# 4.729 vs 4.770, 64×2048×1408 8.132 vs 8.632. From 2³³ it is at least as fast on the GPU and costs the host
-# 46–67 µs per launch against the Triton kernel's 74–108 (thirteenth session, bench/ws_min_work.py: 4×2048²
-# products 0.067 vs 0.075 ms, poly 8×1024² 0.022 vs 0.026, 2048² 0.023–0.025 both). Below 2³³ not measured.
+# Triton's 256×128 tiles win above: X·Xᵀ 8192² 0.93–0.98 vs 0.89–0.92 ms (H200, ws_min_work.py --shapes 1x8192x8192).
+WS_MAX_DIM = 4096
+# Fewest B·m²·k: from 2³³ never slower than Triton, 30–50 µs less host/launch (H200, tools/kernels/ws_min_work.py).
 WS_MIN_WORK = 2**33
 _enabled = os.environ.get("DTENSOR_MUON_WS_SYRK", "1") != "0"
 
@@ -129,13 +121,6 @@ def ws_syrk_runs_products(x: Tensor) -> bool:
     return _enabled and m <= WS_MAX_DIM and m % 8 == 0 and matrix_count(x) * m**3 >= WS_MIN_WORK and _kernel_runs_on(x)
 
 
-def require_ws_syrk_support(x: Tensor, y: Tensor | None, caller: str) -> None:
-    """Raises ValueError naming ``caller`` unless :func:`ws_syrk_supports` (x, y)."""
-    if not ws_syrk_supports(x, y):
-        raise ValueError(f"{caller}: X and Y must meet ws_syrk_supports (a Hopper GPU, bf16/fp16, 8 | m, "
-                         f"TMA-aligned, Y like X), got X {tuple(x.shape)} {x.stride()} {x.dtype}")
-
-
 def _tma_reads_c(c: Tensor, x: Tensor) -> bool:
     """Whether the kernel's TMA descriptor reads C in place: contiguous, 16-byte aligned, in x's dtype."""
     return c.dtype == x.dtype and c.is_contiguous() and c.data_ptr() % 16 == 0
@@ -171,27 +156,25 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch_operands(
-    x: Tensor, y: Tensor | None, c: Tensor | None, scale: Tensor | None, scale_power: int, caller: str,
-    block_k: int = BLOCK_K,
+def _launch_operands(
+    x: Tensor, y: Tensor | None, c: Tensor | None, scale: Tensor | None, scale_power: int
 ) -> tuple[Tensor, tuple, bool]:
-    """What a launch of the Gluon SYRK kernels needs, after checking C and the scale (errors name
-    ``caller``): the new [B, m, m] output, the TMA descriptors of X and Y (128-row panels, ``block_k`` deep),
-    the output and C (the output's when no C), the scale argument (the output when none), and whether X is a
-    transposed view."""
+    """What a launch needs, after checking C and the scale: the new [B, m, m] output, the TMA descriptors of X
+    and Y (128-row panels, BLOCK_K deep), the output and C (the output's when no C), the scale argument (the
+    output when none), and whether X is a transposed view."""
     x3 = x if x.ndim == 3 else x.unsqueeze(0)
     y3 = x3 if y is None else (y if y.ndim == 3 else y.unsqueeze(0))
     batch, m, _ = x3.shape
     if scale is not None:
-        require_scale(scale, batch, x.device, caller)
+        require_scale(scale, batch, x.device, "ws_syrk")
         if scale_power not in (1, 2):
-            raise ValueError(f"{caller}: scale_power must be 1 or 2, got {scale_power}")
+            raise ValueError(f"ws_syrk: scale_power must be 1 or 2, got {scale_power}")
     c3 = None if c is None else (c if c.ndim == 3 else c.unsqueeze(0)).contiguous()
     if c3 is not None and (tuple(c3.shape) != (batch, m, m) or not _tma_reads_c(c3, x)):
-        raise ValueError(f"{caller}: C must have X's batch, be {m}×{m} in X's dtype {x.dtype} and 16-byte "
+        raise ValueError(f"ws_syrk: C must have X's batch, be {m}×{m} in X's dtype {x.dtype} and 16-byte "
                          f"aligned, got {tuple(c.shape)} {c.dtype}")
     transposed = is_transposed_view(x3)
-    block = (1, block_k, BLOCK) if transposed else (1, BLOCK, block_k)
+    block = (1, BLOCK_K, BLOCK) if transposed else (1, BLOCK, BLOCK_K)
     out = torch.empty((batch, m, m), device=x.device, dtype=x.dtype)
     in_layout = _nvmma(block, x.dtype)
     desc_a = TensorDescriptor.from_tensor(_tma_storage(x3), list(block), in_layout)
@@ -216,7 +199,9 @@ def ws_syrk(
     """``s^p·(alpha·X·Yᵀ + beta·C + diag·I)`` for X and Y (default X) where :func:`ws_syrk_supports` (x, y);
     C symmetric [.., m, m] in x's dtype; ``scale`` s fp32 with one entry per matrix, p = ``scale_power`` 1 or
     2. Returns a new, exactly symmetric [.., m, m] tensor in x's dtype."""
-    require_ws_syrk_support(x, y, "ws_syrk")
+    if not ws_syrk_supports(x, y):
+        raise ValueError("ws_syrk: X and Y must meet ws_syrk_supports (a Hopper GPU, bf16/fp16, 8 | m, "
+                         f"TMA-aligned, Y like X), got X {tuple(x.shape)} {x.stride()} {x.dtype}")
     return ws_syrk_supported(x, y, alpha, beta, c, diag, scale, scale_power)
 
 
@@ -232,7 +217,7 @@ def ws_syrk_supported(
 ) -> Tensor:
     """:func:`ws_syrk` for a caller that has established ``ws_syrk_supports(x, y)`` (the dispatch, through
     :func:`ws_syrk_pays`): the same checks of C and the scale, without that one's host cost again."""
-    out, operands, transposed = launch_operands(x, y, c, scale, scale_power, "ws_syrk")
+    out, operands, transposed = _launch_operands(x, y, c, scale, scale_power)
     batch, m, k = out.size(0), out.size(1), x.size(-1)
     per_matrix = lower_tile_count(m, BLOCK, 1)  # 128×128 squares on or below the diagonal
     total = per_matrix * batch
@@ -244,12 +229,11 @@ def ws_syrk_supported(
     return out if x.ndim == 3 else out.squeeze(0)
 
 
-# The compiled kernel for each set of constexprs and compile options (the flags and the module's tunables,
-# which bench/ws_syrk_tuning.py varies) and argument types, from its first launch through Triton's JIT. The
+# The compiled kernel for each set of constexprs and compile options (the flags and the module's tunables, which
+# tools/kernels/ws_syrk_tuning.py varies) and argument types, from its first launch through Triton's JIT. The
 # kernel specializes on nothing else (no integer values, no alignments), so later launches skip the JIT's
-# argument binding and specialization. With that and the dispatch's single support check a launch costs the
-# H200's host 63–71 µs against the Triton kernel's 91–106 in the same run (ninth session); before, the two
-# cost about the same (87 vs 88–99 µs, another start of the machine).
+# argument binding and specialization: 46–67 µs of host time per launch against the Triton kernel's 74–108 (H200,
+# tools/kernels/ws_min_work.py).
 _COMPILED: dict[tuple, object] = {}
 
 

@@ -28,7 +28,7 @@ def _tile_of(t):
 
 
 @gluon.jit
-def load_c_tile(desc_c, staging3, c_bar, batch, row0, col0):
+def _load_c_tile(desc_c, staging3, c_bar, batch, row0, col0):
     """The C tile at (row0, col0) by TMA into the staging buffer, once earlier stores have read it: it arrives
     (``c_bar``) while the tile's products run."""
     tma.store_wait(0)
@@ -37,7 +37,7 @@ def load_c_tile(desc_c, staging3, c_bar, batch, row0, col0):
 
 
 @gluon.jit
-def finish_tile(acc, desc_out, staging3, c_bar, c_phase, scale_ptr, batch, row0, col0, alpha, beta, diag,
+def _finish_tile(acc, desc_out, staging3, c_bar, c_phase, scale_ptr, batch, row0, col0, alpha, beta, diag,
                 ACC: gl.constexpr, HAS_C: gl.constexpr, HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr,
                 BM: gl.constexpr):
     """A finished tile's epilogue: s^p·(alpha·acc + beta·C + d·I) in fp32 (C from the staging buffer once
@@ -76,7 +76,7 @@ def finish_tile(acc, desc_out, staging3, c_bar, c_phase, scale_ptr, batch, row0,
 
 
 @gluon.jit
-def load_panel(desc, panel, k, batch, bar, buf, TRANSPOSED: gl.constexpr, BM: gl.constexpr):
+def _load_panel(desc, panel, k, batch, bar, buf, TRANSPOSED: gl.constexpr, BM: gl.constexpr):
     """Rows panel·BM.. of the [B, m, k] operand, K slice from k, into ``buf`` by TMA (arriving on ``bar``); for a
     transposed view the same block of its [B, k, m] storage."""
     if TRANSPOSED:
@@ -86,7 +86,7 @@ def load_panel(desc, panel, k, batch, bar, buf, TRANSPOSED: gl.constexpr, BM: gl
 
 
 @gluon.jit
-def slice_operands(panels, a_index, b_index, TRANSPOSED: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr):
+def _slice_operands(panels, a_index, b_index, TRANSPOSED: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr):
     """The wgmma operands A [BM, BK] and Bᵀ [BK, BM] of one K slice, from ring panels a_index and b_index."""
     a = panels.index(a_index)
     b = panels.index(b_index)
@@ -115,8 +115,8 @@ def _produce(p, TRANSPOSED: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, ST
             mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, desc_a.block_type.nbytes + desc_b.block_type.nbytes)
-            load_panel(desc_a, i, ki * BK, batch, bar, panels.index(2 * slot), TRANSPOSED, BM)
-            load_panel(desc_b, j, ki * BK, batch, bar, panels.index(2 * slot + 1), TRANSPOSED, BM)
+            _load_panel(desc_a, i, ki * BK, batch, bar, panels.index(2 * slot), TRANSPOSED, BM)
+            _load_panel(desc_b, j, ki * BK, batch, bar, panels.index(2 * slot + 1), TRANSPOSED, BM)
             g += 1
 
 
@@ -142,14 +142,14 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
         phase = (local // 2) & 1  # this consumer's tiles so far, mod 2
         mbarrier.wait(turn.index(CONSUMER), phase ^ (1 - CONSUMER))
         if HAS_C:
-            load_c_tile(desc_c, staging3, c_bar, batch, row0, col0)
+            _load_c_tile(desc_c, staging3, c_bar, batch, row0, col0)
         acc = gl.zeros([BM, BM], gl.float32, ACC)
         g = local * num_k
         handoff = gl.maximum(num_k - 1 - TURN_LEAD, 0)
         for ki in range(num_k):
             slot = g % STAGES
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-            a_op, b_op = slice_operands(panels, 2 * slot, 2 * slot + 1, TRANSPOSED, BM, BK)
+            a_op, b_op = _slice_operands(panels, 2 * slot, 2 * slot + 1, TRANSPOSED, BM, BK)
             acc = warpgroup_mma(a_op, b_op, acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))
             mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=ki > 0)
@@ -159,7 +159,7 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
         mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
         local += 2
 
-        finish_tile(acc, desc_out, staging3, c_bar, phase, scale_ptr, batch, row0, col0, alpha, beta, diag, ACC,
+        _finish_tile(acc, desc_out, staging3, c_bar, phase, scale_ptr, batch, row0, col0, alpha, beta, diag, ACC,
                     HAS_C, HAS_DIAG, SCALE_POWER, BM)
     tma.store_wait(0)
 
