@@ -1,7 +1,7 @@
 """Where a Newton–Schulz call's time goes when its products run back to back, against the same products
 timed alone.
 
-    python bench/chain_breakdown.py --shapes 4096x4096,64x2048x1408 --out bench/results/chain_breakdown_h200.json
+    PYTHONPATH=src python tools/kernels/chain_breakdown.py --shapes 4096x4096,64x2048x1408 --out chain.json
 
 For each shape and form ("standard", "gram"): the whole call timed by ``triton.testing.do_bench`` (median);
 the same call ``--calls`` times back to back with a CUDA event after every product (gram, poly,

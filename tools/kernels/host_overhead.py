@@ -1,6 +1,6 @@
 """Host (CPU) time to launch each piece of Newton–Schulz on the GPU, in microseconds per call.
 
-    python bench/host_overhead.py --out bench/results/host_overhead_h200.json
+    PYTHONPATH=src python tools/kernels/host_overhead.py --profile 8x1024x4096 --out host.json
 
 Each piece is called n times back to back after a warm-up, without synchronizing, on inputs small enough
 (1024²) that the GPU keeps up: the wall time over n is what Python, the autotuner, Triton's launcher and

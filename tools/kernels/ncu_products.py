@@ -7,7 +7,7 @@ profiled range, one call inside it (GPU only).
     M=$M,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed
     M=$M,sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_elapsed
     for c in ws_product ws_poly ws_gram triton_product cublas_product cublas_apply ws_gram4096 cublas_4096; do
-        PYTHONPATH=src ncu --clock-control none --profile-from-start off --metrics $M python3 bench/ncu_products.py $c
+        PYTHONPATH=src ncu --clock-control none --profile-from-start off --metrics $M python tools/kernels/ncu_products.py $c
     done
 
 The cases are the 64×2048×1408 Gram form's products (X a transposed view of [64, 2048, 1408]) and the
@@ -16,7 +16,7 @@ The cases are the 64×2048×1408 Gram form's products (X a transposed view of [6
 
 from __future__ import annotations
 
-import sys
+import argparse
 from collections.abc import Callable
 
 import torch
@@ -44,8 +44,15 @@ def cases() -> dict[str, Callable[[], object]]:
     }
 
 
+CASES = ("ws_product", "ws_poly", "ws_gram", "triton_product", "cublas_product", "cublas_apply", "ws_gram4096",
+         "cublas_4096")
+
+
 def main() -> None:
-    run = cases()[sys.argv[1]]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("case", choices=CASES)
+    args = parser.parse_args()
+    run = cases()[args.case]
     for _ in range(3):
         run()
     torch.cuda.synchronize()

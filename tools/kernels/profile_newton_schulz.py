@@ -1,11 +1,11 @@
 """Where one Newton–Schulz call spends its GPU time: per-kernel CUDA time from torch.profiler.
 
-    python bench/profile_newton_schulz.py --shapes 4096x4096,64x2048x1408 --algorithms standard,gram
+    PYTHONPATH=src python tools/kernels/profile_newton_schulz.py --shapes 4096x4096,64x2048x1408 --algorithms standard,gram
 
 For each shape and algorithm: a warm-up call (autotuning, compilation), then ``--calls`` profiled calls on a
 fresh fp32 Gaussian gradient; prints the kernels by total CUDA time (per call) and the sum, and writes the
-rows as JSON to ``--out``. The sum against the do_bench median of bench_newton_schulz.py is the time the GPU
-sits idle between kernels.
+rows as JSON to ``--out``. The sum against the do_bench median of ``bench/bench_newton_schulz.py`` is the time
+the GPU sits idle between kernels.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every tile configuration of the Newton–Schulz product kernels, each timed with a fixed config (no
 autotuning), on GPU.
 
-    python bench/bench_syrk_configs.py --rounds 3 --cases 4096x4096 --out bench/results/syrk_configs_h200.json
+    PYTHONPATH=src python tools/kernels/syrk_configs.py --rounds 3 --cases 4096x4096 --out configs.json
 
 Rows: the product (gram A = X·Xᵀ, poly P = a·I + b·A + c·A·A, product R·Z of two commuting symmetric
 matrices as Gram Newton–Schulz needs it, combine X' = a·X + B·X), the shape and layout, the implementation

@@ -1,11 +1,15 @@
-"""Where the warp-specialized Gluon SYRK kernel starts to pay against the Triton one: the Newton–Schulz
-products below ``ws_syrk.WS_MIN_WORK`` (2³⁶ multiply-adds), GPU time and host time per launch (GPU only).
+"""Each Newton–Schulz product on the warp-specialized Gluon SYRK kernel and on the Triton one, GPU time and host
+time per launch (GPU only): where the Gluon kernel starts to pay (``ws_syrk.WS_MIN_WORK``) and where it stops
+(``ws_syrk.WS_MAX_DIM``).
 
-    PYTHONPATH=src python3 bench/ws_min_work.py --rounds 3 --out bench/results/ws_min_work_h200.json
+    PYTHONPATH=src python tools/kernels/ws_min_work.py --rounds 3 --out ws_min_work.json
+    PYTHONPATH=src python tools/kernels/ws_min_work.py --shapes 1x4096x4096,1x8192x8192
 
-GPU time: median of ``rounds`` interleaved ``triton.testing.do_bench_cudagraph`` runs (launch cost excluded).
-Host time: µs per call with calls queued back to back (the launch's cost to Python, descriptors included).
-A product where the GPU time is under the host time is launch-bound in an eager chain.
+Per shape BxMxN: the Gram matrix (K = N) and, for square or 8x1024x4096 shapes, the poly with its C term and
+diagonal and the symmetric product of two MxM matrices (K = M). GPU time: median of ``rounds`` interleaved
+``triton.testing.do_bench_cudagraph`` runs (launch cost excluded). Host time: µs per call with calls queued back
+to back (the launch's cost to Python, descriptors included). A product whose GPU time is under its host time is
+launch-bound in an eager chain.
 """
 
 from __future__ import annotations
@@ -19,19 +23,22 @@ from pathlib import Path
 
 import torch
 import triton
-from host_overhead import host_us  # bench/ is on the path: this script runs as bench/ws_min_work.py
+from host_overhead import host_us  # this script's folder is on the path
 
 from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
 from dtensor_muon.kernels.ws_syrk import ws_syrk
 
+SHAPES = "1x2048x2048,1x2048x8192,4x2048x2048,8x1024x4096,1x4096x4096"
 
-def cases() -> dict[str, tuple[int, Callable[[], object], Callable[[], object]]]:
+
+def cases(shapes: str) -> dict[str, tuple[int, Callable[[], object], Callable[[], object]]]:
     """(multiply-adds B·m²·K, Gluon call, Triton call) of the same product, per case: the Gram matrix (K = n),
     the poly with its C term and diagonal (K = m) and the symmetric product of two m×m matrices."""
     torch.manual_seed(0)
     bf = torch.bfloat16
     table = {}
-    for batch, m, n in ((1, 2048, 2048), (1, 2048, 8192), (4, 2048, 2048), (8, 1024, 4096), (1, 4096, 4096)):
+    for spec in shapes.split(","):
+        batch, m, n = (int(v) for v in spec.split("x"))
         x = torch.randn(batch, m, n, device="cuda", dtype=bf) / n**0.5
         a = x @ x.mT
         q = torch.randn(batch, m, m, device="cuda", dtype=bf) / m**0.5
@@ -48,9 +55,10 @@ def cases() -> dict[str, tuple[int, Callable[[], object], Callable[[], object]]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shapes", default=SHAPES, help=f"comma-separated BxMxN (default {SHAPES})")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    table = cases()
+    table = cases(args.shapes)
     for _, gluon, plain in table.values():
         gluon(), plain(), plain()  # compile; the Triton kernel's first call tunes, its second compiles the choice
     torch.cuda.synchronize()

@@ -1,11 +1,13 @@
 """Ring depth, register split and turn lead of the warp-specialized Gluon SYRK kernel (``kernels/ws_syrk.py``),
-each variant against the Triton SYRK kernel on the Newton–Schulz products of the issue's shapes (GPU only).
+each variant against the Triton SYRK kernel on the Newton–Schulz products of 4096², 4096×14336 and
+64×2048×1408 (GPU only).
 
-    PYTHONPATH=src python3 bench/ws_syrk_tuning.py --rounds 2 --out bench/results/gluon_syrk_ws_tuning_h200.json
+    PYTHONPATH=src python tools/kernels/ws_syrk_tuning.py --rounds 3 --out ws_tuning.json
+    PYTHONPATH=src python tools/kernels/ws_syrk_tuning.py --variants "5,24,240,168,0;5,24,240,168,1"
 
-A variant is (STAGES, PRODUCER_REGS, CONSUMER_REGS, MAX_REGS, TURN_LEAD), set on the module before each
-launch. Each case times the Triton kernel once per round and every variant once per round
-(``triton.testing.do_bench_cudagraph``); the table shows the medians in ms.
+A variant is STAGES,PRODUCER_REGS,CONSUMER_REGS,MAX_REGS,TURN_LEAD, set on the module before each launch (the
+default list varies one at a time from the library's values). Each case times the Triton kernel once per round
+and every variant once per round (``triton.testing.do_bench_cudagraph``); the table shows the medians in ms.
 """
 
 from __future__ import annotations
@@ -22,7 +24,17 @@ import triton
 from dtensor_muon.kernels import ws_syrk as ws
 from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
 
-VARIANTS = ((5, 24, 240, 168, 0), (5, 24, 240, 168, 1), (5, 24, 240, 168, 2), (5, 24, 240, 168, 4))
+# The library's values first, then one change at a time: ring depth, producer registers, turn lead.
+VARIANTS = "5,24,240,168,1;4,24,240,168,1;3,24,240,168,1;5,40,232,168,1;5,24,240,168,0;5,24,240,168,2"
+
+
+def parse_variants(text: str) -> list[tuple[int, ...]]:
+    """``"S,P,C,R,L;..."`` as tuples (STAGES, PRODUCER_REGS, CONSUMER_REGS, MAX_REGS, TURN_LEAD)."""
+    variants = [tuple(int(v) for v in item.split(",")) for item in text.split(";") if item]
+    if not variants or any(len(v) != 5 for v in variants):
+        raise SystemExit(f"--variants: expected 'STAGES,PRODUCER_REGS,CONSUMER_REGS,MAX_REGS,TURN_LEAD;...', "
+                         f"got {text!r}")
+    return variants
 
 
 def cases() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
@@ -48,17 +60,19 @@ def cases() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--variants", default=VARIANTS, help=f"';'-separated variants (default {VARIANTS})")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    variants = parse_variants(args.variants)
     chosen = (ws.STAGES, ws.PRODUCER_REGS, ws.CONSUMER_REGS, ws.MAX_REGS, ws.TURN_LEAD)
     result: dict[str, dict[str, list[float]]] = {}
-    print(f"{'case':<20} triton " + " ".join(str(v) for v in VARIANTS))
+    print(f"{'case':<20} triton " + " ".join(str(v) for v in variants))
     try:
         for name, (gluon, plain) in cases().items():
             plain()
             row: dict[str, list[float]] = {"triton": []}
             for _ in range(args.rounds):
-                for variant in VARIANTS:
+                for variant in variants:
                     ws.STAGES, ws.PRODUCER_REGS, ws.CONSUMER_REGS, ws.MAX_REGS, ws.TURN_LEAD = variant
                     gluon()  # compile outside the timing
                     row.setdefault(str(variant), []).append(triton.testing.do_bench_cudagraph(gluon, rep=60))
