@@ -1,0 +1,142 @@
+"""Newton–Schulz with the dispatch varied, side by side: how each threshold of the dispatch was measured and how to
+re-measure it (GPU; ``--quick`` checks the script on CPU). Timing, columns and interleaving are those of
+``bench/bench_newton_schulz.py``.
+
+    PYTHONPATH=src python tools/kernels/ns_variants.py --shapes 2048x8192,8x1024x4096 \\
+        --methods torch,graphs,graphs:algorithm=standard,graphs:MIN_GLUON_SYRK_DIM=8192
+    PYTHONPATH=src python tools/kernels/ns_variants.py --shapes 16x1024x4096 --methods ours,graphs
+    PYTHONPATH=src python tools/kernels/ns_variants.py --quick
+
+A method is ``torch`` (plain torch matmuls), ``ours`` (eager) or ``graphs`` (replayed from CUDA graphs where the
+dispatch captures one), followed by ``:key=value`` settings applied around every call of that method only:
+
+- ``algorithm=auto|standard|gram``: the Newton–Schulz form;
+- ``backend=torch|triton|syrk``: force a backend (``syrk``: the SYRK kernels at every size);
+- ``gluon=0|1``: the warp-specialized Gluon SYRK kernel off or on;
+- a tuned constant by name (see TUNABLES), e.g. ``WS_MIN_WORK=2**36``, ``TURN_LEAD=0``, ``MAX_GRAPH_WORK=2**38``,
+  ``GRAM_MIN_ASPECT=99`` (values are integers, floats or ``a**b``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from bench_newton_schulz import COLUMNS, QUICK_SHAPES, measure_shape, plain_torch
+from common import machine, markdown_table
+
+from dtensor_muon import ns_graphs
+from dtensor_muon.kernels import dispatch, triton_matmuls, use_backend, ws_syrk
+from dtensor_muon.newton_schulz import newton_schulz
+
+TUNABLES: dict[str, ModuleType] = {
+    **dict.fromkeys(("WS_MIN_WORK", "WS_MAX_DIM", "TURN_LEAD", "STAGES"), ws_syrk),
+    **dict.fromkeys(("MIN_SYRK_DIM", "MIN_SYRK_TILES", "MIN_GLUON_SYRK_DIM", "MIN_GLUON_SYRK_TILES"), triton_matmuls),
+    **dict.fromkeys(
+        ("MIN_GPU_BACKEND_WORK", "GRAM_MIN_ASPECT", "MIN_GRAM_PRODUCT_WORK", "GRAM_SMALL_DIM", "GRAM_MIN_ASPECT_SMALL",
+         "MIN_GRAM_PRODUCT_WORK_SMALL"),
+        dispatch,
+    ),
+    "MAX_GRAPH_WORK": ns_graphs,
+}
+
+
+def number(text: str) -> float:
+    """An integer, a float or ``a**b``."""
+    if "**" in text:
+        base, exponent = text.split("**")
+        return int(base) ** int(exponent)
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+@contextlib.contextmanager
+def settings(constants: dict[str, float], backend: str | None, gluon: bool | None) -> Iterator[None]:
+    """The constants set on their modules, the backend forced and the Gluon kernel on or off, inside the block."""
+    saved = {name: getattr(TUNABLES[name], name) for name in constants}
+    with contextlib.ExitStack() as stack:
+        if backend is not None:
+            stack.enter_context(use_backend(backend))
+        if gluon is not None:
+            stack.enter_context(ws_syrk.ws_syrk_enabled(gluon))
+        try:
+            for name, value in constants.items():
+                setattr(TUNABLES[name], name, value)
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(TUNABLES[name], name, value)
+
+
+def parse_method(spec: str) -> Callable[[Tensor], Tensor]:
+    """The callable a method spec names (see the module docstring)."""
+    base, *items = spec.split(":")
+    if base == "torch" and not items:
+        return plain_torch
+    if base not in ("ours", "graphs"):
+        raise ValueError(f"{spec!r}: a method starts with torch, ours or graphs")
+    algorithm, backend, gluon, constants = "auto", None, None, {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key == "algorithm":
+            algorithm = value
+        elif key == "backend":
+            backend = value
+        elif key == "gluon":
+            gluon = value != "0"
+        elif key in TUNABLES:
+            constants[key] = number(value)
+        else:
+            raise ValueError(f"{spec!r}: unknown setting {key!r}; expected algorithm, backend, gluon or {sorted(TUNABLES)}")
+    run = ns_graphs.NewtonSchulzGraphs() if base == "graphs" else newton_schulz
+
+    def call(g: Tensor) -> Tensor:
+        with settings(constants, backend, gluon):
+            return run(g, algorithm=algorithm)
+
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="2048x8192,8x1024x4096", help="comma-separated, e.g. 4096x4096,8x1024x4096")
+    parser.add_argument("--methods", default="torch,ours,graphs", help="comma-separated method specs")
+    parser.add_argument("--rounds", type=int, default=3, help="timings per method, interleaved; the median counts")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU: checks the script")
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    try:
+        methods = {spec: parse_method(spec) for spec in args.methods.split(",")}
+    except ValueError as exc:
+        parser.error(str(exc))
+    cuda = torch.cuda.is_available() and not args.quick
+    if args.quick:
+        torch.set_num_threads(1)
+        shapes = QUICK_SHAPES
+    else:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    rows: list[dict] = []
+    for shape in shapes:
+        shape_rows, ceilings = measure_shape(shape, methods, cuda, args.rounds)
+        print(f"{shape}: matmul ceiling {', '.join(f'{c:.3g}' for c in ceilings)} TFLOP/s; "
+              f"dispatched: {shape_rows[0]['ours_route']}", flush=True)
+        rows += shape_rows
+    print(markdown_table(rows, COLUMNS))
+    if args.out is not None:
+        args.out.write_text(json.dumps({"machine": machine(), "args": vars(args) | {"out": str(args.out)},
+                                        "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
