@@ -1,7 +1,7 @@
 """Newton–Schulz product kernels: the Triton SYRK kernel under the Triton interpreter, and the dispatcher.
 
 The kernel checks run once, in a child process started with ``TRITON_INTERPRET=1`` (the variable must be
-set before triton is imported, and must not leak into the rest of the test session); the child computes
+set before triton is imported, and must not leak into the rest of the test run); the child computes
 every error against float64 torch references and prints them as JSON, and the tests here assert on them.
 """
 

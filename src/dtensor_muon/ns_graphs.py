@@ -36,16 +36,8 @@ from .newton_schulz import (
     normalized_start,
 )
 
-# Measured on the H200 (median of do_bench rounds, eager vs graph). Ninth session, a fast host: 2048×2048 (2³³
-# multiply-adds per Gram matrix) 0.907 ms [rounds 0.539–0.915] vs 0.440 [0.440–0.441]; 2048×5632 (2^34.5)
-# 0.926 vs 0.968, 4×2048×2048 (2³⁵) 1.317 vs 1.393, 4096×4096 (2³⁶) 2.320 vs 2.275. Twelfth session, a slower
-# host (bench/bench_newton_schulz.py, 5 rounds): 8×1024×4096 (2³⁵) 1.506 [1.181–1.711] vs 1.053, 4×2048×2048
-# 2.395 [1.637–2.922] vs 1.295 (plain torch 1.868), 2048×5632 0.938 vs 0.929, 2048×8192 (2³⁵) 1.234 vs 1.233.
-# Up to 2³⁵ an eager call can wait on its launches; a graph costs at most its output copy (4–6% where the host
-# kept up) and saved up to 46% where it did not. Thirteenth session, the Gluon kernel from 2³³ (more of its
-# launches, less GPU work), a slow host, 5 rounds: 16×1024×4096 (2³⁶) 2.410 [1.678–2.508] vs 1.729, 4×2048×3072
-# (2^35.6) 2.465 vs 1.614, 4096×4096 (2³⁶) 2.223 vs 2.233, 8×1024×4096 2.404 vs 0.888 (plain torch 1.646). Past
-# 2³⁶ the GPU work outlasts the launches (64×2048×1408, 2^37.9: 1.2 ms of host time against 7.8 on the GPU).
+# Eager vs graph NS5: 16×1024×4096 (2³⁶) 2.410 vs 1.729 ms, 4096² (2³⁶) 2.223 vs 2.233; 64×2048×1408 (2^37.9) needs
+# 1.1 ms of host for 7.8 of GPU (H200, tools/kernels/ns_variants.py --methods ours,graphs,graphs:MAX_GRAPH_WORK=2**38).
 MAX_GRAPH_WORK = 2**36
 
 

@@ -26,25 +26,21 @@ except ImportError:  # no triton
     SYRK_MATMULS = TRITON_MATMULS = None
 
 BACKEND_NAMES = ("torch", "triton", "syrk")
+# Below it launches bound the GPU backend: 1024×4096 NS5 0.64 ms vs plain torch's 0.28 (H200,
+# tools/kernels/ns_variants.py --shapes 1024x4096 --methods torch,ours:backend=triton).
 MIN_GPU_BACKEND_WORK = 2**33
 NS_ALGORITHMS = ("auto", "standard", "gram")
-# "auto" takes Gram Newton–Schulz on the GPU backend for X (m×n, m ≤ n) with n ≥ aspect·m and at least
-# the work floor of multiply-adds (B·m³) per m×m product, measured on the H200 (ms, standard vs Gram):
-# - In general aspect 1.4, 2³⁶. Segments 2 + 2 + 1 take 11m³ + 9m²n FLOPs (m×m products as SYRK) against the
-#   standard form's 5m³ + 15m²n: 0.74× at 4096×14336, 0.90× at aspect 1.45. 64×1408×2048 9.21 vs 9.00,
-#   8.98 vs 8.70, 8.76 vs 8.37; 4096×8192 3.87 vs 3.40 and 3.90 vs 3.34; 16×2048×3072 6.74 vs 6.38. Below
-#   2³⁶ the Gram form lost: 2048×4096 0.70 vs 1.03, 2048×8192 1.26 vs 1.67, 4×2048×4096 2.76 vs 3.54,
-#   2048×5632 0.95 vs 0.96.
-# - Up to m = GRAM_SMALL_DIM, where the backend runs the m×m products through cuBLAS (full products, cheap
-#   launches): aspect 2, 2³³. 8×1024×4096 1.40 vs 1.06, 16×1024×4096 2.85 vs 2.08, 32×1024×2048 3.25 vs 2.69.
-# - Where the warp-specialized Gluon kernel runs the m×m products (from 2³³ multiply-adds, its floor): aspect
-#   1.4 alone. Thirteenth session, replayed from CUDA graphs (the optimizer's path for these sizes): 2048×8192
-#   1.132 vs 0.881, 8×1024×4096 1.145 vs 0.906, 16×1024×4096 2.228 vs 1.718.
+# "auto" takes Gram Newton–Schulz on the GPU backend for X (m×n, m ≤ n) with n ≥ aspect·m and at least the work
+# floor of multiply-adds (B·m³) per m×m product (why: docs/kernels.md). Each line: NS5 ms, standard vs Gram, H200,
+# from tools/kernels/ns_variants.py --methods M:algorithm=standard,M:algorithm=gram with M as named.
+# Triton SYRK route (M = ours:gluon=0): 4096×8192 3.87 vs 3.40, 64×1408×2048 9.21 vs 9.00; 2048×4096 0.70 vs 1.03.
 GRAM_MIN_ASPECT = 1.4
 MIN_GRAM_PRODUCT_WORK = 2**36
+# cuBLAS m×m products, m ≤ 1024 (M = ours:gluon=0): 8×1024×4096 1.40 vs 1.06, 32×1024×2048 3.25 vs 2.69.
 GRAM_SMALL_DIM = 1024
 GRAM_MIN_ASPECT_SMALL = 2.0
 MIN_GRAM_PRODUCT_WORK_SMALL = 2**33
+# Gluon SYRK route, aspect alone (M = graphs): 2048×8192 1.132 vs 0.881, 8×1024×4096 1.145 vs 0.906.
 _forced: list[str] = []
 
 

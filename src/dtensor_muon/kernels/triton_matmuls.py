@@ -34,18 +34,16 @@ from .torch_matmuls import TORCH_MATMULS, scaled
 from .triton_syrk import is_transposed_view, lower_tile_count, symmetric_product, syrk
 from .ws_syrk import ws_syrk_pays, ws_syrk_runs_products, ws_syrk_supported
 
-# Smallest Gram side for the SYRK kernels, and fewest 128×128 lower-triangle tiles (all matrices of a batch
-# together) to fill the GPU: below these cuBLAS's full products are as fast. They depend on the kernel that
-# runs the m×m products. The Triton kernel, measured on the H200 (eager): SYRK loses on 8×1024×4096 (1.49 vs
-# 1.41 ms for NS5) and wins on 64×1408×2048 (11.99 vs 12.84 ms).
+# Smallest Gram side, and fewest 128×128 lower-triangle tiles (all matrices of a batch together), from which the
+# SYRK kernels beat cuBLAS's full products; they depend on the kernel that runs the m×m products.
+# Triton kernel, NS5 cuBLAS vs SYRK: 8×1024×4096 1.41 vs 1.49 ms, 64×2048×1408 12.84 vs 11.99 (H200,
+# tools/kernels/ns_variants.py --methods ours:gluon=0:MIN_SYRK_DIM=8192,ours:gluon=0:backend=syrk).
 MIN_SYRK_DIM = 1280
 MIN_SYRK_TILES = 264
-# The warp-specialized Gluon kernel (thirteenth session, bench/bench_newton_schulz.py, NS5 replayed from CUDA
-# graphs, 5 rounds side by side, cuBLAS products against SYRK ones): 2048² (136 tiles) 0.447 vs 0.385 ms,
-# 2048×8192 1.280 vs 0.881 (Gram form), 8×1024×4096 1.054 vs 0.906, 16×1024×4096 2.102 vs 1.718.
+# Gluon kernel, NS5 from graphs, cuBLAS vs SYRK: 2048² (136 tiles) 0.447 vs 0.385 ms, 8×1024×4096 1.054 vs 0.906
+# (H200, tools/kernels/ns_variants.py --methods graphs:MIN_GLUON_SYRK_DIM=8192,graphs).
 MIN_GLUON_SYRK_DIM = 1024
 MIN_GLUON_SYRK_TILES = 136
-
 
 def symmetric_kernel(
     x: Tensor,

@@ -37,10 +37,9 @@ from torch import Tensor
 
 from .normalize import require_scale
 
-# (RATIO, BLOCK_N, BLOCK_K, num_warps, num_stages, maxnreg): square 128² tiles and Hopper-sized 256×128
-# tiles. Chosen from bench/bench_syrk_configs.py on the H200 (BENCHMARKS.md): 128×128×64 tiles win every
-# product up to m = 4096, with 8 warps capped at 128 registers (two programs per SM) for most, 4 warps or
-# 5 stages for some; 256×128 tiles win the m = 8192 ones.
+# (RATIO, BLOCK_N, BLOCK_K, num_warps, num_stages, maxnreg): 128×128×64 tiles win every product up to m = 4096
+# (8 warps at 128 registers, two programs per SM, for most), 256×128 the m = 8192 ones (H200,
+# tools/kernels/syrk_configs.py --rounds 3).
 SYRK_SHAPES: tuple[tuple[int, int, int, int, int, int | None], ...] = (
     (1, 128, 64, 8, 3, None),
     (1, 128, 64, 8, 5, None),
