@@ -18,6 +18,7 @@ from typing import Union
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import _to_scalar
 
 from ..newton_schulz import CoefficientSpec, newton_schulz
 
@@ -50,6 +51,7 @@ def direction(
 def adjusted_lr(lr: float, adjust_lr_fn: AdjustLrFn, matrix_shape: tuple[int, int]) -> float:
     """γ' for a matrix of shape (A, B): "original" √max(1, A/B), "match_rms_adamw" 0.2·√max(A, B), or a callable."""
     rows, cols = matrix_shape
+    lr = _to_scalar(lr)  # a Tensor lr of shape [1] or [1, 1] as a 0-d tensor, as torch.optim.Muon does
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
@@ -61,5 +63,6 @@ def adjusted_lr(lr: float, adjust_lr_fn: AdjustLrFn, matrix_shape: tuple[int, in
 
 def apply(param: Tensor, orthogonal_update: Tensor, lr: float, weight_decay: float, lr_adjusted: float) -> None:
     """θ ← θ·(1 − γλ) − γ'·O, in place on ``param`` (a whole matrix or a shard of it)."""
+    lr, lr_adjusted = _to_scalar(lr), _to_scalar(lr_adjusted)
     param.mul_(1 - lr * weight_decay)
     param.add_(orthogonal_update, alpha=-lr_adjusted)
