@@ -18,8 +18,8 @@ Methods:
 Columns: median ms over ``--rounds`` rounds (``triton.testing.do_bench`` medians on CUDA, wall clock on CPU; the
 methods interleaved, each round starting one method later) and the rounds' range; that rate as % of an 8192³
 bf16 matmul timed in the same round (the card runs power-capped, so its clock moves; the SM clock after each
-timing is in the JSON), TFLOP/s counted as 5·(4m²n + 2m³) per matrix, m = min dim, for every method alike; the
-output's singular-value range from float64; its relative difference to ``torch`` and whether that is within
+timing is in the JSON), TFLOP/s counted as 5·(4m²n + 2m³) per matrix, m = min dim, for every method alike (an
+effective rate: SYRK products and the Gram form do fewer FLOPs, so ours can pass 100%); the output's singular-value range from float64; its relative difference to ``torch`` and whether that is within
 ``BF16_TOLERANCE``; the host's milliseconds per call with calls enqueued back to back (at or above the GPU time,
 the call is host-bound). Inputs are fp32 Gaussian gradients (Emerging-Optimizers requires fp32).
 """
