@@ -21,6 +21,7 @@ from torchtitan.distributed import ParallelDims
 
 from torchtitan_ext.job_config import Muon as MuonConfig
 from torchtitan_ext.job_config import check_optimizer_name
+from torchtitan_ext.metrics import combine
 
 MUON_SECTION_ATTR = "muon"
 """Attribute of the ``[optimizer]`` config object under which :mod:`torchtitan_ext.spec` attaches ``[muon]``."""
@@ -75,11 +76,9 @@ class MuonOptimizersContainer(OptimizersContainer):
 
     @property
     def metrics(self) -> dict[str, float]:
-        """The latest ``opt.metrics`` of every part's Muon, merged (later parts win on equal keys)."""
-        merged: dict[str, float] = {}
-        for opt in self.optimizers:
-            merged.update(opt.metrics)
-        return merged
+        """The latest ``opt.metrics`` of every part's Muon, combined over the parts of this rank (times,
+        bytes and FLOPs add up; see :data:`torchtitan_ext.metrics.REDUCTIONS`)."""
+        return combine((opt.metrics for opt in self.optimizers), over="parts")
 
 
 def _muon_section(optimizer_config: OptimizerConfig) -> MuonConfig:
