@@ -11,23 +11,30 @@ STAMP := .venv-installed
 .PHONY: install test train bench clean
 
 $(STAMP): pyproject.toml
-	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x .venv/bin/python ]; then echo "install: creating .venv"; python3 -m venv .venv; fi
+	@$(PY) -c "import torch" 2>/dev/null && echo "install: torch present, kept" || \
+		{ echo "install: torch 2.13.0 (a large download, a few minutes)"; $(PY) -m pip install -q "torch==2.13.0"; }
+	@echo "install: dtensor_muon in editable mode with its dev extra (pytest, ruff, torchtitan, tokenizers)"
+	@$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
+	@echo "install: done ($(PY))"
 
 install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# make train [CONFIG=train_configs/X.toml] [ARGS="--training.steps 20 ..."]: the summary reads the dump
+# folder of the same config and ARGS (--job.dump_folder moves it).
+CONFIG ?= train_configs/llama3_tiny.toml
+
 train: $(STAMP)
 	$(PY) -m torchtitan_ext.data
 	@NPROC=$$($(PY) -c "import torch; print(torch.cuda.device_count() or 2)"); \
 	echo "tiny Llama3 + Muon through torchtitan on $$NPROC process(es)"; \
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m torch.distributed.run --nproc_per_node $$NPROC \
-		--local-ranks-filter 0 -m torchtitan_ext.train --job.config_file train_configs/llama3_tiny.toml $(ARGS)
-	$(PY) -m torchtitan_ext.summary outputs/llama3_tiny
+		--local-ranks-filter 0 -m torchtitan_ext.train --job.config_file $(CONFIG) $(ARGS)
+	$(PY) -m torchtitan_ext.summary --job.config_file $(CONFIG) $(ARGS)
 
 clean:
 	rm -rf .venv $(STAMP)

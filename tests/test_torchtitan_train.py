@@ -18,6 +18,7 @@ pytest.importorskip("torchtitan")
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+\w.]+)")
+OPTIMIZER_LINE = re.compile(r"optimizer: update_rms muon \S+( adamw \S+)?  skipped 0  time \S+ms  exchange \S+")
 SMALL = [
     "--training.local_batch_size",
     "2",
@@ -84,6 +85,9 @@ def test_llama3_muon_trains_and_logs_optimizer_metrics(tmp_path):
 
     line = summary.summary_line(summary.scalars(summary.latest_events(tmp_path)))
     assert line.startswith("summary: steps 12, ") and "update_rms/muon" in line
+    optimizer_lines = [line for line in output.splitlines() if "optimizer: " in line]
+    assert len(optimizer_lines) == 12 and all(OPTIMIZER_LINE.search(line) for line in optimizer_lines), output[-3000:]
+    assert [i + 1 for i, line in enumerate(optimizer_lines) if "orth_err" in line] == [4, 8, 12]
 
 
 @pytest.mark.slow
@@ -150,3 +154,49 @@ def test_unknown_optimizer_name_fails_at_start_with_choices(tmp_path):
     code, output, losses = torchrun("llama3_tiny.toml", tmp_path, "--optimizer.name", "Lion", nproc=1)
     assert code != 0 and not losses
     assert "[optimizer] name = 'Lion' is not valid; choose one of: Adam, AdamW, Muon" in output
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_rank_0_logs_the_last_stages_loss(tmp_path):
+    code, output, losses = torchrun(
+        "llama3_tiny.toml", tmp_path, *SMALL, "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
+        "--parallelism.pipeline_parallel_degree", "2", timeout=500,
+    )  # fmt: skip
+    assert code == 0, output[-3000:]
+    assert sorted(losses) == [1, 2] and all(5 < v < 10 for v in losses.values()), losses  # not torchtitan's -1
+    assert "run_train.sh" not in output
+    assert len(OPTIMIZER_LINE.findall(output)) == 2, output[-3000:]
+
+
+@pytest.mark.slow
+def test_misspelled_muon_key_names_the_valid_keys_and_help_lists_them(tmp_path):
+    config = (ROOT / "train_configs" / "llama3_tiny.toml").read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(config.replace("ns_steps = 5", "ns_step = 5"))
+    cmd = [sys.executable, "-m", "torchtitan_ext.train", "--job.config_file", str(bad)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "[muon] has no key 'ns_step' (did you mean 'ns_steps'?); its keys: momentum, nesterov, " in proc.stderr
+    assert (
+        "run_train.sh" not in proc.stderr
+        and "`python -m torchtitan_ext.train --help` lists every option" in proc.stderr
+    )
+    proc = subprocess.run([sys.executable, "-m", "torchtitan_ext.train", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--muon.ns-steps INT" in proc.stdout and "--training.steps INT" in proc.stdout
+
+
+@pytest.mark.slow
+def test_make_train_summarizes_the_run_it_made(tmp_path):
+    dump = tmp_path / "dump"
+    args = " ".join([*SMALL, "--training.steps", "2", "--lr_scheduler.warmup_steps", "1", "--job.dump_folder",
+                     str(dump), "--metrics.disable_color_printing"])  # fmt: skip
+    env = {**{k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}, "OMP_NUM_THREADS": "1"}
+    cmd = ["make", "-o", ".venv-installed", "train", f"PY={sys.executable}", f"ARGS={args}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert len(OPTIMIZER_LINE.findall(output)) == 2, output[-3000:]
+    (summary_line,) = [line for line in proc.stdout.splitlines() if line.startswith("summary: ")]
+    assert summary_line.startswith("summary: steps 2, ") and f"tensorboard --logdir {dump}/tb/" in summary_line

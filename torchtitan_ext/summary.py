@@ -1,31 +1,56 @@
-"""One line that sums up a torchtitan run from its TensorBoard events.
+"""One line that sums up a torchtitan run from its TensorBoard events, and optionally a plot of it.
 
-    python -m torchtitan_ext.summary outputs/llama3_tiny
+    python -m torchtitan_ext.summary DUMP [--plot [PNG]]
+    python -m torchtitan_ext.summary [--plot [PNG]] --job.config_file X.toml [torchtitan overrides ...]
 
-Reads the newest run under ``DUMP/tb`` and prints the steps, the first and last logged loss, the
-mean training loss over the last logged records, the time per step, and the optimizer's update RMS.
+The second form finds the dump folder (and the TensorBoard folder in it) the way torchtitan does,
+from the config and the same overrides as the run (``make train`` passes its ``ARGS``). The newest
+event file of the newest run under ``DUMP/<save_tb_folder>`` is read (a run folder is named by the
+minute, so two runs within a minute share one: the newest file is the latest run). The line gives
+the steps, the first and last logged loss, the mean of the last logged losses, the time per step
+and the optimizer's update RMS. ``--plot`` also draws the loss curve and the Muon metrics into a PNG
+(default ``DUMP/loss_curve.png``); it needs matplotlib (``pip install -e .[plot]``).
 """
+
+from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
+PLOT_NAME = "loss_curve.png"
+MISSING_MATPLOTLIB = "--plot needs matplotlib: pip install -e .[plot] (or pip install matplotlib)"
 
-def latest_events(dump: Path) -> Path:
-    """The newest TensorBoard run folder under ``dump/tb``."""
-    runs = sorted(p for p in (dump / "tb").glob("*") if p.is_dir())
+
+def latest_events(dump: Path, tb_folder: str = "tb") -> Path:
+    """The newest TensorBoard event file of the newest run folder under ``dump/tb_folder``."""
+    runs = sorted(p for p in (dump / tb_folder).glob("*") if p.is_dir())
     if not runs:
-        raise FileNotFoundError(f"no TensorBoard run under {dump / 'tb'}")
-    return runs[-1]
+        raise FileNotFoundError(f"no TensorBoard run under {dump / tb_folder}")
+    files = sorted(runs[-1].rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no TensorBoard event file under {runs[-1]}")
+    return files[-1]
 
 
-def scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series of the run: tag -> [(step, value)]."""
+def dump_of_job(args: list[str]) -> tuple[Path, str]:
+    """``(dump_folder, save_tb_folder)`` of the job that torchtitan's command line ``args`` describe."""
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_ext.job_config import use_in_config_manager
+
+    use_in_config_manager()
+    config = ConfigManager().parse_args(args)
+    return Path(config.job.dump_folder), config.metrics.save_tb_folder
+
+
+def scalars(events: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of an event file (or run folder): tag -> [(step, value)]."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
 def summary_line(series: dict[str, list[tuple[int, float]]], tail: int = 5) -> str:
@@ -46,13 +71,73 @@ def summary_line(series: dict[str, list[tuple[int, float]]], tail: int = 5) -> s
     return "summary: " + ", ".join(parts)
 
 
+def _xy(points: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def plot(series: dict[str, list[tuple[int, float]]], png: Path, title: str = "") -> Path:
+    """Draw the loss (with the max over ranks), the update RMS of Muon and AdamW, and, where logged,
+    the Newton–Schulz σ range / orthogonality error and the gradient norm, one panel each; save as ``png``."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(MISSING_MATPLOTLIB) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    loss_tags = [t for t in ("loss_metrics/global_avg_loss", "loss_metrics/global_max_loss") if t in series]
+    panels.append(("loss", loss_tags, False))
+    rms = [t for t in ("muon/update_rms/muon", "muon/update_rms/adamw") if t in series]
+    if rms:
+        panels.append(("update RMS", rms, True))
+    sigma = [t for t in ("muon/sigma_min", "muon/sigma_max", "muon/orthogonality_error") if t in series]
+    if sigma:
+        panels.append(("Newton–Schulz output (sampled)", sigma, False))
+    if "grad_norm" in series:
+        panels.append(("gradient norm", ["grad_norm"], True))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.4 * len(panels)), sharex=True, squeeze=False)
+    for ax, (name, tags, log_y) in zip(axes[:, 0], panels, strict=True):
+        for tag in tags:
+            ax.plot(*_xy(series[tag]), marker="." if len(series[tag]) < 40 else None, label=tag.split("/")[-1])
+        ax.set_ylabel(name)
+        if log_y:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
+    axes[-1, 0].set_xlabel("step")
+    if title:
+        axes[0, 0].set_title(title, fontsize=9)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("dump_folder", type=Path)
-    args = parser.parse_args(argv)
-    run = latest_events(args.dump_folder)
-    print(f"{summary_line(scalars(run))}; tensorboard --logdir {run}", file=sys.stdout)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        usage="%(prog)s DUMP [--plot [PNG]] | %(prog)s [--plot [PNG]] --job.config_file X.toml [overrides ...]",
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--plot", nargs="?", const="", metavar="PNG", help=f"also write a PNG (default DUMP/{PLOT_NAME})"
+    )
+    args, rest = parser.parse_known_args(argv)
+    if rest and rest[0].startswith("-"):
+        dump, tb_folder = dump_of_job(rest)
+    elif len(rest) == 1:
+        dump, tb_folder = Path(rest[0]), "tb"
+    else:
+        parser.error("give the dump folder, or torchtitan's --job.config_file X.toml and the run's overrides")
+    events = latest_events(dump, tb_folder)
+    series = scalars(events)
+    print(f"{summary_line(series)}; tensorboard --logdir {events.parent}", file=sys.stdout)
+    if args.plot is not None:
+        png = plot(series, Path(args.plot) if args.plot else dump / PLOT_NAME, title=str(events.parent))
+        print(f"plot: {png}", file=sys.stdout)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 
 Runs torchtitan's own ``Trainer`` unchanged. Where no GPU is present it first points torchtitan at
 the CPU and gloo (:mod:`torchtitan_ext.cpu`). It also builds the offline dataset and tokenizer
-(:mod:`torchtitan_ext.data`) when they are missing.
+(:mod:`torchtitan_ext.data`) when they are missing. The job config always has the ``[muon]``
+section, an unknown TOML key is reported with its section's valid keys
+(:func:`torchtitan_ext.job_config.use_in_config_manager`; ``--help`` lists every option), and
+torchtitan's warning that rank 0 shows no pipeline-parallel loss is dropped where the metrics
+processor of :mod:`torchtitan_ext.metrics` shows the last stage's loss on every rank.
 
 After a successful run the process leaves through :func:`exit_without_finalization`: torchtitan has
 closed its checkpointer and metrics writers and destroyed the process groups. Left to finalize, the
@@ -20,7 +24,7 @@ import sys
 
 import torch
 
-from torchtitan_ext import cpu, data
+from torchtitan_ext import cpu, data, job_config, metrics
 
 
 def exit_without_finalization() -> None:
@@ -36,9 +40,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         cpu.use_cpu_gloo()
     data.build(data.DEFAULT_OUT)
+    job_config.use_in_config_manager()
+    import torchtitan.train
     from torchtitan.train import Trainer
     from torchtitan.train import main as torchtitan_main
 
+    torchtitan.train.ensure_pp_loss_visible = metrics.ensure_pp_loss_visible
     torchtitan_main(Trainer)
     exit_without_finalization()
 
