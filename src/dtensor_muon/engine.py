@@ -46,6 +46,14 @@ class Entry:
     layout: ParamLayout
 
 
+class PreflightError(RuntimeError):
+    """A parameter failed the local checks of a step (raised on the rank that found it)."""
+
+    def __init__(self, entry: Entry, reason: str) -> None:
+        super().__init__(f"parameter {entry.name!r}: {reason}")
+        self.index = entry.index
+
+
 @dataclass
 class MeshWork:
     """The Muon parameters of one mesh, their plan and the group the exchange runs on."""
@@ -215,18 +223,22 @@ class Engine:
         """
         self.flush()
         timer = metrics_lib.PhaseTimer()
-        failure: Exception | None = None
+        failure: PreflightError | None = None
         with timer.phase("preflight"):
             try:
                 grads = self._preflight()
-            except (RuntimeError, ValueError) as exc:
+            except PreflightError as exc:
                 failure, grads = exc, {e.index: None for e in self.entries}
         with timer.phase("consensus"):
-            active, nonfinite, failed = self._consensus(grads, failure is not None)
+            active, nonfinite, failed = self._consensus(grads, failure)
         if failure is not None:
             raise failure
-        if failed:
-            raise RuntimeError("another rank's optimizer step failed its local checks; no rank changed anything")
+        if failed is not None:
+            index, rank = failed
+            raise RuntimeError(
+                f"parameter {self.entries[index].name!r}: the optimizer step failed its local checks on another "
+                f"rank (global rank {rank}; its error says why); no rank changed anything"
+            )
         if nonfinite:
             self.skipped_steps += 1
             self._metrics = {"muon/skipped_steps": float(self.skipped_steps), "muon/step_skipped": 1.0}
@@ -278,46 +290,69 @@ class Engine:
         return self._metrics
 
     def _preflight(self) -> dict[int, Tensor | None]:
-        """Local checks only (no collective): every gradient matches its parameter's type and layout."""
+        """Local checks only (no collective): every gradient matches its parameter's type, layout and piece.
+
+        A DTensor gradient must have its parameter's global shape and placements, and its local piece (and
+        the parameter's) the shape of the box :mod:`.layout` computed for this rank. Raises
+        :class:`PreflightError` naming the first parameter that fails.
+        """
         grads: dict[int, Tensor | None] = {}
         for e in self.entries:
             g = e.param.grad
             if g is not None:
                 if g.is_sparse:
-                    raise RuntimeError(f"parameter {e.name!r}: sparse gradients are not supported")
+                    raise PreflightError(e, "sparse gradients are not supported")
                 if g.shape != e.param.shape:
-                    raise RuntimeError(f"parameter {e.name!r}: gradient shape {tuple(g.shape)} != {tuple(e.param.shape)}")
+                    raise PreflightError(e, f"gradient shape {tuple(g.shape)} != {tuple(e.param.shape)}")
                 if isinstance(e.param, DTensor) != isinstance(g, DTensor) or (
                     isinstance(g, DTensor) and tuple(g.placements) != tuple(e.param.placements)
                 ):
-                    raise RuntimeError(f"parameter {e.name!r}: gradient layout differs from the parameter's")
+                    raise PreflightError(e, "gradient layout differs from the parameter's")
+            if isinstance(e.param, DTensor):
+                expected = box_shape(e.layout.local_box)
+                for what, t in (("parameter", e.param), ("gradient", g)):
+                    if t is not None and tuple(t.to_local().shape) != expected:
+                        raise PreflightError(
+                            e, f"this rank's local piece of the {what} has shape {tuple(t.to_local().shape)}; the "
+                            f"layout (global shape {tuple(e.param.shape)}, placements {tuple(e.param.placements)}) "
+                            f"gives mesh rank {e.layout.mesh_rank} the box {e.layout.local_box}, shape {expected}"
+                        )
             grads[e.index] = g
         return grads
 
-    def _consensus(self, grads: dict[int, Tensor | None], failed: bool) -> tuple[set[int], bool, bool]:
-        """Which parameters got a gradient on any rank, whether any rank saw inf/NaN, whether any rank failed.
+    def _consensus(
+        self, grads: dict[int, Tensor | None], failure: PreflightError | None
+    ) -> tuple[set[int], bool, tuple[int, int] | None]:
+        """Which parameters got a gradient on any rank, whether any rank saw inf/NaN, and which parameter
+        (index, global rank) failed the local checks on some rank (None when none did).
 
-        One small all-reduce (MAX) per mesh of [has-grad flags…, non-finite flag, failure flag], meshes in
-        increasing size so the last (largest) carries every flag to every rank. A rank whose local checks
-        failed still joins, so the others learn of it instead of waiting in the exchange.
+        One small all-reduce (MAX) per mesh of [has-grad flags…, non-finite flag, failure code], meshes in
+        increasing size so the last (largest) carries every flag to every rank. The failure code is
+        ``(index + 1)·2³² + global rank`` of a failing rank's parameter (0: none), so every rank can name it.
+        A rank whose local checks failed still joins, so the others learn of it instead of waiting in the
+        exchange.
         """
         nonfinite = False
-        if self.skip_nonfinite and not failed:
+        if self.skip_nonfinite and failure is None:
             local_grads = [local(g) for g in grads.values() if g is not None]
             if local_grads:
                 finite = torch.stack([torch.isfinite(g).all() for g in local_grads]).all()
                 nonfinite = not bool(finite)
+        code = 0
+        if failure is not None:
+            code = ((failure.index + 1) << 32) + (dist.get_rank() if dist.is_initialized() else 0)
         active = {i for i, g in grads.items() if g is not None}
         for group in self.consensus_groups:
             entries = group.entries
-            flags = torch.tensor([e.index in active for e in entries] + [nonfinite, failed], dtype=torch.int32)
+            flags = torch.tensor([int(e.index in active) for e in entries] + [int(nonfinite), code], dtype=torch.int64)
             flags = flags.to(local(entries[0].param).device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.comm.group)
             flags = flags.cpu()
             for e, flag in zip(entries, flags[:-2].tolist()):
                 if flag:
                     active.add(e.index)
-            nonfinite, failed = bool(flags[-2]), bool(flags[-1])
+            nonfinite, code = bool(flags[-2]), int(flags[-1])
+        failed = ((code >> 32) - 1, code & 0xFFFFFFFF) if code else None
         return active, nonfinite, failed
 
     def _grad_or_zeros(self, e: Entry, grads: dict[int, Tensor | None]) -> Tensor:
