@@ -1,11 +1,14 @@
 """Overlap on vs off: time inside ``optimizer.step()`` and per full training step, side by side in one run.
 
-    python bench/bench_overlap.py --world-size 4 --device cpu --json bench/results/overlap_gloo_ws4.json
-    python bench/bench_overlap.py --world-size 1 --device cuda --dim 2048 --hidden 5632 --blocks 8 --tokens 4096
+    python bench/bench_overlap.py --world-size 4 --device cpu          # bench/results/overlap.json
+    python bench/bench_overlap.py --world-size 1 --device cuda --dim 2048 --hidden 5632 --blocks 8 --tokens 4096 \
+        --json bench/results/overlap_cuda.json
+    python bench/bench_overlap.py --quick                              # 2 gloo processes, tiny model
 
 A residual MLP stack (embedding, ``blocks`` × [Linear(dim, hidden), GELU, Linear(hidden, dim)], head), each
 block and the root given to ``fully_shard``. Each mode trains ``steps`` steps after ``warmup`` and reports
-medians over steps of the slowest rank: full step (forward + backward + step) and ``step()`` alone.
+medians over steps of the slowest rank: full step (forward + backward + step) and ``step()`` alone, and
+every step's loss: overlap changes when updates are applied, not what they are, so the losses must be equal.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 from datetime import timedelta
@@ -23,7 +25,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from common import benchmark_parser, markdown_table, median, write_result
 from dtensor_muon import Muon
+
+QUICK = {"world_size": 2, "vocab": 64, "dim": 32, "hidden": 64, "blocks": 2, "tokens": 64, "seq": 16,
+         "warmup": 1, "steps": 2}
+DEFAULTS = {"world_size": 4, "vocab": 512, "dim": 256, "hidden": 768, "blocks": 4, "tokens": 512, "seq": 64,
+            "warmup": 2, "steps": 6}
 
 
 class Stack(nn.Module):
@@ -72,7 +80,7 @@ def worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace)
         fully_shard(model)
         opt = Muon(model.named_parameters(), lr=0.02, overlap=overlap)
         opt.attach(model)
-        step_ms, total_ms = [], []
+        step_ms, total_ms, losses = [], [], []
         batch = args.tokens // args.seq
         for step in range(args.warmup + args.steps):
             gen = torch.Generator().manual_seed(1000 * step + rank)
@@ -84,6 +92,7 @@ def worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace)
             targets = tokens.roll(-1, dims=1)
             loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab).float(), targets.reshape(-1))
             loss.backward()
+            losses.append(loss.item())
             before_step = time.perf_counter()
             opt.step()
             after_step = time.perf_counter()
@@ -95,9 +104,10 @@ def worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace)
                 total_ms.append(slowest(end - start))
         opt.flush()
         results["overlap" if overlap else "no_overlap"] = {
-            "step_call_ms_median": statistics.median(step_ms),
-            "full_step_ms_median": statistics.median(total_ms),
-            "final_loss": loss.item(),
+            "step_call_ms_median": median(step_ms),
+            "full_step_ms_median": median(total_ms),
+            "final_loss": losses[-1],
+            "losses": losses,
         }
         del model, opt
     if rank == 0:
@@ -107,35 +117,39 @@ def worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=4)
+    parser = benchmark_parser(__doc__, "overlap")
+    parser.add_argument("--world-size", type=int)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=512, help="tokens per rank per step")
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--vocab", type=int)
+    parser.add_argument("--dim", type=int)
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--blocks", type=int)
+    parser.add_argument("--tokens", type=int, help="tokens per rank per step")
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--steps", type=int)
     args = parser.parse_args()
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(args.world_size, os.path.join(tmp, "init"), tmp, args), nprocs=args.world_size, join=True)
         with open(os.path.join(tmp, "result.json")) as f:
             results = json.load(f)
     print(f"world size {args.world_size} on {args.device}; dim {args.dim}, hidden {args.hidden}, {args.blocks} blocks, "
           f"{args.tokens} tokens/rank; median of {args.steps} steps (slowest rank)")
-    print(f"{'mode':<12}{'step() ms':>11}{'full step ms':>14}{'final loss':>12}")
-    for mode, r in results.items():
-        print(f"{mode:<12}{r['step_call_ms_median']:>11.2f}{r['full_step_ms_median']:>14.2f}{r['final_loss']:>12.4f}")
+    rows = [{"mode": mode, **r} for mode, r in results.items()]
+    print(markdown_table(rows, [("mode", "mode", "{}"), ("step_call_ms_median", "step() ms", "{:.2f}"),
+                                ("full_step_ms_median", "full step ms", "{:.2f}"),
+                                ("final_loss", "final loss", "{:.4f}")]))
     off, on = results["no_overlap"], results["overlap"]
-    print(f"overlap / no overlap: step() {on['step_call_ms_median'] / off['step_call_ms_median']:.2f}x, "
-          f"full step {on['full_step_ms_median'] / off['full_step_ms_median']:.2f}x")
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    step_ratio = on["step_call_ms_median"] / off["step_call_ms_median"]
+    full_ratio = on["full_step_ms_median"] / off["full_step_ms_median"]
+    same = on["losses"] == off["losses"]
+    print(f"overlap / no overlap: step() {step_ratio:.2f}x, full step {full_ratio:.2f}x; "
+          f"losses {'equal' if same else 'DIFFER'} at every step")
+    write_result(args, rows, overlap_over_no_overlap_step_call=step_ratio,
+                 overlap_over_no_overlap_full_step=full_ratio, losses_equal=same)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,9 @@ Reported per optimizer: median step time over ``--steps`` steps after ``--warmup
 synchronized around each step), memory allocated after construction (before the first step; dtensor_muon
 creates its state eagerly, torch lazily) and the peak over the steps (CUDA only). Also the largest
 difference between the two Muons' updates, per parameter kind (2-D matrices, expert slices, AdamW
-parameters), relative to the largest update of torch's: on CPU with the same arguments it is 0 for 2-D
-matrices and AdamW parameters. On CUDA it is taken over the first ``--check-params`` Muon and AdamW
-parameters only (a copy of each is kept on the host).
+parameters), relative to the largest update of torch's: on CPU with the same arguments it is 0 (seen for all
+three kinds). On CUDA it is taken over the first ``--check-params`` parameters of each kind only (a copy of
+each is kept on the host); there the two Muons' bf16 Newton–Schulz runs different kernels.
 
 On CUDA it also prints the Newton–Schulz FLOP floor of the Muon matrices: their 5-step FLOPs, counted with
 symmetric products (3m²n + m³ per iteration, m ≤ n) and plainly (4m²n + 2m³), over the bf16 8192³ matmul
@@ -202,6 +202,17 @@ class ParameterSet:
             p.grad = torch.empty_like(p)
         self.muon_names = {n for n, p in self.named if uses_muon(n, p, None)}
 
+    def kind(self, index: int) -> str:
+        """"matrices" (2-D Muon), "experts" (3-D Muon) or "adamw"."""
+        name, p = self.named[index]
+        return "adamw" if name not in self.muon_names else ("experts" if p.ndim == 3 else "matrices")
+
+    def by_kind(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for i in range(len(self.named)):
+            out.setdefault(self.kind(i), []).append(i)
+        return out
+
     def reset(self) -> None:
         """Fill parameters (std 0.02) and gradients (std 1) from per-parameter seeds."""
         with torch.no_grad():
@@ -251,8 +262,8 @@ def build_optimizer(kind: str, params: ParameterSet) -> list[torch.optim.Optimiz
     raise ValueError(kind)
 
 
-LABELS = {"dtensor_muon": "dtensor_muon.Muon", "torch_muon_adamw": "torch.optim.Muon + AdamW",
-          "adamw": "AdamW (everything)"}
+LABELS = {"dtensor_muon": "dtensor_muon.Muon", "torch_muon_adamw": "torch.optim.Muon + AdamW{}",
+          "adamw": "AdamW{} on everything"}
 
 
 def sync(device: torch.device) -> None:
@@ -291,8 +302,7 @@ def run_optimizer(kind: str, params: ParameterSet, warmup: int, steps: int) -> d
             flush()
     del optimizers
     free(device)
-    fused = " (fused)" if device.type == "cuda" else ""
-    label = LABELS[kind] + (fused if "adamw" in kind else "")
+    label = LABELS[kind].format(" (fused)" if device.type == "cuda" else "")
     return {"optimizer": label, "key": kind, "step_ms": median(times), "min_ms": min(times),
             "mem_before_gib": before, "peak_gib": peak}
 
@@ -305,8 +315,7 @@ def update_differences(params: ParameterSet, ours: dict[int, torch.Tensor], thei
     """Per kind, max over parameters of max|Δθ_ours − Δθ_torch| / max|Δθ_torch|."""
     worst: dict[str, float] = {}
     for i, final_ours in ours.items():
-        name, p = params.named[i]
-        kind = "adamw" if name not in params.muon_names else ("experts" if p.ndim == 3 else "matrices")
+        kind = params.kind(i)
         start = params.initial(i).cpu()
         delta_ours, delta_theirs = final_ours - start, theirs[i] - start
         scale = delta_theirs.abs().max().clamp(min=1e-30)
@@ -322,8 +331,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per optimizer")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--check-params", type=int, default=8,
-                        help="CUDA: compare the two Muons on this many Muon and AdamW parameters (all on CPU)")
+    parser.add_argument("--check-params", type=int, default=4,
+                        help="CUDA: compare the two Muons on the first N parameters of each kind (CPU: all)")
     args = parser.parse_args()
     args.benchmark = f"optimizer_step_{args.model}"  # one result file per model: bench/results/optimizer_step_MODEL.json
     if args.device == "auto":
@@ -352,12 +361,8 @@ def main() -> None:
         rate = ceiling["tflops"] * 1e12
         floor = {"syrk_ms": 1e3 * syrk_flops / rate, "plain_ms": 1e3 * plain_flops / rate}
 
-    if device.type == "cuda":
-        muon_idx = [i for i, (n, _) in enumerate(params.named) if n in params.muon_names][: args.check_params]
-        adamw_idx = [i for i, (n, _) in enumerate(params.named) if n not in params.muon_names][: args.check_params]
-        check = muon_idx + adamw_idx
-    else:
-        check = list(range(len(params.named)))
+    check = [i for indices in params.by_kind().values()
+             for i in (indices[: args.check_params] if device.type == "cuda" else indices)]
     rows, finals = [], {}
     for kind in ("dtensor_muon", "torch_muon_adamw", "adamw"):
         rows.append(run_optimizer(kind, params, args.warmup, args.steps))
