@@ -2,5 +2,6 @@
 
 from .newton_schulz import NAMED_COEFFICIENTS, newton_schulz, polar_factor
 from .optimizer import Muon
+from .param_groups import muon_param_groups
 
-__all__ = ["NAMED_COEFFICIENTS", "Muon", "newton_schulz", "polar_factor"]
+__all__ = ["NAMED_COEFFICIENTS", "Muon", "muon_param_groups", "newton_schulz", "polar_factor"]

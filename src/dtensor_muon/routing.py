@@ -1,28 +1,62 @@
 """Which parameters Muon orthogonalizes and which go to AdamW.
 
-Rule, in order: a param group's explicit ``"use_muon"`` wins; parameters with ndim < 2 go to AdamW; named
-embeddings and output heads (a dotted-name component in :data:`ELEMENTWISE_NAME_COMPONENTS`) go to AdamW;
-every other parameter (2-D matrices, 3-D expert batches, ≥4-D weights) goes to Muon.
+The rule, applied to each parameter in this order (the first that applies decides):
+
+1. The param group's ``"use_muon"``, when set (``True`` or ``False``), decides for every parameter of the group.
+2. A parameter with fewer than 2 dims (biases, norm weights, scalars) goes to AdamW.
+3. A named parameter goes to AdamW when a component of its dotted name (``"model.embed_tokens.weight"`` →
+   ``model``, ``embed_tokens``, ``weight``) is one of :data:`ELEMENTWISE_NAME_COMPONENTS`, the usual names of
+   embedding tables and output heads (whole components only: ``heads`` or ``shared_experts`` do not match).
+4. Every other parameter goes to Muon: a 2-D matrix; a 3-D ``[E, m, n]`` parameter as E matrices (experts);
+   a ≥4-D weight viewed as ``(shape[0], -1)`` (convolutions).
+
+Parameters given without names (``model.parameters()``) skip step 3, so an embedding or output head among
+them goes to Muon; the optimizer then warns (:func:`unnamed_lookalikes` says which ones it names). Name them
+(``model.named_parameters()``), route them by module type with :func:`dtensor_muon.muon_param_groups`, or
+put them in a group with ``"use_muon"`` set. Parameters with ``requires_grad=False`` are routed the same way
+but get no optimizer state until they require a gradient (see :class:`dtensor_muon.Muon`). The optimizer logs
+the outcome (logger ``dtensor_muon``: one INFO line per rule, the full table at DEBUG).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from torch import Tensor
 
 ELEMENTWISE_NAME_COMPONENTS = frozenset(
     {
-        "tok_embeddings",
-        "embed_tokens",
+        # embeddings
+        "tok_embeddings",  # torchtitan
+        "embed_tokens",  # Hugging Face Llama, Mistral, Qwen
         "embeddings",
         "embedding",
-        "word_embeddings",
+        "embed",
+        "embed_in",  # GPT-NeoX, Pythia
+        "embed_positions",  # BART, OPT, Whisper
+        "token_embedding",  # CLIP
+        "token_embeddings",
+        "word_embeddings",  # BERT, BLOOM
         "position_embeddings",
-        "wte",
+        "position_embedding",
+        "wte",  # GPT-2
         "wpe",
-        "output",
-        "lm_head",
+        "shared",  # T5's tied input/output embedding
+        # output heads
+        "output",  # torchtitan
+        "lm_head",  # Hugging Face causal LMs
+        "embed_out",  # GPT-NeoX, Pythia
+        "head",  # timm, ViT
+        "score",  # Hugging Face *ForSequenceClassification
+        "classifier",  # BERT, ViT (Hugging Face)
     }
 )
+
+LOOKALIKE_ASPECT = 4
+"""An unnamed matrix looks like an embedding or head when its long side exceeds this many times its short side
+(and is the longest side of any matrix): vocabularies run 4.1× (GPT-3) to 65× (GPT-2) the model width; most
+hidden matrices stay at or below 4× (4× MLPs; SwiGLU 2.6-3.5×), and the wider ones (Gemma 2B's 8× MLP) are
+shorter than the vocabulary when the embedding is among the parameters."""
 
 
 def is_embedding_or_head(name: str) -> bool:
@@ -39,3 +73,22 @@ def uses_muon(name: str | None, param: Tensor, explicit: bool | None) -> bool:
     if name is not None and is_embedding_or_head(name):
         return False
     return True
+
+
+def unnamed_lookalikes(candidates: Sequence[tuple[str, Tensor]], all_matrix_shapes: Sequence[tuple[int, ...]]) -> list[str]:
+    """Which unnamed matrices routed to Muon by default look like an embedding table or an output head.
+
+    A heuristic for the warning only (it never changes routing): a 2-D parameter whose long side is more than
+    :data:`LOOKALIKE_ASPECT` times its short side and equals the longest side of any 2-D parameter of the
+    optimizer (``all_matrix_shapes``): the vocabulary is the longest dimension of a language model, and a
+    grouped-query key/value projection (8× at Llama 70B) is not the longest. Returns ``"label (A×B)"`` strings.
+    """
+    longest = max((max(s) for s in all_matrix_shapes if len(s) == 2), default=0)
+    found = []
+    for label, p in candidates:
+        if p.ndim != 2:
+            continue
+        long, short = max(p.shape), min(p.shape)
+        if long == longest and long > LOOKALIKE_ASPECT * short:
+            found.append(f"{label} ({p.shape[0]}×{p.shape[1]})")
+    return found

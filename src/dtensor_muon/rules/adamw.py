@@ -24,6 +24,12 @@ def init_state(param: Tensor) -> dict[str, Tensor]:
     }
 
 
+def step_tensor(value: float | Tensor) -> Tensor:
+    """A ``step`` count as init_state makes it (checkpoints may hold a Python number: torch.optim.AdamW converts
+    those on load the same way)."""
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
 def step(
     params: list[Tensor],
     grads: list[Tensor],
