@@ -209,7 +209,7 @@ def test_copied_optimizer_takes_the_same_next_step(how):
             assert torch.equal(value, twin.state[b][key])
 
 
-def test_copied_optimizer_keeps_flushing_before_state_dict():
+def test_copy_of_an_overlap_optimizer_asks_for_attach_and_still_saves():
     model = TinyLM()
     twin = copy.deepcopy(Muon(model.named_parameters(), overlap=True))
     with pytest.raises(RuntimeError, match="attach"):

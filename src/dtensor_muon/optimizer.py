@@ -108,7 +108,7 @@ class Muon(torch.optim.Optimizer):
 
     Args (shared with torch.optim.Muon, same meaning and defaults):
         params: tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or param groups.
-        lr: learning rate γ (AdamW's too unless ``adamw_lr`` is given).
+        lr: learning rate γ, a float or a 1-element Tensor (AdamW's too unless ``adamw_lr`` is given).
         weight_decay: decoupled weight decay λ: θ ← θ·(1 − γλ).
         momentum: μ in [0, 1).
         nesterov: use g + μ·(B − g) instead of B.
