@@ -2,17 +2,20 @@
 (several learning rates) and with Muon, for the same steps, seeds and batches.
 
     python bench/convergence.py [--steps 300] [--seeds 0 1 2] [--adamw-lrs 2e-3 4e-3 8e-3] [--muon-lr 1e-2]
-                                [--nproc N] [--jobs J] [--out bench/results/convergence] [-- overrides...]
+                                [--nproc N] [--jobs J] [--out outputs/convergence] [-- overrides...]
+    python bench/convergence.py --quick     # 1 seed, AdamW at 4e-3 and Muon, 4 steps: a CPU smoke run
 
 Each run is ``torchrun -m torchtitan_ext.train`` (GPUs when present, else CPU/gloo) with ``--debug.seed``
 setting the initialization; the data order is the same for every run, so the comparison is paired.
 The final loss of a run is its mean training loss over the last ``--tail`` steps. Writes
-``convergence.json`` (every loss curve and the table), prints the table in Markdown, and draws
-``convergence.png`` when matplotlib is installed.
+``bench/results/convergence.json`` (the table as rows, every loss curve under ``runs``), prints the table in
+Markdown, and draws ``convergence.png`` next to the result file when matplotlib is installed. Each run's log
+and torchtitan dump folder go under ``--out``.
 """
 
+from __future__ import annotations
+
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -22,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from common import benchmark_parser, markdown_table, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_tiny.toml"
@@ -94,16 +99,13 @@ def table(results: list[dict], seeds: list[int], adamw_lrs: list[float], muon_lr
 
 def markdown(summary: dict, adamw_lrs: list[float], muon_lr: float) -> str:
     """The table of :func:`table` in Markdown."""
-    head = ["seed", f"Muon (lr {muon_lr:g})"] + [f"AdamW lr {lr:g}" for lr in adamw_lrs]
-    head += ["best AdamW", "Muon gain (nats)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in summary["rows"]:
-        cells = [str(r["seed"]), f"{r['muon']:.4f}"] + [f"{r['adamw'][lr]:.4f}" for lr in adamw_lrs]
-        cells += [f"{r['adamw_best_this_seed']:.4f}", f"{r['gain_vs_best_this_seed']:+.4f}"]
-        lines.append("| " + " | ".join(cells) + " |")
+    columns = [("seed", "seed", "{}"), ("muon", f"Muon (lr {muon_lr:g})", "{:.4f}")]
+    columns += [(f"adamw_lr{lr:g}", f"AdamW lr {lr:g}", "{:.4f}") for lr in adamw_lrs]
+    columns += [("adamw_best_this_seed", "best AdamW", "{:.4f}"), ("gain_vs_best_this_seed", "Muon gain (nats)", "{:+.4f}")]
+    rows = [{**r, **{f"adamw_lr{lr:g}": r["adamw"][lr] for lr in adamw_lrs}} for r in summary["rows"]]
     verdict = "met" if summary["passed"] else "NOT met"
-    lines.append(f"\nCriterion (Muon below the best AdamW of each seed by >= {MARGIN} nats on every seed): {verdict}.")
-    return "\n".join(lines)
+    return (markdown_table(rows, columns)
+            + f"\n\nCriterion (Muon below the best AdamW of each seed by >= {MARGIN} nats on every seed): {verdict}.")
 
 
 def plot(results: list[dict], summary: dict, muon_lr: float, path: Path, smooth: int = 20) -> bool:
@@ -131,7 +133,7 @@ def plot(results: list[dict], summary: dict, muon_lr: float, path: Path, smooth:
         ax.plot(range(1, len(r["curve"]) + 1), moving_average(r["curve"]), color=color, alpha=0.8, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss (moving average, {smooth} steps)")
-    ax.set_title("tiny Llama3 (torchtitan debugmodel), stdlib corpus: Muon vs best AdamW, 3 seeds")
+    ax.set_title(f"tiny Llama3 (torchtitan debugmodel), stdlib corpus: Muon vs best AdamW, {len(summary['rows'])} seed(s)")
     ax.set_ylim(top=min(ax.get_ylim()[1], 6.0))
     ax.legend()
     ax.grid(alpha=0.3)
@@ -142,17 +144,23 @@ def plot(results: list[dict], summary: dict, muon_lr: float, path: Path, smooth:
 
 def main() -> None:
     """Run the study and write its outputs."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[2e-3, 4e-3, 8e-3])
+    parser = benchmark_parser(__doc__, "convergence")
+    parser.add_argument("--steps", type=int, default=None, help="default 300 (quick: 4)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (quick: 0)")
+    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=None, help="default 2e-3 4e-3 8e-3 (quick: 4e-3)")
     parser.add_argument("--muon-lr", type=float, default=1e-2)
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time")
-    parser.add_argument("--tail", type=int, default=20, help="final loss = mean over this many last steps")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "convergence")
+    parser.add_argument("--tail", type=int, default=None, help="final loss = mean over this many last steps (default 20; quick: 2)")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "convergence", help="logs and dump folders")
     parser.add_argument("overrides", nargs="*", help="extra torchtitan flags (after --)")
     args = parser.parse_args()
+    quick = {"steps": 4, "seeds": [0], "adamw_lrs": [4e-3], "tail": 2}
+    full = {"steps": 300, "seeds": [0, 1, 2], "adamw_lrs": [2e-3, 4e-3, 8e-3], "tail": 20}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     runs = [Run("Muon", args.muon_lr, s) for s in args.seeds]
     runs += [Run("AdamW", lr, s) for lr in args.adamw_lrs for s in args.seeds]
@@ -160,20 +168,14 @@ def main() -> None:
         results = list(pool.map(lambda ir: launch(ir[1], args, 29500 + ir[0]), enumerate(runs)))
     summary = table(results, args.seeds, args.adamw_lrs, args.muon_lr)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-    report = {
-        "device": device,
-        "nproc": args.nproc,
-        "steps": args.steps,
-        "tail": args.tail,
-        "overrides": args.overrides,
-        "summary": summary,
-        "runs": results,
-    }
-    (args.out / "convergence.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"{device}, {args.nproc} process(es) a run, {args.steps} steps; final loss = mean of the last {args.tail}")
     print(markdown(summary, args.adamw_lrs, args.muon_lr))
-    if plot(results, summary, args.muon_lr, args.out / "convergence.png"):
-        print(f"plot: {args.out / 'convergence.png'}")
+    rows = [{**r, "adamw": {f"{lr:g}": v for lr, v in r["adamw"].items()}} for r in summary["rows"]]
+    path = write_result(args, rows, adamw_best_lr=summary["adamw_best_lr"],
+                        adamw_mean_by_lr={f"{lr:g}": v for lr, v in summary["adamw_mean_by_lr"].items()},
+                        passed=summary["passed"], margin=MARGIN, runs=results)
+    if path is not None and plot(results, summary, args.muon_lr, path.with_suffix(".png")):
+        print(f"plot: {path.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
