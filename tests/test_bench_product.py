@@ -1,0 +1,93 @@
+"""The product benchmarks run (``--quick``, as subprocesses) and their figures agree with independent references:
+dtensor_muon.Muon's update equals torch.optim.Muon's, each exchange mode equals a single-process run, overlap
+gives the losses of no overlap; the built-in model shapes are torchtitan's; Newton–Schulz FLOPs by hand."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+
+def run_quick(script: str, tmp_path: Path, *flags: str, timeout: int = 240) -> dict:
+    """Run ``bench/SCRIPT --quick --json FILE``; return the result file's contents."""
+    out = tmp_path / f"{Path(script).stem}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--json", str(out), *flags],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["machine"]["torch"] and result["args"]["quick"] is True
+    return result
+
+
+def bench_module(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_newton_schulz_flop_count_by_hand():
+    optimizer_step = bench_module("optimizer_step")
+    m, n = 4096, 14336
+    assert optimizer_step.ns_flops((n, m)) == optimizer_step.ns_flops((m, n))
+    assert optimizer_step.ns_flops((m, n)) == (5 * (3 * m * m * n + m**3), 5 * (4 * m * m * n + 2 * m**3))
+    e, m, n = 64, 1408, 2048
+    assert optimizer_step.ns_flops((e, n, m)) == (e * 5 * (3 * m * m * n + m**3), e * 5 * (4 * m * m * n + 2 * m**3))
+
+
+@pytest.mark.parametrize("model", ["llama3_8b", "deepseek_v3_16b"])
+def test_builtin_shapes_are_torchtitans(model):
+    pytest.importorskip("torchtitan")
+    optimizer_step = bench_module("optimizer_step")
+    family, flavor = optimizer_step.MODELS[model]
+    for f, quick in [(flavor, False), (optimizer_step.QUICK_FLAVOR, False), (optimizer_step.QUICK_FLAVOR, True)]:
+        for layers in (None, 2):
+            assert optimizer_step.builtin_shapes(family, f, layers, quick) == \
+                optimizer_step.torchtitan_shapes(family, f, layers, quick), (f, quick, layers)
+    if model == "llama3_8b":  # the figures the benchmark is quoted with
+        shapes = dict(optimizer_step.builtin_shapes(family, flavor, 1))
+        assert shapes["layers.0.feed_forward.w1.weight"] == (14336, 4096)
+        assert shapes["layers.0.attention.wk.weight"] == (1024, 4096)
+        assert shapes["output.weight"] == (128256, 4096)
+
+
+@pytest.mark.slow
+def test_optimizer_step_quick_matches_torch_optim_muon(tmp_path):
+    pytest.importorskip("torchtitan")
+    result = run_quick("optimizer_step.py", tmp_path, "--model", "deepseek_v3_16b", "--steps", "2", "--warmup", "1")
+    assert [r["key"] for r in result["rows"]] == ["dtensor_muon", "torch_muon_adamw", "adamw"]
+    assert all(r["step_ms"] > 0 and r["min_ms"] <= r["step_ms"] for r in result["rows"])
+    assert result["shapes_from"] == "torchtitan meta model"
+    # On CPU with the same arguments the two Muons (and the two AdamWs) give the same bits, experts included.
+    for kind in ("matrices", "experts", "adamw"):
+        assert result[f"max_rel_update_diff_{kind}"] == 0.0, kind
+    assert result["matmul_ceiling"] is None and result["ns_floor_ms"] is None  # CPU: no ceiling measured
+
+
+@pytest.mark.slow
+def test_exchange_quick_modes_equal_single_process(tmp_path):
+    result = run_quick("bench_exchange.py", tmp_path)
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert set(rows) == {"owner", "gather_all"}
+    for row in rows.values():
+        assert row["max_rel_update_diff_vs_single"] == 0.0
+        assert row["step_ms_median"] > 0
+    assert rows["gather_all"]["bytes_sent_rank0"] > rows["owner"]["bytes_sent_rank0"]
+
+
+@pytest.mark.slow
+def test_overlap_quick_gives_the_same_losses(tmp_path):
+    result = run_quick("bench_overlap.py", tmp_path)
+    rows = {r["mode"]: r for r in result["rows"]}
+    off, on = rows["no_overlap"]["losses"], rows["overlap"]["losses"]
+    args = result["args"]
+    assert len(off) == args["warmup"] + args["steps"] >= 3
+    assert on == off and result["losses_equal"] is True
