@@ -11,6 +11,7 @@ Newton–Schulz on the same full matrix as a single process would.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ from .layout import ParamLayout, box_numel, box_shape, box_slices, relative_slic
 from .newton_schulz import newton_schulz, resolve_coefficients, resolve_ns_dtype
 from .ns_graphs import NewtonSchulzGraphs
 from .pending import BackExchange, PendingUpdates
-from .plan import MatrixRoute, Plan, build_plan, chunk_by_budget, matrix_shape
+from .plan import MatrixRoute, Plan, build_plan, chunk_by_budget, matrix_shape, ns_iteration_flops
 from .rules import adamw as adamw_rule
 from .rules import muon as muon_rule
 
@@ -160,6 +161,8 @@ class Engine:
         self.steps_taken = 0
         self._metrics: dict[str, float] = {}
         self._metrics_source: tuple | None = None
+        self._unchecked_stats: metrics_lib.StepStats | None = None  # last step's, until its norms are read
+        self._warned_nonfinite = False
         self.meshes: list[MeshWork] = []
         self.mesh_of: dict[int, MeshWork] = {}
         self.consensus_groups: list[ConsensusGroup] = []
@@ -231,6 +234,7 @@ class Engine:
                 failure, grads = exc, {e.index: None for e in self.entries}
         with timer.phase("consensus"):
             active, nonfinite, failed = self._consensus(grads, failure)
+        self._report_nonfinite(wait=False)  # the last step's, if its flags have reached the host
         if failure is not None:
             raise failure
         if failed is not None:
@@ -264,7 +268,38 @@ class Engine:
             with timer.phase("finish"):
                 self.flush()
         self._metrics_source = (timer, stats)
+        self._report_nonfinite(wait=True)  # a step older than this one (its flags arrived long ago)
+        stats.start_nonfinite_check()
+        self._unchecked_stats = stats
+        self._report_nonfinite(wait=False)  # at once on the CPU
         return True
+
+    def _report_nonfinite(self, wait: bool) -> None:
+        """Warn (once per engine) if the last checked step's Newton–Schulz output of some matrix was not finite.
+
+        Reads the flag of :meth:`StepStats.start_nonfinite_check` (an isfinite of the squared update norms
+        summed anyway for ``muon/update_rms/muon``) without synchronizing the device: at once on the CPU; on
+        CUDA at the next step once it has arrived, or when the metrics are read. ``wait=False``: leave it
+        unread if it has not arrived. Only when it is set are the per-matrix norms read, for the names.
+        """
+        stats = self._unchecked_stats
+        if stats is None:
+            return
+        bad = stats.any_nonfinite(wait)
+        if bad is None:
+            return
+        self._unchecked_stats = None
+        if bad and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            names = stats.nonfinite_names()
+            others = f" and {len(names) - 1} other matrices" if len(names) > 1 else ""
+            warnings.warn(
+                f"the Muon update of {names[0]!r}{others} is not finite (inf or NaN in the gradient or the momentum), "
+                "so the parameter becomes NaN; skip_nonfinite=True skips every step in which any rank's "
+                "gradients are not finite, and optimizer.metrics['muon/nonfinite_updates'] counts such matrices "
+                "per step (this warning is shown once)",
+                RuntimeWarning,
+            )
 
     def finish(self, indices: list[int]) -> None:
         """Apply the pending updates of the parameters with these engine indices (no-op when none)."""
@@ -283,6 +318,8 @@ class Engine:
         """Diagnostics of the last step (computed on first access, so a step never waits for them)."""
         if self._metrics_source is not None:
             timer, stats = self._metrics_source
+            if stats is self._unchecked_stats:
+                self._report_nonfinite(wait=True)
             self._metrics = metrics_lib.summarize(timer, stats, [w.plan for w in self.meshes], self.skipped_steps)
             if self.overlap:
                 self._metrics["muon/time_deferred_finish_ms"] = 1e3 * self.deferred_seconds
@@ -409,11 +446,13 @@ class Engine:
             mats = [jobs[j][2].reshape(shape) for j in members]
             stacked = mats[0] if len(mats) == 1 else torch.stack(mats)
             out = muon_rule.direction(stacked, coefficients, steps, eps, ns_dtype, algorithm, self.ns_runner)
+            stats.add_flops(len(mats) * steps * ns_iteration_flops(shape))
             outs = [out] if len(mats) == 1 else list(out.unbind(0))
             for j, o in zip(members, outs):
                 results[j] = o
-                entry = jobs[j][1]
-                stats.add_orthogonal(o, muon_rule.adjusted_lr(entry.group["lr"], entry.group["adjust_lr_fn"], shape))
+                route, entry, _ = jobs[j]
+                lr_adjusted = muon_rule.adjusted_lr(entry.group["lr"], entry.group["adjust_lr_fn"], shape)
+                stats.add_orthogonal(o, lr_adjusted, route.spec.name)
         return results  # type: ignore[return-value]
 
     def _owner_exchange(self, work: MeshWork, scratch: StepScratch, active, timer, stats) -> list[BackExchange]:
