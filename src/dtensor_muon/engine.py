@@ -277,21 +277,21 @@ class Engine:
     def _report_nonfinite(self, wait: bool) -> None:
         """Warn (once per engine) if the last checked step's Newton–Schulz output of some matrix was not finite.
 
-        Reads the flag of :meth:`StepStats.start_nonfinite_check` (an isfinite of the squared update norms
-        summed anyway for ``muon/update_rms/muon``) without synchronizing the device: at once on the CPU; on
-        CUDA at the next step once it has arrived, or when the metrics are read. ``wait=False``: leave it
-        unread if it has not arrived. Only when it is set are the per-matrix norms read, for the names.
+        Reads the scalar of :meth:`StepStats.start_nonfinite_check` (the squared update norms summed anyway
+        for ``muon/update_rms/muon``) without synchronizing the device: at once on the CPU; on CUDA at the
+        next step once it has arrived, or when the metrics are read. ``wait=False``: leave it unread if it
+        has not arrived. Only when it is set are the per-matrix norms sent, for the names (which
+        can take one more step to arrive).
         """
         stats = self._unchecked_stats
         if stats is None:
             return
-        bad = stats.any_nonfinite(wait)
-        if bad is None:
+        names = stats.nonfinite_names(wait) if not self._warned_nonfinite else []
+        if names is None:
             return
         self._unchecked_stats = None
-        if bad and not self._warned_nonfinite:
+        if names:
             self._warned_nonfinite = True
-            names = stats.nonfinite_names()
             others = f" and {len(names) - 1} other matrices" if len(names) > 1 else ""
             warnings.warn(
                 f"the Muon update of {names[0]!r}{others} is not finite (inf or NaN in the gradient or the momentum), "

@@ -39,6 +39,7 @@ coefficients, ``adjust_lr_fn="match_rms_adamw"``) on one CPU process.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -68,8 +69,8 @@ class PhaseTimer:
 class StepStats:
     """Running sums for update RMS, bytes and FLOPs; per-matrix update norms; one σ sample on diagnostic steps.
 
-    Nothing here waits for the device during the step; :meth:`start_nonfinite_check` sends one flag to the
-    host asynchronously, and the per-matrix norms are read only when it says some update was not finite.
+    Nothing here waits for the device during the step; :meth:`start_nonfinite_check` sends one scalar to the
+    host asynchronously, and the per-matrix norms are sent (also asynchronously) only when it is not finite.
     """
 
     def __init__(self, sample_orthogonality: bool = False) -> None:
@@ -83,8 +84,8 @@ class StepStats:
         self.count: dict[str, int] = defaultdict(int)
         self.muon_norms: list[Tensor] = []
         self.muon_names: list[str] = []
-        self._bad_on_host: Tensor | None = None
-        self._bad_ready: torch.cuda.Event | None = None
+        self._muon_sq_sum: tuple[Tensor, torch.cuda.Event | None] | None = None
+        self._bad_matrices: tuple[Tensor, torch.cuda.Event | None] | None = None
         self._nonfinite: list[str] | None = None
 
     def add_update(self, kind: str, update: Tensor, scale: float = 1.0) -> Tensor:
@@ -110,37 +111,59 @@ class StepStats:
         self.optimizer_flops += flops
 
     def start_nonfinite_check(self) -> None:
-        """After the step's last Newton–Schulz output: whether any was not finite, copied to the host without
-        waiting (on CUDA into pinned memory, a CUDA event marking its arrival). The sum of the squared update
-        norms is not finite exactly when some update is (a finite one has ‖O‖ ≤ 1.2·√min(m, n)), so this is
-        one isfinite on a scalar the step has computed anyway."""
+        """After the step's last Newton–Schulz output: the sum of the squared update norms (computed anyway
+        for the update RMS) copied to the host without waiting. It is not finite exactly when some update is
+        (a finite one has ‖O‖ ≤ 1.2·√min(m, n)), so one scalar copy tells whether any was."""
         total = self.sq_sum.get("muon")
         if isinstance(total, Tensor):
-            bad = ~torch.isfinite(total)
-            self._bad_on_host = bad.to("cpu", non_blocking=bad.is_cuda)
-            if bad.is_cuda:
-                self._bad_ready = torch.cuda.Event()
-                self._bad_ready.record()
+            self._muon_sq_sum = _to_host_async(total)
 
     def any_nonfinite(self, wait: bool = True) -> bool | None:
         """Whether some Newton–Schulz output of the step was not finite (after :meth:`start_nonfinite_check`);
         None when ``wait`` is False and the answer has not reached the host yet."""
-        if self._bad_on_host is None:
+        if self._muon_sq_sum is None:
             return False
-        if self._bad_ready is not None:
-            if not wait and not self._bad_ready.query():
-                return None
-            self._bad_ready.synchronize()
-        return bool(self._bad_on_host)
+        total = _host_value(self._muon_sq_sum, wait)
+        return None if total is None else not math.isfinite(float(total))
 
-    def nonfinite_names(self) -> list[str]:
-        """Names of the matrices whose Newton–Schulz output was not finite (reads their norms only when some was)."""
+    def nonfinite_names(self, wait: bool = True) -> list[str] | None:
+        """Names of the matrices whose Newton–Schulz output was not finite. Their norms are read only when
+        :meth:`any_nonfinite` says some was, also without waiting: None (with ``wait`` False) until they
+        have reached the host."""
         if self._nonfinite is None:
-            self._nonfinite = []
-            if self.any_nonfinite():
-                bad = (~torch.isfinite(torch.stack(self.muon_norms))).nonzero().flatten().tolist()
-                self._nonfinite = [self.muon_names[i] for i in bad]
+            bad = self.any_nonfinite(wait)
+            if bad is None:
+                return None
+            if not bad:
+                self._nonfinite = []
+            else:
+                if self._bad_matrices is None:
+                    self._bad_matrices = _to_host_async(~torch.isfinite(torch.stack(self.muon_norms)))
+                flags = _host_value(self._bad_matrices, wait)
+                if flags is None:
+                    return None
+                self._nonfinite = [self.muon_names[i] for i in flags.nonzero().flatten().tolist()]
         return self._nonfinite
+
+
+def _to_host_async(t: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+    """``t`` copied to the host without waiting: on CUDA into pinned memory, with an event marking arrival."""
+    if not t.is_cuda:
+        return t.cpu(), None
+    host = t.to("cpu", non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def _host_value(copy: tuple[Tensor, torch.cuda.Event | None], wait: bool) -> Tensor | None:
+    """The host tensor of :func:`_to_host_async` once it has arrived (waiting for it if ``wait``), else None."""
+    host, ready = copy
+    if ready is not None and not ready.query():
+        if not wait:
+            return None
+        ready.synchronize()
+    return host
 
 
 def summarize(timer: PhaseTimer, stats: StepStats, plans: list[Plan], skipped_steps: int) -> dict[str, float]:
