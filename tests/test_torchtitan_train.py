@@ -88,6 +88,10 @@ def test_llama3_muon_trains_and_logs_optimizer_metrics(tmp_path):
     optimizer_lines = [line for line in output.splitlines() if "optimizer: " in line]
     assert len(optimizer_lines) == 12 and all(OPTIMIZER_LINE.search(line) for line in optimizer_lines), output[-3000:]
     assert [i + 1 for i, line in enumerate(optimizer_lines) if "orth_err" in line] == [4, 8, 12]
+    assert all("σ [" in line for line in optimizer_lines[3::4])
+    assert {"muon/optimizer_tflops_per_step", "tflops_with_optimizer"} <= tags and "mfu_with_optimizer(%)" not in tags
+    flops_lines = [line for line in output.splitlines() if "flops: model " in line]
+    assert len(flops_lines) == 12 and all(line.endswith("mfu: not computed on CPU") for line in flops_lines)
 
 
 @pytest.mark.slow

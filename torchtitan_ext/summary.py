@@ -104,7 +104,7 @@ def plot(series: dict[str, list[tuple[int, float]]], png: Path, title: str = "")
         if log_y:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
+        ax.legend(fontsize=8, loc="best")
     axes[-1, 0].set_xlabel("step")
     if title:
         axes[0, 0].set_title(title, fontsize=9)
