@@ -67,7 +67,10 @@ def test_flops_metrics_scale_torchtitans_figures_by_the_optimizer_share():
     on_cpu = metrics.flops_metrics(record, 100e12, 2, peak_known=False)
     assert "mfu_with_optimizer(%)" not in on_cpu and on_cpu["tflops_with_optimizer"] == pytest.approx(103.0)
     assert metrics.flops_metrics({"tflops": 1.0, "mfu(%)": 1.0}, 1e12, 2, True) == {}
-    assert metrics.flops_line({**record, **got}).endswith("mfu: 10.00% model only, 10.30% with optimizer")
+    assert metrics.flops_line({**record, **got}) == (
+        "flops: model 100 TFLOP/s, optimizer 1.5 TFLOP/step (+3.00% of the model's), both 103 TFLOP/s per device"
+        "  mfu: 10.00% model only, 10.30% with optimizer"
+    )
     assert metrics.flops_line({**record, **on_cpu}).endswith("mfu: not computed on CPU")
 
 

@@ -153,9 +153,9 @@ def flops_line(m: Mapping[str, float]) -> str | None:
     if "muon/optimizer_tflops_per_step" not in m:
         return None
     line = (
-        f"flops: model {m['tflops']:.2f} TFLOP/s, optimizer {m['muon/optimizer_tflops_per_step']:.4f} TFLOP/step "
+        f"flops: model {m['tflops']:.3g} TFLOP/s, optimizer {m['muon/optimizer_tflops_per_step']:.3g} TFLOP/step "
         f"(+{m['muon/optimizer_flops_share(%)']:.2f}% of the model's), "
-        f"both {m['tflops_with_optimizer']:.2f} TFLOP/s per device"
+        f"both {m['tflops_with_optimizer']:.3g} TFLOP/s per device"
     )
     if "mfu_with_optimizer(%)" in m:
         return f"{line}  mfu: {m['mfu(%)']:.2f}% model only, {m['mfu_with_optimizer(%)']:.2f}% with optimizer"
