@@ -8,12 +8,12 @@ PY := .venv/bin/python
 endif
 STAMP := .venv-installed
 
-.PHONY: install test train bench clean
+.PHONY: install lint format test train clean
 
 $(STAMP): pyproject.toml
 	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x .venv/bin/python ]; then echo "install: creating .venv"; python3 -m venv .venv; fi
 	@$(PY) -c "import torch" 2>/dev/null && echo "install: torch present, kept" || \
-		{ echo "install: torch 2.13.0 (a large download, a few minutes)"; $(PY) -m pip install -q "torch==2.13.0"; }
+		{ echo "install: torch 2.13.0 (the CPU build)"; $(PY) -m pip install -q "torch==2.13.0"; }
 	@echo "install: dtensor_muon in editable mode with its dev extra (pytest, ruff, torchtitan, tokenizers)"
 	@$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
@@ -23,6 +23,15 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# ruff: lint rules and formatting as configured in pyproject.toml (CI runs this before the tests).
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 # make train [CONFIG=train_configs/X.toml] [ARGS="--training.steps 20 ..."]: the summary reads the dump
 # folder of the same config and ARGS (--job.dump_folder moves it).
