@@ -22,11 +22,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import benchmark_parser, markdown_table, median, write_result
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from common import benchmark_parser, markdown_table, median, write_result
 from dtensor_muon import Muon
 
 LAYER_SHAPES = [(512, 512), (512, 512), (128, 512), (512, 512), (1024, 512), (512, 1024)]
@@ -36,8 +36,11 @@ MODES = ("owner", "gather_all")
 
 def initial_values(layers: int, shapes: list[tuple[int, int]]) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
-    return [(f"layers.{layer}.w{i}", torch.randn(shape, generator=gen) * 0.02)
-            for layer in range(layers) for i, shape in enumerate(shapes)]
+    return [
+        (f"layers.{layer}.w{i}", torch.randn(shape, generator=gen) * 0.02)
+        for layer in range(layers)
+        for i, shape in enumerate(shapes)
+    ]
 
 
 def gradients(step: int, shapes: list[torch.Size]) -> list[torch.Tensor]:
@@ -56,14 +59,23 @@ def single_process(init: list[tuple[str, torch.Tensor]], steps: int) -> list[tor
     return [p.detach() for _, p in params]
 
 
-def worker(rank: int, world: int, init_file: str, out_dir: str, layers: int, steps: int, device_type: str,
-           shapes: list[tuple[int, int]]) -> None:
+def worker(
+    rank: int,
+    world: int,
+    init_file: str,
+    out_dir: str,
+    layers: int,
+    steps: int,
+    device_type: str,
+    shapes: list[tuple[int, int]],
+) -> None:
     torch.set_num_threads(1)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     mesh = init_device_mesh(device_type, (world,))
     init = initial_values(layers, shapes)
     results, finals = {}, {}
@@ -119,25 +131,45 @@ def main() -> None:
             setattr(args, key, value)
     shapes = QUICK_LAYER_SHAPES if args.quick else LAYER_SHAPES
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(args.world_size, os.path.join(tmp, "init"), tmp, args.layers, args.steps, args.device,
-                               shapes),
-                 nprocs=args.world_size, join=True)
+        mp.spawn(
+            worker,
+            args=(args.world_size, os.path.join(tmp, "init"), tmp, args.layers, args.steps, args.device, shapes),
+            nprocs=args.world_size,
+            join=True,
+        )
         with open(os.path.join(tmp, "result.json")) as f:
             results = json.load(f)
     rows = [{"mode": mode, **r, "mb_sent_rank0": r["bytes_sent_rank0"] / 1e6} for mode, r in results.items()]
     owner, gather = results["owner"], results["gather_all"]
     n_params = args.layers * sum(m * n for m, n in shapes)
-    print(f"world size {args.world_size}, {args.layers * len(shapes)} matrices, {n_params / 1e6:.2f} M params, "
-          f"device {args.device}, median of {args.steps} steps (slowest rank)")
-    print(markdown_table(rows, [("mode", "mode", "{}"), ("step_ms_median", "step ms", "{:.1f}"),
-                                ("ns_ms_median_slowest_rank", "NS ms (slowest rank)", "{:.1f}"),
-                                ("imbalance", "imbalance", "{:.3f}"), ("mb_sent_rank0", "MB sent r0", "{:.2f}"),
-                                ("max_rel_update_diff_vs_single", "max rel diff vs 1 process", "{:.2e}")]))
+    print(
+        f"world size {args.world_size}, {args.layers * len(shapes)} matrices, {n_params / 1e6:.2f} M params, "
+        f"device {args.device}, median of {args.steps} steps (slowest rank)"
+    )
+    print(
+        markdown_table(
+            rows,
+            [
+                ("mode", "mode", "{}"),
+                ("step_ms_median", "step ms", "{:.1f}"),
+                ("ns_ms_median_slowest_rank", "NS ms (slowest rank)", "{:.1f}"),
+                ("imbalance", "imbalance", "{:.3f}"),
+                ("mb_sent_rank0", "MB sent r0", "{:.2f}"),
+                ("max_rel_update_diff_vs_single", "max rel diff vs 1 process", "{:.2e}"),
+            ],
+        )
+    )
     step_ratio = gather["step_ms_median"] / owner["step_ms_median"]
     ns_ratio = gather["ns_ms_median_slowest_rank"] / max(owner["ns_ms_median_slowest_rank"], 1e-9)
     print(f"gather_all / owner: step {step_ratio:.2f}x, Newton–Schulz {ns_ratio:.2f}x")
-    write_result(args, rows, matrices=args.layers * len(shapes), parameters=n_params,
-                 gather_all_over_owner_step=step_ratio, gather_all_over_owner_ns=ns_ratio)
+    write_result(
+        args,
+        rows,
+        matrices=args.layers * len(shapes),
+        parameters=n_params,
+        gather_all_over_owner_step=step_ratio,
+        gather_all_over_owner_ns=ns_ratio,
+    )
 
 
 if __name__ == "__main__":

@@ -194,11 +194,20 @@ def measure_shape(
         out = fn(g)
         lo, hi = sigma_range(out)
         diff = ((out.to(torch.float64) - reference).norm() / reference.norm()).item()
-        rows.append({
-            "shape": name, "method": method, "ours_route": route, "sigma_min": lo, "sigma_max": hi,
-            "rel_diff_vs_torch": diff, "within_bf16_tolerance": diff <= BF16_TOLERANCE,
-            "same_bits_as_eager": torch.equal(out, eager), "ms_rounds": [], "sm_mhz_rounds": [],
-        })
+        rows.append(
+            {
+                "shape": name,
+                "method": method,
+                "ours_route": route,
+                "sigma_min": lo,
+                "sigma_max": hi,
+                "rel_diff_vs_torch": diff,
+                "within_bf16_tolerance": diff <= BF16_TOLERANCE,
+                "same_bits_as_eager": torch.equal(out, eager),
+                "ms_rounds": [],
+                "sm_mhz_rounds": [],
+            }
+        )
         del out
     del eager
     ceilings = []
@@ -272,11 +281,19 @@ def main() -> None:
         shape_rows, shape_ceilings = measure_shape(shape, methods, cuda, args.rounds)
         rows += shape_rows
         ceilings["x".join(map(str, shape))] = shape_ceilings
-        print(f"matmul ceiling in the rounds: {', '.join(f'{c:.3g}' for c in shape_ceilings)} TFLOP/s; "
-              f"ours: {shape_rows[0]['ours_route']}", flush=True)
+        print(
+            f"matmul ceiling in the rounds: {', '.join(f'{c:.3g}' for c in shape_ceilings)} TFLOP/s; "
+            f"ours: {shape_rows[0]['ours_route']}",
+            flush=True,
+        )
         # Written after every shape: a run cut short keeps what it measured.
-        write_result(args, rows, ceiling_tflops_rounds=ceilings, bf16_tolerance=BF16_TOLERANCE,
-                     syrk_configs=syrk_configs() if cuda else None)
+        write_result(
+            args,
+            rows,
+            ceiling_tflops_rounds=ceilings,
+            bf16_tolerance=BF16_TOLERANCE,
+            syrk_configs=syrk_configs() if cuda else None,
+        )
     print(markdown_table(rows, COLUMNS))
     off = [f"{r['shape']} {r['method']}" for r in rows if not r["within_bf16_tolerance"]]
     if off:

@@ -23,15 +23,33 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import benchmark_parser, markdown_table, median, write_result
 from torch import nn
 
-from common import benchmark_parser, markdown_table, median, write_result
 from dtensor_muon import Muon
 
-QUICK = {"world_size": 2, "vocab": 64, "dim": 32, "hidden": 64, "blocks": 2, "tokens": 64, "seq": 16,
-         "warmup": 1, "steps": 2}
-DEFAULTS = {"world_size": 4, "vocab": 512, "dim": 256, "hidden": 768, "blocks": 4, "tokens": 512, "seq": 64,
-            "warmup": 2, "steps": 6}
+QUICK = {
+    "world_size": 2,
+    "vocab": 64,
+    "dim": 32,
+    "hidden": 64,
+    "blocks": 2,
+    "tokens": 64,
+    "seq": 16,
+    "warmup": 1,
+    "steps": 2,
+}
+DEFAULTS = {
+    "world_size": 4,
+    "vocab": 512,
+    "dim": 256,
+    "hidden": 768,
+    "blocks": 4,
+    "tokens": 512,
+    "seq": 64,
+    "warmup": 2,
+    "steps": 6,
+}
 
 
 class Stack(nn.Module):
@@ -39,8 +57,10 @@ class Stack(nn.Module):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(
-            [nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.GELU(), nn.Linear(hidden, dim, bias=False))
-             for _ in range(blocks)]
+            [
+                nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.GELU(), nn.Linear(hidden, dim, bias=False))
+                for _ in range(blocks)
+            ]
         )
         self.output = nn.Linear(dim, vocab, bias=False)
 
@@ -69,8 +89,13 @@ def worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace)
     if args.device == "cuda":
         torch.cuda.set_device(rank)
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"file://{init}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "nccl" if args.device == "cuda" else "gloo",
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
+    )
     results = {}
     for overlap in (False, True):
         torch.manual_seed(0)
@@ -133,23 +158,42 @@ def main() -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(args.world_size, os.path.join(tmp, "init"), tmp, args), nprocs=args.world_size, join=True)
+        mp.spawn(
+            worker, args=(args.world_size, os.path.join(tmp, "init"), tmp, args), nprocs=args.world_size, join=True
+        )
         with open(os.path.join(tmp, "result.json")) as f:
             results = json.load(f)
-    print(f"world size {args.world_size} on {args.device}; dim {args.dim}, hidden {args.hidden}, {args.blocks} blocks, "
-          f"{args.tokens} tokens/rank; median of {args.steps} steps (slowest rank)")
+    print(
+        f"world size {args.world_size} on {args.device}; dim {args.dim}, hidden {args.hidden}, {args.blocks} blocks, "
+        f"{args.tokens} tokens/rank; median of {args.steps} steps (slowest rank)"
+    )
     rows = [{"mode": mode, **r} for mode, r in results.items()]
-    print(markdown_table(rows, [("mode", "mode", "{}"), ("step_call_ms_median", "step() ms", "{:.2f}"),
-                                ("full_step_ms_median", "full step ms", "{:.2f}"),
-                                ("final_loss", "final loss", "{:.4f}")]))
+    print(
+        markdown_table(
+            rows,
+            [
+                ("mode", "mode", "{}"),
+                ("step_call_ms_median", "step() ms", "{:.2f}"),
+                ("full_step_ms_median", "full step ms", "{:.2f}"),
+                ("final_loss", "final loss", "{:.4f}"),
+            ],
+        )
+    )
     off, on = results["no_overlap"], results["overlap"]
     step_ratio = on["step_call_ms_median"] / off["step_call_ms_median"]
     full_ratio = on["full_step_ms_median"] / off["full_step_ms_median"]
     same = on["losses"] == off["losses"]
-    print(f"overlap / no overlap: step() {step_ratio:.2f}x, full step {full_ratio:.2f}x; "
-          f"losses {'equal' if same else 'DIFFER'} at every step")
-    write_result(args, rows, overlap_over_no_overlap_step_call=step_ratio,
-                 overlap_over_no_overlap_full_step=full_ratio, losses_equal=same)
+    print(
+        f"overlap / no overlap: step() {step_ratio:.2f}x, full step {full_ratio:.2f}x; "
+        f"losses {'equal' if same else 'DIFFER'} at every step"
+    )
+    write_result(
+        args,
+        rows,
+        overlap_over_no_overlap_step_call=step_ratio,
+        overlap_over_no_overlap_full_step=full_ratio,
+        losses_equal=same,
+    )
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def _git_commit() -> str | None:
 def machine() -> dict[str, object]:
     """The device, host and software a result was measured with."""
     info: dict[str, object] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "host_cpus": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,

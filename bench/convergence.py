@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
 from common import benchmark_parser, markdown_table, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,11 +100,16 @@ def markdown(summary: dict, adamw_lrs: list[float], muon_lr: float) -> str:
     """The table of :func:`table` in Markdown."""
     columns = [("seed", "seed", "{}"), ("muon", f"Muon (lr {muon_lr:g})", "{:.4f}")]
     columns += [(f"adamw_lr{lr:g}", f"AdamW lr {lr:g}", "{:.4f}") for lr in adamw_lrs]
-    columns += [("adamw_best_this_seed", "best AdamW", "{:.4f}"), ("gain_vs_best_this_seed", "Muon gain (nats)", "{:+.4f}")]
+    columns += [
+        ("adamw_best_this_seed", "best AdamW", "{:.4f}"),
+        ("gain_vs_best_this_seed", "Muon gain (nats)", "{:+.4f}"),
+    ]
     rows = [{**r, **{f"adamw_lr{lr:g}": r["adamw"][lr] for lr in adamw_lrs}} for r in summary["rows"]]
     verdict = "met" if summary["passed"] else "NOT met"
-    return (markdown_table(rows, columns)
-            + f"\n\nCriterion (Muon below the best AdamW of each seed by >= {MARGIN} nats on every seed): {verdict}.")
+    return (
+        markdown_table(rows, columns)
+        + f"\n\nCriterion (Muon below the best AdamW of each seed by >= {MARGIN} nats on every seed): {verdict}."
+    )
 
 
 def plot(results: list[dict], summary: dict, muon_lr: float, path: Path, smooth: int = 20) -> bool:
@@ -133,7 +137,9 @@ def plot(results: list[dict], summary: dict, muon_lr: float, path: Path, smooth:
         ax.plot(range(1, len(r["curve"]) + 1), moving_average(r["curve"]), color=color, alpha=0.8, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss (moving average, {smooth} steps)")
-    ax.set_title(f"tiny Llama3 (torchtitan debugmodel), stdlib corpus: Muon vs best AdamW, {len(summary['rows'])} seed(s)")
+    ax.set_title(
+        f"tiny Llama3 (torchtitan debugmodel), stdlib corpus: Muon vs best AdamW, {len(summary['rows'])} seed(s)"
+    )
     ax.set_ylim(top=min(ax.get_ylim()[1], 6.0))
     ax.legend()
     ax.grid(alpha=0.3)
@@ -151,7 +157,9 @@ def main() -> None:
     parser.add_argument("--muon-lr", type=float, default=1e-2)
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time")
-    parser.add_argument("--tail", type=int, default=None, help="final loss = mean over this many last steps (default 20; quick: 2)")
+    parser.add_argument(
+        "--tail", type=int, default=None, help="final loss = mean over this many last steps (default 20; quick: 2)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "convergence", help="logs and dump folders")
     parser.add_argument("overrides", nargs="*", help="extra torchtitan flags (after --)")
     args = parser.parse_args()
@@ -171,9 +179,15 @@ def main() -> None:
     print(f"{device}, {args.nproc} process(es) a run, {args.steps} steps; final loss = mean of the last {args.tail}")
     print(markdown(summary, args.adamw_lrs, args.muon_lr))
     rows = [{**r, "adamw": {f"{lr:g}": v for lr, v in r["adamw"].items()}} for r in summary["rows"]]
-    path = write_result(args, rows, adamw_best_lr=summary["adamw_best_lr"],
-                        adamw_mean_by_lr={f"{lr:g}": v for lr, v in summary["adamw_mean_by_lr"].items()},
-                        passed=summary["passed"], margin=MARGIN, runs=results)
+    path = write_result(
+        args,
+        rows,
+        adamw_best_lr=summary["adamw_best_lr"],
+        adamw_mean_by_lr={f"{lr:g}": v for lr, v in summary["adamw_mean_by_lr"].items()},
+        passed=summary["passed"],
+        margin=MARGIN,
+        runs=results,
+    )
     if path is not None and plot(results, summary, args.muon_lr, path.with_suffix(".png")):
         print(f"plot: {path.with_suffix('.png')}")
 

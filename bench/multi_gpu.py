@@ -26,7 +26,6 @@ import tomllib
 from pathlib import Path
 
 import torch
-
 from common import benchmark_parser, markdown_table, median, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,9 +63,20 @@ def run_torchtitan(config: str, variant: str, gpus: int, steps: int, extra: list
     from torchtitan_ext.summary import latest_events, scalars
 
     dump = out / f"{Path(config).stem}_{variant}"
-    args = ["-m", "torchtitan_ext.train", "--job.config_file", config, "--job.dump_folder", str(dump),
-            "--training.steps", str(steps), "--metrics.log_freq", "1",
-            *VARIANTS[variant], *extra]
+    args = [
+        "-m",
+        "torchtitan_ext.train",
+        "--job.config_file",
+        config,
+        "--job.dump_folder",
+        str(dump),
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "1",
+        *VARIANTS[variant],
+        *extra,
+    ]
     code = torchrun(gpus, args, out / f"{dump.name}.log")
     row: dict = {"config": Path(config).stem, "variant": variant, "gpus": gpus, "returncode": code}
     if code != 0:
@@ -75,14 +85,20 @@ def run_torchtitan(config: str, variant: str, gpus: int, steps: int, extra: list
     mfu = median_after_warmup(series.get("mfu(%)"))
     step_s = median_after_warmup(series.get("time_metrics/end_to_end(s)"))
     reserved = series.get("memory/max_reserved(GiB)")
-    row.update(tokens_per_s=median_after_warmup(series.get("throughput(tps)")), mfu_model_pct=mfu, step_s=step_s,
-               peak_reserved_gib=max(v for _, v in reserved) if reserved else None, mfu_with_ns_pct=mfu)
+    row.update(
+        tokens_per_s=median_after_warmup(series.get("throughput(tps)")),
+        mfu_model_pct=mfu,
+        step_s=step_s,
+        peak_reserved_gib=max(v for _, v in reserved) if reserved else None,
+        mfu_with_ns_pct=mfu,
+    )
     if variant.startswith("Muon") and step_s:
         if mfu is not None:
             ns = ns_gflop_per_step(config, gpus)
             row["mfu_with_ns_pct"] = mfu + 100 * ns / (step_s * PEAK_BF16_TFLOPS * 1e3)
-        row["phases_ms"] = {tag.split("/", 1)[1]: median_after_warmup(v) for tag, v in series.items()
-                            if tag.startswith("muon/time_")}
+        row["phases_ms"] = {
+            tag.split("/", 1)[1]: median_after_warmup(v) for tag, v in series.items() if tag.startswith("muon/time_")
+        }
     return row
 
 
@@ -98,16 +114,29 @@ def nccl_check(world: int, quick: bool, out: Path) -> dict:
 def main() -> None:
     parser = benchmark_parser(__doc__, "multi_gpu")
     parser.add_argument("--gpus", type=int, default=torch.cuda.device_count() or 2, help="processes per run")
-    parser.add_argument("--world-sizes", type=int, nargs="*", default=None,
-                        help="NCCL correctness (default 2 4 8 up to --gpus)")
+    parser.add_argument(
+        "--world-sizes", type=int, nargs="*", default=None, help="NCCL correctness (default 2 4 8 up to --gpus)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 20; quick: 4)")
-    parser.add_argument("--llama-config", default=None,
-                        help="default train_configs/llama3_8b.toml (quick: train_configs/llama3_tiny.toml)")
+    parser.add_argument(
+        "--llama-config",
+        default=None,
+        help="default train_configs/llama3_8b.toml (quick: train_configs/llama3_tiny.toml)",
+    )
     parser.add_argument("--deepseek-config", default="train_configs/deepseek_v3_16b.toml")
-    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
-                        help="overrides for every torchtitan run (last on the command line)")
-    parser.add_argument("--skip", nargs="*", default=None, choices=["nccl", "llama3", "deepseek"],
-                        help="parts to leave out (quick: deepseek)")
+    parser.add_argument(
+        "--extra",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="overrides for every torchtitan run (last on the command line)",
+    )
+    parser.add_argument(
+        "--skip",
+        nargs="*",
+        default=None,
+        choices=["nccl", "llama3", "deepseek"],
+        help="parts to leave out (quick: deepseek)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "multi_gpu", help="logs and dump folders")
     args = parser.parse_args()
     if args.steps is None:
@@ -138,16 +167,37 @@ def main() -> None:
         if base.get("tokens_per_s") and row.get("tokens_per_s"):
             row["vs_adamw"] = row["tokens_per_s"] / base["tokens_per_s"]
 
-    print(markdown_table(rows, [("config", "config", "{}"), ("variant", "variant", "{}"), ("gpus", "GPUs", "{}"),
-                                ("tokens_per_s", "tokens/s", "{:.0f}"), ("vs_adamw", "× AdamW", "{:.3f}"),
-                                ("mfu_model_pct", "MFU model %", "{:.2f}"), ("mfu_with_ns_pct", "MFU +NS %", "{:.2f}"),
-                                ("peak_reserved_gib", "peak GiB", "{:.1f}"), ("returncode", "exit", "{}")]))
+    print(
+        markdown_table(
+            rows,
+            [
+                ("config", "config", "{}"),
+                ("variant", "variant", "{}"),
+                ("gpus", "GPUs", "{}"),
+                ("tokens_per_s", "tokens/s", "{:.0f}"),
+                ("vs_adamw", "× AdamW", "{:.3f}"),
+                ("mfu_model_pct", "MFU model %", "{:.2f}"),
+                ("mfu_with_ns_pct", "MFU +NS %", "{:.2f}"),
+                ("peak_reserved_gib", "peak GiB", "{:.1f}"),
+                ("returncode", "exit", "{}"),
+            ],
+        )
+    )
     checks = [{**r, "returncode": entry["returncode"]} for entry in nccl for r in entry["rows"]]
     checks += [{"world_size": e["world_size"], "returncode": e["returncode"]} for e in nccl if not e["rows"]]
     if checks:
-        print(markdown_table(checks, [("world_size", "ranks", "{}"), ("mode", "mode", "{}"),
-                                      ("max_rel_update_diff", "max rel diff", "{:.2e}"), ("ok", "ok", "{}"),
-                                      ("returncode", "exit", "{}")]))
+        print(
+            markdown_table(
+                checks,
+                [
+                    ("world_size", "ranks", "{}"),
+                    ("mode", "mode", "{}"),
+                    ("max_rel_update_diff", "max rel diff", "{:.2e}"),
+                    ("ok", "ok", "{}"),
+                    ("returncode", "exit", "{}"),
+                ],
+            )
+        )
     write_result(args, rows, nccl=nccl)
 
 

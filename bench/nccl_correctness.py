@@ -21,24 +21,42 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import benchmark_parser, markdown_table, write_result
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from common import benchmark_parser, markdown_table, write_result
 from dtensor_muon import Muon
 
-SHAPES = [("tok_embeddings.weight", (1000, 256)), ("layers.0.wq", (256, 256)), ("layers.0.w1", (704, 256)),
-          ("layers.0.w2", (256, 704)), ("layers.0.tiny", (3, 256)), ("layers.0.experts", (8, 256, 128)),
-          ("layers.0.norm.weight", (256,)), ("layers.1.wq", (256, 256)), ("output.weight", (1000, 256))]
-QUICK_SHAPES = [("tok_embeddings.weight", (64, 16)), ("layers.0.wq", (16, 16)), ("layers.0.w1", (48, 16)),
-                ("layers.0.w2", (16, 48)), ("layers.0.tiny", (1, 16)), ("layers.0.experts", (4, 16, 8)),
-                ("layers.0.norm.weight", (16,)), ("layers.1.wq", (16, 16)), ("output.weight", (64, 16))]
+SHAPES = [
+    ("tok_embeddings.weight", (1000, 256)),
+    ("layers.0.wq", (256, 256)),
+    ("layers.0.w1", (704, 256)),
+    ("layers.0.w2", (256, 704)),
+    ("layers.0.tiny", (3, 256)),
+    ("layers.0.experts", (8, 256, 128)),
+    ("layers.0.norm.weight", (256,)),
+    ("layers.1.wq", (256, 256)),
+    ("output.weight", (1000, 256)),
+]
+QUICK_SHAPES = [
+    ("tok_embeddings.weight", (64, 16)),
+    ("layers.0.wq", (16, 16)),
+    ("layers.0.w1", (48, 16)),
+    ("layers.0.w2", (16, 48)),
+    ("layers.0.tiny", (1, 16)),
+    ("layers.0.experts", (4, 16, 8)),
+    ("layers.0.norm.weight", (16,)),
+    ("layers.1.wq", (16, 16)),
+    ("output.weight", (64, 16)),
+]
 TOLERANCE = 1e-2
 MODES = [("owner", {}), ("gather_all", {"exchange": "gather_all"}), ("overlap", {"overlap": True})]
 
 
-def run(params: list[tuple[str, torch.Tensor]], steps: int, mesh, device: torch.device, **options) -> dict[str, torch.Tensor]:
+def run(
+    params: list[tuple[str, torch.Tensor]], steps: int, mesh, device: torch.device, **options
+) -> dict[str, torch.Tensor]:
     model = nn.Module()
     named = []
     for name, value in params:
@@ -80,8 +98,17 @@ def check(args) -> list[dict]:
 
 
 def report(args, rows: list[dict]) -> None:
-    print(markdown_table(rows, [("mode", "mode", "{}"), ("world_size", "ranks", "{}"),
-                                ("max_rel_update_diff", "max rel diff", "{:.2e}"), ("ok", "ok", "{}")]))
+    print(
+        markdown_table(
+            rows,
+            [
+                ("mode", "mode", "{}"),
+                ("world_size", "ranks", "{}"),
+                ("max_rel_update_diff", "max rel diff", "{:.2e}"),
+                ("ok", "ok", "{}"),
+            ],
+        )
+    )
     write_result(args, rows, tolerance=TOLERANCE, device=args.device)
 
 
@@ -97,8 +124,11 @@ def ranked(args, init_method: str | None = None) -> None:
         torch.set_num_threads(1)
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    kwargs = {} if init_method is None else {"init_method": init_method, "rank": rank,
-                                             "world_size": int(os.environ["WORLD_SIZE"])}
+    kwargs = (
+        {}
+        if init_method is None
+        else {"init_method": init_method, "rank": rank, "world_size": int(os.environ["WORLD_SIZE"])}
+    )
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", **kwargs)
     rows = check(args)
     if rank == 0:
@@ -112,8 +142,12 @@ def main() -> None:
     parser = benchmark_parser(__doc__, "nccl_correctness")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda (quick: cpu)")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="processes to spawn when not under torchrun (default: the GPUs; quick: 2)")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="processes to spawn when not under torchrun (default: the GPUs; quick: 2)",
+    )
     args = parser.parse_args()
     if args.device is None:
         args.device = "cpu" if args.quick else "cuda"

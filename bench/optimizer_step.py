@@ -42,9 +42,9 @@ import importlib
 import time
 
 import torch
+from common import benchmark_parser, markdown_table, median, write_result
 from torch import nn
 
-from common import benchmark_parser, markdown_table, median, write_result
 from dtensor_muon import Muon
 from dtensor_muon.routing import uses_muon
 from dtensor_muon.simulate import MODEL_FAMILIES
@@ -53,8 +53,17 @@ MODELS = {"llama3_8b": ("llama3", "8B"), "deepseek_v3_16b": ("deepseek_v3", "16B
 QUICK_FLAVOR = "debugmodel"
 QUICK_ARGS = {  # the debugmodel flavors shrunk further, so that --quick runs in seconds on a busy 2-core CPU
     "llama3": {"dim": 64, "n_heads": 4, "vocab_size": 256, "multiple_of": 32},
-    "deepseek_v3": {"dim": 64, "inter_dim": 128, "moe_inter_dim": 32, "n_heads": 4, "vocab_size": 256,
-                    "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16},
+    "deepseek_v3": {
+        "dim": 64,
+        "inter_dim": 128,
+        "moe_inter_dim": 32,
+        "n_heads": 4,
+        "vocab_size": 256,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+    },
 }
 QUICK_EXPERTS = 4
 LR, WEIGHT_DECAY, MOMENTUM, BETAS, ADAM_EPS, NS_STEPS = 0.02, 0.1, 0.95, (0.9, 0.95), 1e-8, 5
@@ -65,22 +74,62 @@ GIB = 2**30
 # The torchtitan 0.2.2 model arguments that decide parameter shapes, for machines without torchtitan (the GPU
 # image has none); tests/test_bench_product.py checks that they give torchtitan's shapes.
 BUILTIN_ARGS = {
-    ("llama3", "8B"): {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256,
-                       "multiple_of": 1024, "ffn_dim_multiplier": 1.3},
-    ("llama3", "debugmodel"): {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": None, "vocab_size": 2048,
-                               "multiple_of": 256, "ffn_dim_multiplier": None},
-    ("deepseek_v3", "16B"): {"dim": 2048, "n_layers": 27, "n_dense_layers": 1, "n_heads": 16, "vocab_size": 102400,
-                             "inter_dim": 10944, "moe_inter_dim": 1408, "num_experts": 64, "num_shared_experts": 2,
-                             "q_lora_rank": 0, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-                             "qk_rope_head_dim": 64, "v_head_dim": 128},
-    ("deepseek_v3", "debugmodel"): {"dim": 256, "n_layers": 6, "n_dense_layers": 1, "n_heads": 16,
-                                    "vocab_size": 2048, "inter_dim": 1024, "moe_inter_dim": 256, "num_experts": 8,
-                                    "num_shared_experts": 2, "q_lora_rank": 0, "kv_lora_rank": 512,
-                                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128},
+    ("llama3", "8B"): {
+        "dim": 4096,
+        "n_layers": 32,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "vocab_size": 128256,
+        "multiple_of": 1024,
+        "ffn_dim_multiplier": 1.3,
+    },
+    ("llama3", "debugmodel"): {
+        "dim": 256,
+        "n_layers": 6,
+        "n_heads": 16,
+        "n_kv_heads": None,
+        "vocab_size": 2048,
+        "multiple_of": 256,
+        "ffn_dim_multiplier": None,
+    },
+    ("deepseek_v3", "16B"): {
+        "dim": 2048,
+        "n_layers": 27,
+        "n_dense_layers": 1,
+        "n_heads": 16,
+        "vocab_size": 102400,
+        "inter_dim": 10944,
+        "moe_inter_dim": 1408,
+        "num_experts": 64,
+        "num_shared_experts": 2,
+        "q_lora_rank": 0,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
+    ("deepseek_v3", "debugmodel"): {
+        "dim": 256,
+        "n_layers": 6,
+        "n_dense_layers": 1,
+        "n_heads": 16,
+        "vocab_size": 2048,
+        "inter_dim": 1024,
+        "moe_inter_dim": 256,
+        "num_experts": 8,
+        "num_shared_experts": 2,
+        "q_lora_rank": 0,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
 }
 
 
-def torchtitan_shapes(family: str, flavor: str, layers: int | None, quick: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+def torchtitan_shapes(
+    family: str, flavor: str, layers: int | None, quick: bool = False
+) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every parameter of the torchtitan model, built on the meta device."""
     module_name, class_name, args_name = MODEL_FAMILIES[family]
     module = importlib.import_module(module_name)
@@ -105,7 +154,9 @@ def check_layers(layers: int, available: int, family: str, flavor: str) -> None:
         raise ValueError(f"--layers must be in [1, {available}] for {family} {flavor}, got {layers}")
 
 
-def builtin_shapes(family: str, flavor: str, layers: int | None, quick: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+def builtin_shapes(
+    family: str, flavor: str, layers: int | None, quick: bool = False
+) -> list[tuple[str, tuple[int, ...]]]:
     """The same list as :func:`torchtitan_shapes`, written out from :data:`BUILTIN_ARGS`."""
     a = dict(BUILTIN_ARGS[family, flavor])
     if quick:
@@ -126,33 +177,49 @@ def builtin_shapes(family: str, flavor: str, layers: int | None, quick: bool = F
             if a["ffn_dim_multiplier"] is not None:
                 hidden = int(a["ffn_dim_multiplier"] * hidden)
             hidden = a["multiple_of"] * ((hidden + a["multiple_of"] - 1) // a["multiple_of"])
-            out += [(pre + "attention.wq.weight", (d, d)), (pre + "attention.wk.weight", (kv, d)),
-                    (pre + "attention.wv.weight", (kv, d)), (pre + "attention.wo.weight", (d, d)),
-                    (pre + "feed_forward.w1.weight", (hidden, d)), (pre + "feed_forward.w2.weight", (d, hidden)),
-                    (pre + "feed_forward.w3.weight", (hidden, d)),
-                    (pre + "attention_norm.weight", (d,)), (pre + "ffn_norm.weight", (d,))]
+            out += [
+                (pre + "attention.wq.weight", (d, d)),
+                (pre + "attention.wk.weight", (kv, d)),
+                (pre + "attention.wv.weight", (kv, d)),
+                (pre + "attention.wo.weight", (d, d)),
+                (pre + "feed_forward.w1.weight", (hidden, d)),
+                (pre + "feed_forward.w2.weight", (d, hidden)),
+                (pre + "feed_forward.w3.weight", (hidden, d)),
+                (pre + "attention_norm.weight", (d,)),
+                (pre + "ffn_norm.weight", (d,)),
+            ]
             continue
         if a["q_lora_rank"]:
             raise ValueError("the built-in DeepSeek-V3 shapes cover q_lora_rank 0 only")
         heads, rank = a["n_heads"], a["kv_lora_rank"]
-        out += [(pre + "attention.wq.weight", (heads * (a["qk_nope_head_dim"] + a["qk_rope_head_dim"]), d)),
-                (pre + "attention.wkv_a.weight", (rank + a["qk_rope_head_dim"], d)),
-                (pre + "attention.kv_norm.weight", (rank,)),
-                (pre + "attention.wkv_b.weight", (heads * (a["qk_nope_head_dim"] + a["v_head_dim"]), rank)),
-                (pre + "attention.wo.weight", (d, heads * a["v_head_dim"])),
-                (pre + "attention_norm.weight", (d,)), (pre + "ffn_norm.weight", (d,))]
+        out += [
+            (pre + "attention.wq.weight", (heads * (a["qk_nope_head_dim"] + a["qk_rope_head_dim"]), d)),
+            (pre + "attention.wkv_a.weight", (rank + a["qk_rope_head_dim"], d)),
+            (pre + "attention.kv_norm.weight", (rank,)),
+            (pre + "attention.wkv_b.weight", (heads * (a["qk_nope_head_dim"] + a["v_head_dim"]), rank)),
+            (pre + "attention.wo.weight", (d, heads * a["v_head_dim"])),
+            (pre + "attention_norm.weight", (d,)),
+            (pre + "ffn_norm.weight", (d,)),
+        ]
         if i < a["n_dense_layers"]:
             f = a["inter_dim"]
-            out += [(pre + "feed_forward.w1.weight", (f, d)), (pre + "feed_forward.w2.weight", (d, f)),
-                    (pre + "feed_forward.w3.weight", (f, d))]
+            out += [
+                (pre + "feed_forward.w1.weight", (f, d)),
+                (pre + "feed_forward.w2.weight", (d, f)),
+                (pre + "feed_forward.w3.weight", (f, d)),
+            ]
         else:
             e, f = a["num_experts"], a["moe_inter_dim"]
             shared = f * a["num_shared_experts"]
-            out += [(pre + "moe.experts.w1", (e, f, d)), (pre + "moe.experts.w2", (e, d, f)),
-                    (pre + "moe.experts.w3", (e, f, d)), (pre + "moe.router.gate.weight", (e, d)),
-                    (pre + "moe.shared_experts.w1.weight", (shared, d)),
-                    (pre + "moe.shared_experts.w2.weight", (d, shared)),
-                    (pre + "moe.shared_experts.w3.weight", (shared, d))]
+            out += [
+                (pre + "moe.experts.w1", (e, f, d)),
+                (pre + "moe.experts.w2", (e, d, f)),
+                (pre + "moe.experts.w3", (e, f, d)),
+                (pre + "moe.router.gate.weight", (e, d)),
+                (pre + "moe.shared_experts.w1.weight", (shared, d)),
+                (pre + "moe.shared_experts.w2.weight", (d, shared)),
+                (pre + "moe.shared_experts.w3.weight", (shared, d)),
+            ]
     return out + [("norm.weight", (d,)), ("output.weight", (vocab, d))]
 
 
@@ -203,7 +270,7 @@ class ParameterSet:
         self.muon_names = {n for n, p in self.named if uses_muon(n, p, None)}
 
     def kind(self, index: int) -> str:
-        """"matrices" (2-D Muon), "experts" (3-D Muon) or "adamw"."""
+        """ "matrices" (2-D Muon), "experts" (3-D Muon) or "adamw"."""
         name, p = self.named[index]
         return "adamw" if name not in self.muon_names else ("experts" if p.ndim == 3 else "matrices")
 
@@ -249,21 +316,47 @@ class ParameterSet:
 def build_optimizer(kind: str, params: ParameterSet) -> list[torch.optim.Optimizer]:
     fused = params.device.type == "cuda"
     if kind == "dtensor_muon":
-        return [Muon(params.named, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, nesterov=True,
-                     ns_steps=NS_STEPS, adjust_lr_fn=None, adamw_betas=BETAS, adamw_eps=ADAM_EPS)]
+        return [
+            Muon(
+                params.named,
+                lr=LR,
+                weight_decay=WEIGHT_DECAY,
+                momentum=MOMENTUM,
+                nesterov=True,
+                ns_steps=NS_STEPS,
+                adjust_lr_fn=None,
+                adamw_betas=BETAS,
+                adamw_eps=ADAM_EPS,
+            )
+        ]
     if kind == "torch_muon_adamw":
         matrices, rest = params.split()
-        return [torch.optim.Muon(matrices, lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, nesterov=True,
-                                 ns_steps=NS_STEPS, adjust_lr_fn=None),
-                torch.optim.AdamW(rest, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY, fused=fused)]
+        return [
+            torch.optim.Muon(
+                matrices,
+                lr=LR,
+                weight_decay=WEIGHT_DECAY,
+                momentum=MOMENTUM,
+                nesterov=True,
+                ns_steps=NS_STEPS,
+                adjust_lr_fn=None,
+            ),
+            torch.optim.AdamW(rest, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY, fused=fused),
+        ]
     if kind == "adamw":
-        return [torch.optim.AdamW([p for _, p in params.named], lr=LR, betas=BETAS, eps=ADAM_EPS,
-                                  weight_decay=WEIGHT_DECAY, fused=fused)]
+        return [
+            torch.optim.AdamW(
+                [p for _, p in params.named], lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY, fused=fused
+            )
+        ]
     raise ValueError(kind)
 
 
-LABELS = {"dtensor_muon": "dtensor_muon.Muon", "torch_muon_adamw": "torch.optim.Muon + AdamW{}",
-          "adamw": "AdamW{} on everything"}
+LABELS = {
+    "dtensor_muon": "dtensor_muon.Muon",
+    "torch_muon_adamw": "torch.optim.Muon + AdamW{}",
+    "adamw": "AdamW{} on everything",
+}
 
 
 def sync(device: torch.device) -> None:
@@ -303,8 +396,14 @@ def run_optimizer(kind: str, params: ParameterSet, warmup: int, steps: int) -> d
     del optimizers
     free(device)
     label = LABELS[kind].format(" (fused)" if device.type == "cuda" else "")
-    return {"optimizer": label, "key": kind, "step_ms": median(times), "min_ms": min(times),
-            "mem_before_gib": before, "peak_gib": peak}
+    return {
+        "optimizer": label,
+        "key": kind,
+        "step_ms": median(times),
+        "min_ms": min(times),
+        "mem_before_gib": before,
+        "peak_gib": peak,
+    }
 
 
 def snapshot(params: ParameterSet, indices: list[int]) -> dict[int, torch.Tensor]:
@@ -331,10 +430,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per optimizer")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--check-params", type=int, default=4,
-                        help="CUDA: compare the two Muons on the first N parameters of each kind (CPU: all)")
+    parser.add_argument(
+        "--check-params",
+        type=int,
+        default=4,
+        help="CUDA: compare the two Muons on the first N parameters of each kind (CPU: all)",
+    )
     args = parser.parse_args()
-    args.benchmark = f"optimizer_step_{args.model}"  # one result file per model: bench/results/optimizer_step_MODEL.json
+    args.benchmark = (
+        f"optimizer_step_{args.model}"  # one result file per model: bench/results/optimizer_step_MODEL.json
+    )
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     if args.quick:
@@ -351,9 +456,11 @@ def main() -> None:
     n_muon = sum(torch.Size(s).numel() for s in muon_shapes)
     syrk_flops = sum(ns_flops(s)[0] for s in muon_shapes)
     plain_flops = sum(ns_flops(s)[1] for s in muon_shapes)
-    print(f"{family} {flavor}, {args.layers or 'all'} layers: {len(shapes)} parameters, {n_params / 1e9:.3f} B "
-          f"values ({n_muon / 1e9:.3f} B in {len(muon_shapes)} Muon parameters), fp32, on {device}; "
-          f"median of {args.steps} steps after {args.warmup}; shapes from the {shapes_from}")
+    print(
+        f"{family} {flavor}, {args.layers or 'all'} layers: {len(shapes)} parameters, {n_params / 1e9:.3f} B "
+        f"values ({n_muon / 1e9:.3f} B in {len(muon_shapes)} Muon parameters), fp32, on {device}; "
+        f"median of {args.steps} steps after {args.warmup}; shapes from the {shapes_from}"
+    )
 
     ceiling = matmul_ceiling(device) if device.type == "cuda" else None
     floor = None
@@ -361,8 +468,11 @@ def main() -> None:
         rate = ceiling["tflops"] * 1e12
         floor = {"syrk_ms": 1e3 * syrk_flops / rate, "plain_ms": 1e3 * plain_flops / rate}
 
-    check = [i for indices in params.by_kind().values()
-             for i in (indices[: args.check_params] if device.type == "cuda" else indices)]
+    check = [
+        i
+        for indices in params.by_kind().values()
+        for i in (indices[: args.check_params] if device.type == "cuda" else indices)
+    ]
     rows, finals = [], {}
     for kind in ("dtensor_muon", "torch_muon_adamw", "adamw"):
         rows.append(run_optimizer(kind, params, args.warmup, args.steps))
@@ -375,19 +485,45 @@ def main() -> None:
         row["vs_adamw"] = row["step_ms"] / adamw_ms
         if floor is not None and row["key"] != "adamw":
             row["vs_ns_floor"] = row["step_ms"] / floor["syrk_ms"]
-    print(markdown_table(rows, [("optimizer", "optimizer", "{}"), ("step_ms", "step ms", "{:.2f}"),
-                                ("min_ms", "min ms", "{:.2f}"), ("vs_adamw", "× AdamW", "{:.2f}"),
-                                ("vs_ns_floor", "× NS floor", "{:.2f}"),
-                                ("mem_before_gib", "GiB before step 1", "{:.1f}"), ("peak_gib", "peak GiB", "{:.1f}")]))
+    print(
+        markdown_table(
+            rows,
+            [
+                ("optimizer", "optimizer", "{}"),
+                ("step_ms", "step ms", "{:.2f}"),
+                ("min_ms", "min ms", "{:.2f}"),
+                ("vs_adamw", "× AdamW", "{:.2f}"),
+                ("vs_ns_floor", "× NS floor", "{:.2f}"),
+                ("mem_before_gib", "GiB before step 1", "{:.1f}"),
+                ("peak_gib", "peak GiB", "{:.1f}"),
+            ],
+        )
+    )
     if floor is not None:
-        print(f"bf16 {CEILING_SIZE}³ matmul: {ceiling['ms']:.3f} ms = {ceiling['tflops']:.0f} TFLOP/s; Newton–Schulz "
-              f"floor of the Muon matrices at that rate: {floor['syrk_ms']:.1f} ms with symmetric products "
-              f"({syrk_flops / 1e12:.2f} TFLOP), {floor['plain_ms']:.1f} ms plain ({plain_flops / 1e12:.2f} TFLOP)")
-    print("dtensor_muon.Muon vs torch.optim.Muon + AdamW, max relative update difference: "
-          + ", ".join(f"{k.removeprefix('max_rel_update_diff_')} {v:.2e}" for k, v in differences.items()))
-    write_result(args, rows, model=f"{family}:{flavor}", layers=args.layers, shapes_from=shapes_from, parameters=n_params,
-                 muon_parameters=n_muon, ns_tflop_syrk=syrk_flops / 1e12, ns_tflop_plain=plain_flops / 1e12,
-                 matmul_ceiling=ceiling, ns_floor_ms=floor, checked_parameters=len(check), **differences)
+        print(
+            f"bf16 {CEILING_SIZE}³ matmul: {ceiling['ms']:.3f} ms = {ceiling['tflops']:.0f} TFLOP/s; Newton–Schulz "
+            f"floor of the Muon matrices at that rate: {floor['syrk_ms']:.1f} ms with symmetric products "
+            f"({syrk_flops / 1e12:.2f} TFLOP), {floor['plain_ms']:.1f} ms plain ({plain_flops / 1e12:.2f} TFLOP)"
+        )
+    print(
+        "dtensor_muon.Muon vs torch.optim.Muon + AdamW, max relative update difference: "
+        + ", ".join(f"{k.removeprefix('max_rel_update_diff_')} {v:.2e}" for k, v in differences.items())
+    )
+    write_result(
+        args,
+        rows,
+        model=f"{family}:{flavor}",
+        layers=args.layers,
+        shapes_from=shapes_from,
+        parameters=n_params,
+        muon_parameters=n_muon,
+        ns_tflop_syrk=syrk_flops / 1e12,
+        ns_tflop_plain=plain_flops / 1e12,
+        matmul_ceiling=ceiling,
+        ns_floor_ms=floor,
+        checked_parameters=len(check),
+        **differences,
+    )
 
 
 if __name__ == "__main__":

@@ -81,8 +81,10 @@ def batch(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, tor
 
 def warmup_cosine(total: int, warmup: int = 5):
     """LR factor: linear warmup, then cosine from 1 down to 0.1 at the last step."""
+
     def factor(s: int) -> float:
         return (s + 1) / warmup if s < warmup else 0.55 + 0.45 * math.cos(math.pi * (s - warmup) / (total - warmup))
+
     return factor
 
 
@@ -142,9 +144,12 @@ def main() -> None:
         losses.append(mean_loss.item() / world)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             m = opt.metrics
-            print(f"step {step:3d}  loss {losses[-1]:.4f}  lr {lr:.4f}  grad_norm {grad_norm.full_tensor():.3f}  "
-                  f"muon: {m['muon/time_step_ms']:.1f} ms, {m['muon/bytes_sent'] / 1e3:.1f} kB sent, "
-                  f"imbalance {m['muon/plan_imbalance']:.2f}, update rms {m['muon/update_rms/muon']:.4f}", flush=True)
+            print(
+                f"step {step:3d}  loss {losses[-1]:.4f}  lr {lr:.4f}  grad_norm {grad_norm.full_tensor():.3f}  "
+                f"muon: {m['muon/time_step_ms']:.1f} ms, {m['muon/bytes_sent'] / 1e3:.1f} kB sent, "
+                f"imbalance {m['muon/plan_imbalance']:.2f}, update rms {m['muon/update_rms/muon']:.4f}",
+                flush=True,
+            )
         if args.save_at == step + 1:
             dcp.save(checkpoint_state(step + 1), checkpoint_id=args.checkpoint_dir)  # overwrites an older one
             if rank == 0:
@@ -157,8 +162,14 @@ def main() -> None:
 
 
 def forked_worker(local_rank: int, world: int, port: int) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))  # torchrun's default too: 1 thread each
     main()
 

@@ -6,8 +6,9 @@ import faulthandler
 import gc
 import os
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

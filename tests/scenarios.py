@@ -48,7 +48,7 @@ def reference_run(steps: int, **options: Any) -> list[torch.Tensor]:
     params = [(n, p.clone().requires_grad_()) for n, p in initial_params()]
     opt = Muon(params, **{**OPTIONS, **options})
     for step in range(steps):
-        for (name, p), (_, g) in zip(params, gradients(step).items()):
+        for (_, p), (_, g) in zip(params, gradients(step).items()):
             p.grad = g
         opt.step()
     return [p.detach() for _, p in params]
@@ -88,19 +88,24 @@ def distributed_params(kind: str, world_size: int) -> list[tuple[str, nn.Paramet
         dense = init_device_mesh("cpu", (world_size,))
         experts = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "ep"))["ep"]
         return [
-            (name, nn.Parameter(distribute_tensor(p, experts, [Shard(1)]) if p.ndim == 3
-                                else distribute_tensor(p, dense, [Shard(0)])))
+            (
+                name,
+                nn.Parameter(
+                    distribute_tensor(p, experts, [Shard(1)])
+                    if p.ndim == 3
+                    else distribute_tensor(p, dense, [Shard(0)])
+                ),
+            )
             for name, p in initial_params()
         ]
     mesh = make_mesh(kind, world_size)
     return [
-        (name, nn.Parameter(distribute_tensor(p, mesh, placements_for(kind, p.ndim))))
-        for name, p in initial_params()
+        (name, nn.Parameter(distribute_tensor(p, mesh, placements_for(kind, p.ndim)))) for name, p in initial_params()
     ]
 
 
 def set_gradients(params: list[tuple[str, nn.Parameter]], step: int) -> None:
-    for (name, p), g in zip(params, gradients(step).values()):
+    for (_, p), g in zip(params, gradients(step).values()):
         p.grad = None if g is None else distribute_tensor(g, p.device_mesh, p.placements)
 
 
@@ -127,8 +132,10 @@ def train_steps(rank: int, world_size: int, kind: str, steps: int, options: dict
 
 def full_state(opt: Muon, params: list[tuple[str, nn.Parameter]]) -> dict[str, dict[str, torch.Tensor]]:
     """Every parameter's optimizer state, gathered whole (DTensors) or copied (plain tensors)."""
-    return {n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v.clone()) for k, v in opt.state[p].items()}
-            for n, p in params}
+    return {
+        n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v.clone()) for k, v in opt.state[p].items()}
+        for n, p in params
+    }
 
 
 def nonfinite_step(rank: int, world_size: int) -> dict[str, Any]:
@@ -148,13 +155,19 @@ def nonfinite_step(rank: int, world_size: int) -> dict[str, Any]:
     skipped = opt.skipped_steps
     set_gradients(params, 1)
     opt.step()
-    return {"before": before, "after": after, "state_before": state_before, "state_after": state_after,
-            "skipped": skipped, "final": [p.full_tensor() for _, p in params]}
+    return {
+        "before": before,
+        "after": after,
+        "state_before": state_before,
+        "state_after": state_after,
+        "skipped": skipped,
+        "final": [p.full_tensor() for _, p in params],
+    }
 
 
 def dcp_save(rank: int, world_size: int, path: str, steps: int) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     params = distributed_params("shard0", world_size)
     model = ParamHolder(params)
@@ -197,8 +210,14 @@ def fsdp_training(rank: int, world_size: int, steps: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Embedding(37, 10), nn.Linear(10, 13), nn.GELU(), nn.Linear(13, 3), nn.GELU(), nn.Linear(3, 10),
-        nn.LayerNorm(10), nn.Linear(10, 37, bias=False),
+        nn.Embedding(37, 10),
+        nn.Linear(10, 13),
+        nn.GELU(),
+        nn.Linear(13, 3),
+        nn.GELU(),
+        nn.Linear(3, 10),
+        nn.LayerNorm(10),
+        nn.Linear(10, 37, bias=False),
     )
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     for layer in model:
@@ -215,8 +234,12 @@ def fsdp_training(rank: int, world_size: int, steps: int) -> dict[str, Any]:
         fed.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    return {"initial": initial, "grads": fed, "params": {n: p.full_tensor() for n, p in model.named_parameters()},
-            "names": [n for n, _ in model.named_parameters()]}
+    return {
+        "initial": initial,
+        "grads": fed,
+        "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+        "names": [n for n, _ in model.named_parameters()],
+    }
 
 
 def failure_cases(rank: int, world_size: int) -> dict[str, str]:
@@ -257,9 +280,7 @@ class Blocks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(29, 10)
-        self.blocks = nn.ModuleList(
-            [nn.Sequential(nn.Linear(10, 13), nn.GELU(), nn.Linear(13, 10)) for _ in range(4)]
-        )
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(10, 13), nn.GELU(), nn.Linear(13, 10)) for _ in range(4)])
         self.output = nn.Linear(10, 29, bias=False)
         self.skip_block = -1
 
@@ -271,8 +292,9 @@ class Blocks(nn.Module):
         return self.output(h)
 
 
-def overlap_training(rank: int, world_size: int, overlap: bool, steps: int, path: str,
-                     prefetch: bool = False) -> dict[str, Any]:
+def overlap_training(
+    rank: int, world_size: int, overlap: bool, steps: int, path: str, prefetch: bool = False
+) -> dict[str, Any]:
     """FSDP2 training with or without overlap; a DCP save after step 2; ordering observations per forward.
 
     With ``prefetch`` FSDP unshards block k+1 when entering block k (explicit forward prefetch).
@@ -299,9 +321,15 @@ def overlap_training(rank: int, world_size: int, overlap: bool, steps: int, path
             if snapshot and k + 1 < len(model.blocks):
                 nxt = model.blocks[k + 1][0].weight.to_local()
                 cur = model.blocks[k][0].weight.to_local()
-                observations.append({"step": current_step[0], "block": k,
-                                     "next_pending": torch.equal(nxt, snapshot[k + 1]),
-                                     "this_applied": not torch.equal(cur, snapshot[k])})
+                observations.append(
+                    {
+                        "step": current_step[0],
+                        "block": k,
+                        "next_pending": torch.equal(nxt, snapshot[k + 1]),
+                        "this_applied": not torch.equal(cur, snapshot[k]),
+                    }
+                )
+
         return hook
 
     for k, block in enumerate(model.blocks):
@@ -322,5 +350,8 @@ def overlap_training(rank: int, world_size: int, overlap: bool, steps: int, path
             saved = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state["model"].items()}
             dcp.save(state, checkpoint_id=path)
     opt.flush()
-    return {"params": {n: p.full_tensor() for n, p in model.named_parameters()}, "saved": saved,
-            "observations": observations}
+    return {
+        "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+        "saved": saved,
+        "observations": observations,
+    }

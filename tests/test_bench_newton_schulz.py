@@ -21,8 +21,19 @@ def test_quick_run_writes_rows_that_agree_with_torch(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_newton_schulz.py"), "--quick", "--rounds", "1", "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_newton_schulz.py"),
+            "--quick",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| shape | method | ms |" in proc.stdout

@@ -17,9 +17,19 @@ BENCH = ROOT / "bench"
 def run_quick(script: str, tmp_path: Path, *flags: str, timeout: int = 240) -> dict:
     """Run ``bench/SCRIPT --quick --json FILE``; return the result file's contents."""
     out = tmp_path / f"{Path(script).stem}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--json", str(out), *flags],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), "--quick", "--json", str(out), *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["machine"]["torch"] and result["args"]["quick"] is True
@@ -50,8 +60,9 @@ def test_builtin_shapes_are_torchtitans(model):
     family, flavor = optimizer_step.MODELS[model]
     for f, quick in [(flavor, False), (optimizer_step.QUICK_FLAVOR, False), (optimizer_step.QUICK_FLAVOR, True)]:
         for layers in (None, 2):
-            assert optimizer_step.builtin_shapes(family, f, layers, quick) == \
-                optimizer_step.torchtitan_shapes(family, f, layers, quick), (f, quick, layers)
+            assert optimizer_step.builtin_shapes(family, f, layers, quick) == optimizer_step.torchtitan_shapes(
+                family, f, layers, quick
+            ), (f, quick, layers)
     if model == "llama3_8b":  # the figures the benchmark is quoted with
         shapes = dict(optimizer_step.builtin_shapes(family, flavor, 1))
         assert shapes["layers.0.feed_forward.w1.weight"] == (14336, 4096)

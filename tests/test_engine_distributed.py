@@ -9,10 +9,10 @@ import os
 import tempfile
 
 import pytest
-import torch
-
 import scenarios
+import torch
 from dist_harness import run_distributed
+
 from dtensor_muon import Muon
 
 pytestmark = pytest.mark.slow
@@ -60,9 +60,7 @@ def test_distributed_equals_single_process(world_size, kind, exchange, reference
 
 
 def test_wire_dtype_none_and_small_buckets_equal_single_process(reference):
-    results = run_distributed(
-        scenarios.train_steps, 4, "shard0", STEPS, {"wire_dtype": None, "bucket_size_mb": 1e-4}
-    )
+    results = run_distributed(scenarios.train_steps, 4, "shard0", STEPS, {"wire_dtype": None, "bucket_size_mb": 1e-4})
     assert_all_equal(results[0]["params"], reference)
 
 
@@ -70,7 +68,9 @@ def test_float32_newton_schulz_refuses_bf16_wire_and_matches_with_fp32_wire():
     with pytest.raises(Exception, match="wire_dtype"):  # raised in the workers, re-raised by spawn
         run_distributed(scenarios.train_steps, 2, "shard0", 1, {"ns_dtype": torch.float32})
     reference = scenarios.reference_run(STEPS, ns_dtype=torch.float32)
-    results = run_distributed(scenarios.train_steps, 2, "shard0", STEPS, {"ns_dtype": torch.float32, "wire_dtype": None})
+    results = run_distributed(
+        scenarios.train_steps, 2, "shard0", STEPS, {"ns_dtype": torch.float32, "wire_dtype": None}
+    )
     # float32 batched matmuls on CPU are not invariant to the batch size (the owner batches 3 of the 5
     # experts, the single process all 5), so the last bit may differ: ≤ 1e-6 relative.
     for a, b in zip(results[0]["params"], reference):
@@ -113,7 +113,7 @@ def test_dcp_save_on_4_ranks_load_on_2_continues_exactly():
 
 def test_failures_raise_on_every_rank_without_hanging():
     results = run_distributed(scenarios.failure_cases, 2)
-    for rank, r in enumerate(results):
+    for r in results:
         assert "w_partial" in r["placement"] and "Partial" in r["placement"]
         assert "plan differs across ranks" in r["plan"]
         assert r["unchanged"] == "True"

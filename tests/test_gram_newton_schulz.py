@@ -107,8 +107,13 @@ def test_bad_segments_raise() -> None:
 @pytest.mark.parametrize("kind", ["gaussian", "power_law", "low_rank", "ill_conditioned"])
 @pytest.mark.parametrize(
     ("shape", "name", "steps"),
-    [((256, 896), "simple", 5), ((192, 320), "simple", 5), ((192, 320), "simple", 8),
-     ((192, 320), "quintic", 5), ((192, 320), "polar_express", 8)],
+    [
+        ((256, 896), "simple", 5),
+        ((192, 320), "simple", 5),
+        ((192, 320), "simple", 8),
+        ((192, 320), "quintic", 5),
+        ((192, 320), "polar_express", 8),
+    ],
 )
 def test_bf16_error_of_the_order_of_the_standard_forms(
     kind: str, shape: tuple[int, int], name: str, steps: int

@@ -40,21 +40,15 @@ def _patch_interpreter_bf16() -> None:
     def widen(h: interpreter.TensorHandle) -> interpreter.TensorHandle:
         if h.dtype.scalar != tl.bfloat16:
             return h
-        return interpreter.TensorHandle(
-            (h.data.astype(np.uint32) << 16).view(np.float32), tl.float32
-        )
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
 
     def create_dot(self, a, b, d, *args):  # type: ignore[no-untyped-def]
         return original(self, widen(a), widen(b), d, *args)
 
     def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(
-                torch.bfloat16
-            )
-            return interpreter.TensorHandle(
-                rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16
-            )
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
         return original_cast(self, src, dst_type)
 
     interpreter.InterpreterBuilder.create_dot = create_dot
@@ -64,8 +58,8 @@ def _patch_interpreter_bf16() -> None:
 def _interpreter_checks() -> Numbers:
     """Runs in the child process. Max errors (abs or norm-relative) of each kernel against float64."""
     _patch_interpreter_bf16()
-    from dtensor_muon.kernels.triton_matmuls import SYRK_MATMULS
     from dtensor_muon.gram_newton_schulz import gram_newton_schulz
+    from dtensor_muon.kernels.triton_matmuls import SYRK_MATMULS
     from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
 
     torch.manual_seed(0)
@@ -112,9 +106,7 @@ def _interpreter_checks() -> Numbers:
         a = (torch.randn(72, 72) / 8).to(bf16)
         a = ((a + a.mT) / 2).to(bf16)
         out[f"poly_random_rel_{tag}"] = rel(run(a, 1.7, -0.6, a), poly_ref(a, -0.6, 1.7))
-        out[f"poly_random_rel_{tag}_torch"] = rel(
-            TORCH_MATMULS.gram_poly(a, -0.6, 1.7), poly_ref(a, -0.6, 1.7)
-        )
+        out[f"poly_random_rel_{tag}_torch"] = rel(TORCH_MATMULS.gram_poly(a, -0.6, 1.7), poly_ref(a, -0.6, 1.7))
         # Small integers: bit-exact, wide and transposed-view (tall storage) layouts, a·I fused.
         x = ints(72, 136) if aligned else ints(45, 77)
         out[f"gram_exact_absdiff_{tag}"] = absdiff(run(x), gram_ref(x))
@@ -122,9 +114,7 @@ def _interpreter_checks() -> Numbers:
         out[f"gram_transposed_exact_absdiff_{tag}"] = absdiff(run(xt), gram_ref(xt))
         s = ints(40, 40) if aligned else ints(39, 39)
         s = torch.tril(s) + torch.tril(s, -1).mT
-        out[f"poly_exact_absdiff_{tag}"] = absdiff(
-            run(s, 0.5, 2.0, s, diag=3.0), poly_ref(s, 2.0, 0.5, 3.0)
-        )
+        out[f"poly_exact_absdiff_{tag}"] = absdiff(run(s, 0.5, 2.0, s, diag=3.0), poly_ref(s, 2.0, 0.5, 3.0))
         # Batched == per slice (bitwise), for a contiguous batch and a transposed-view batch (K = 128:
         # the host path reads the transposed batch as one stacked matrix only when K is a multiple of 128).
         xb = torch.randn(3, 40, 128).to(bf16) if aligned else torch.randn(3, 37, 50).to(bf16)
@@ -212,8 +202,9 @@ def _interpreter_checks() -> Numbers:
     a = syrk(x, config=cfg, scale=s, scale_power=2)
     out["scaled_gram_rel"] = rel(a, s64**2 * gram_ref(x))
     a = (a.to(f64) / s64**2).to(bf16)
-    out["scaled_poly_rel"] = rel(syrk(a, -4.775, 3.4445, a, diag=2.0, config=cfg, scale=s),
-                                 s64 * poly_ref(a, 3.4445, -4.775, 2.0))
+    out["scaled_poly_rel"] = rel(
+        syrk(a, -4.775, 3.4445, a, diag=2.0, config=cfg, scale=s), s64 * poly_ref(a, 3.4445, -4.775, 2.0)
+    )
     z = (0.5 * a.to(f64) + a.to(f64) @ a.to(f64)).to(bf16)
     out["scaled_product_rel"] = rel(symmetric_product(a, z, config=cfg, scale=s), s64 * (a.to(f64) @ z.to(f64)))
 
@@ -246,8 +237,9 @@ def _interpreter_checks() -> Numbers:
     x = (g / g.norm()).to(bf16).mT
     stepped = SYRK_MATMULS.iteration(x, 3.4445, -4.775, 2.0315)
     a64 = x.to(f64) @ x.to(f64).mT
-    out["iteration_rel"] = rel(stepped, (3.4445 * torch.eye(48, dtype=f64) - 4.775 * a64 + 2.0315 * a64 @ a64)
-                               @ x.to(f64))
+    out["iteration_rel"] = rel(
+        stepped, (3.4445 * torch.eye(48, dtype=f64) - 4.775 * a64 + 2.0315 * a64 @ a64) @ x.to(f64)
+    )
     out["iteration_keeps_layout"] = float(stepped.mT.is_contiguous() and stepped.shape == x.shape)
     for name, g in (("tall", torch.randn(96, 40)), ("batched", torch.randn(2, 33, 64))):
         y = (g / torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)).to(bf16)
@@ -295,12 +287,8 @@ def _close_to_torch(ours: float, torchs: float, bound: float = 1e-2) -> bool:
 
 @pytest.mark.parametrize("path", PATHS)
 def test_random_inputs_within_bf16_rounding(interp: Numbers, path: str) -> None:
-    assert _close_to_torch(
-        interp[f"gram_random_rel_{path}"], interp[f"gram_random_rel_{path}_torch"]
-    )
-    assert _close_to_torch(
-        interp[f"poly_random_rel_{path}"], interp[f"poly_random_rel_{path}_torch"]
-    )
+    assert _close_to_torch(interp[f"gram_random_rel_{path}"], interp[f"gram_random_rel_{path}_torch"])
+    assert _close_to_torch(interp[f"poly_random_rel_{path}"], interp[f"poly_random_rel_{path}_torch"])
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -408,7 +396,7 @@ def test_scale_arguments_are_checked() -> None:
         syrk(x, scale=torch.ones(2), scale_power=3)
     with pytest.raises(ValueError, match="cast_and_scale_into: scale"):
         cast_and_scale_into(torch.zeros(2, 8, 16), x.clone(), 1e-7, torch.ones(1))
-    with pytest.raises(ValueError, match="cast_and_scale_into: scale .* on cpu, got .* on meta"):
+    with pytest.raises(ValueError, match=r"cast_and_scale_into: scale .* on cpu, got .* on meta"):
         cast_and_scale_into(torch.zeros(2, 8, 16), x.clone(), 1e-7, torch.ones(2, device="meta"))
 
 
@@ -464,9 +452,7 @@ def test_normalize_takes_the_kernel_only_where_it_can() -> None:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: torch.randn(
-            4096, 512, dtype=torch.bfloat16
-        ),  # shapes that take SYRK on an H200
+        lambda: torch.randn(4096, 512, dtype=torch.bfloat16),  # shapes that take SYRK on an H200
         lambda: torch.randn(8, 2048, 64, dtype=torch.float16),
         lambda: torch.randn(512, 4096, dtype=torch.bfloat16).mT,
     ],

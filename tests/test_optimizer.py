@@ -39,7 +39,9 @@ def test_adamw_params_equal_torch_adamw():
     init = [torch.randn(10), torch.randn(5, 3)]
     ours = [p.clone().requires_grad_() for p in init]
     theirs = [p.clone().requires_grad_() for p in init]
-    opt_ours = Muon([{"params": ours, "use_muon": False}], lr=3e-3, weight_decay=0.01, adamw_betas=(0.8, 0.99), adamw_eps=1e-6)
+    opt_ours = Muon(
+        [{"params": ours, "use_muon": False}], lr=3e-3, weight_decay=0.01, adamw_betas=(0.8, 0.99), adamw_eps=1e-6
+    )
     opt_theirs = torch.optim.AdamW(theirs, lr=3e-3, weight_decay=0.01, betas=(0.8, 0.99), eps=1e-6)
     for _ in range(4):
         for a, b in zip(ours, theirs):
@@ -94,8 +96,12 @@ def test_routing_on_a_small_transformer():
 def test_explicit_use_muon_wins_and_unnamed_params_route_by_ndim():
     model = TinyTransformer()
     named = dict(model.named_parameters())
-    opt = Muon([{"params": [("tok_embeddings.weight", named["tok_embeddings.weight"])], "use_muon": True},
-                {"params": [("attention.weight", named["attention.weight"])], "use_muon": False}])
+    opt = Muon(
+        [
+            {"params": [("tok_embeddings.weight", named["tok_embeddings.weight"])], "use_muon": True},
+            {"params": [("attention.weight", named["attention.weight"])], "use_muon": False},
+        ]
+    )
     assert routing_of(opt) == {"tok_embeddings.weight": True, "attention.weight": False}
     opt = Muon(list(model.parameters()))
     assert [g["use_muon"] for g in opt.param_groups] == [True, False]
@@ -147,7 +153,7 @@ def test_state_is_eager_and_state_dict_round_trip_gives_identical_next_step():
 def test_lr_scheduler_scales_muon_and_adamw_groups():
     model = TinyTransformer()
     opt = Muon(model.named_parameters(), lr=0.1, adamw_lr=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -171,7 +177,7 @@ def test_closure_and_metrics():
 
     def closure():
         opt.zero_grad()
-        loss = (p ** 2).sum()
+        loss = (p**2).sum()
         loss.backward()
         return loss
 
@@ -218,7 +224,7 @@ def test_bad_types_and_parameters_raise():
         Muon([("w", torch.randn(4, 4, dtype=torch.complex64, requires_grad=True))])
     with pytest.raises(ValueError, match="sparse"):
         Muon([("w", torch.randn(4, 4).to_sparse().requires_grad_())])
-    with pytest.raises(ValueError, match="'bias'.*use_muon"):
+    with pytest.raises(ValueError, match=r"'bias'.*use_muon"):
         Muon([{"params": [("bias", torch.randn(4, requires_grad=True))], "use_muon": True}])
     with pytest.raises(ValueError, match="lr"):
         Muon([{"params": [torch.randn(4, 4, requires_grad=True)], "lr": -3.0}])

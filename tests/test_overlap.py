@@ -3,10 +3,10 @@
 import tempfile
 
 import pytest
-import torch
-
 import scenarios
+import torch
 from dist_harness import run_distributed
+
 from dtensor_muon import Muon
 
 pytestmark = pytest.mark.slow

@@ -10,16 +10,17 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import pytest
+import scenarios
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-import scenarios
 from dtensor_muon import Muon
 
 PROCESS_GROUP_TIMEOUT_S = 60  # a collective that waits longer than this raises (gloo's own timeout)
@@ -29,8 +30,13 @@ STEP_BOUND_S = 20  # a failing step must have raised on every rank within this
 
 def _bounded_worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
+    )
     torch.save(fn(rank, world_size, *args), os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -40,8 +46,11 @@ def run_bounded(fn: Callable[..., Any], world_size: int, *args: Any, deadline_s:
     """``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; fails if any is still running at the deadline."""
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(
-            _bounded_worker, args=(world_size, os.path.join(tmp, "init"), tmp, fn, args), nprocs=world_size,
-            join=False, start_method="spawn",
+            _bounded_worker,
+            args=(world_size, os.path.join(tmp, "init"), tmp, fn, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
         )
         end = time.monotonic() + deadline_s
         while not context.join(timeout=max(0.0, end - time.monotonic())):
@@ -67,15 +76,16 @@ def wrong_local_piece(rank: int, world_size: int) -> dict[str, Any]:
         p = dict(params)[name]
         if rank == 1:
             piece = p.grad.to_local()
-            p.grad = DTensor.from_local(piece[1:].clone(), p.device_mesh, p.placements, run_check=False,
-                                        shape=p.shape, stride=p.stride())
+            p.grad = DTensor.from_local(
+                piece[1:].clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
         before = [q.to_local().clone() for _, q in params]
         dist.barrier()  # every rank enters the step together: the time below is the step's alone
         start = time.monotonic()
         try:
             opt.step()
             out[name] = (False, "no error", 0.0)
-        except Exception as exc:  # noqa: BLE001 - the type and the text are what the test checks
+        except Exception as exc:
             out[name] = (isinstance(exc, RuntimeError), str(exc), time.monotonic() - start)
         out[name + " unchanged"] = all(torch.equal(b, q.to_local()) for b, (_, q) in zip(before, params))
     return out
@@ -110,7 +120,9 @@ def expected_flops(ns_steps: int = 5) -> int:
     for name, shape in scenarios.SHAPES:
         if name in scenarios.NO_GRAD or len(shape) < 2 or name in ("tok_embeddings.weight", "output.weight"):
             continue
-        matrices, (a, b) = (shape[0], shape[1:]) if len(shape) == 3 else (1, (shape[0], int(torch.tensor(shape[1:]).prod())))
+        matrices, (a, b) = (
+            (shape[0], shape[1:]) if len(shape) == 3 else (1, (shape[0], int(torch.tensor(shape[1:]).prod())))
+        )
         m, n = min(a, b), max(a, b)
         total += matrices * ns_steps * (4 * m * m * n + 2 * m**3)
     return total
@@ -181,8 +193,14 @@ def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(37, 10), nn.Linear(10, 13), nn.GELU(), nn.Linear(13, 10), nn.LayerNorm(10),
-                          nn.Linear(10, 37, bias=False))
+    model = nn.Sequential(
+        nn.Embedding(37, 10),
+        nn.Linear(10, 13),
+        nn.GELU(),
+        nn.Linear(13, 10),
+        nn.LayerNorm(10),
+        nn.Linear(10, 37, bias=False),
+    )
     for layer in model:
         if any(True for _ in layer.parameters()):
             fully_shard(layer)
@@ -199,9 +217,12 @@ def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
             warnings.simplefilter("always")
             opt.step()
         opt.zero_grad()
-        out[step] = {"nonfinite": opt.metrics["muon/nonfinite_updates"], "flops": opt.metrics["muon/optimizer_flops"],
-                     "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
-                     "nan": bool(torch.isnan(model[3].weight.full_tensor()).all())}
+        out[step] = {
+            "nonfinite": opt.metrics["muon/nonfinite_updates"],
+            "flops": opt.metrics["muon/optimizer_flops"],
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+            "nan": bool(torch.isnan(model[3].weight.full_tensor()).all()),
+        }
     return out
 
 

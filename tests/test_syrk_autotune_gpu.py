@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtensor_muon.kernels import use_backend
-from dtensor_muon.kernels import triton_syrk
+from dtensor_muon.kernels import triton_syrk, use_backend
 from dtensor_muon.newton_schulz import newton_schulz
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

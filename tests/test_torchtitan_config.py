@@ -8,13 +8,13 @@ import torch
 
 pytest.importorskip("torchtitan")
 
-from torchtitan.config import ConfigManager  # noqa: E402
-from torchtitan.protocols.train_spec import get_train_spec  # noqa: E402
+from torchtitan.config import ConfigManager
+from torchtitan.protocols.train_spec import get_train_spec
 
-import torchtitan_ext  # noqa: E402
-from torchtitan_ext import cpu, data, optimizer, spec  # noqa: E402
-from torchtitan_ext.job_config import Muon as MuonConfig  # noqa: E402
-from torchtitan_ext.job_config import check_optimizer_name  # noqa: E402
+import torchtitan_ext
+from torchtitan_ext import cpu, data, optimizer, spec
+from torchtitan_ext.job_config import Muon as MuonConfig
+from torchtitan_ext.job_config import check_optimizer_name
 
 EXT = ["--job.custom_config_module", "torchtitan_ext.job_config"]
 

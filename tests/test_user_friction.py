@@ -86,8 +86,12 @@ def test_no_warning_for_named_parameters_explicit_use_muon_or_hidden_matrices_on
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Muon(model.named_parameters())
-        Muon([{"params": [model.tok.weight, model.head.weight], "use_muon": False},
-              {"params": [model.fc1.weight, model.fc2.weight]}])
+        Muon(
+            [
+                {"params": [model.tok.weight, model.head.weight], "use_muon": False},
+                {"params": [model.fc1.weight, model.fc2.weight]},
+            ]
+        )
         Muon([{"params": [model.tok.weight, model.head.weight, model.fc1.weight], "use_muon": True}])
         # a 4× MLP alone (long side = 4 × short side, not more) is a hidden layer, not an embedding
         Muon(nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 16)).parameters())
@@ -170,8 +174,14 @@ def test_muon_param_groups_adamw_modules_and_names_by_module_or_parameter():
     groups = muon_param_groups(model, adamw_modules=(nn.LayerNorm,), adamw_names=("fc1", "fc2.weight"))
     assert groups[0].get("use_muon") is None and groups[1]["use_muon"] is False
     assert [n for n, _ in groups[0]["params"]] == ["fc2.bias", "head.weight"]
-    assert [n for n, _ in groups[1]["params"]] == ["tok.weight", "fc1.weight", "fc1.bias", "fc2.weight",
-                                                   "norm.weight", "norm.bias"]
+    assert [n for n, _ in groups[1]["params"]] == [
+        "tok.weight",
+        "fc1.weight",
+        "fc1.bias",
+        "fc2.weight",
+        "norm.weight",
+        "norm.bias",
+    ]
     assert dtensor_muon.muon_param_groups is muon_param_groups
 
 
@@ -230,7 +240,7 @@ def test_tensor_lr_equals_torch_muon_and_adamw(shape):
         torch.optim.Muon(theirs_m, **{**OPTIONS, "lr": torch.full(shape, 0.02)}),
         torch.optim.AdamW(theirs_v, **{**ADAMW_OPTIONS, "lr": torch.full(shape, 0.02)}),
     ]
-    for step in range(3):
+    for _ in range(3):
         for a, b in zip(ours_m + ours_v, theirs_m + theirs_v):
             grad = torch.randn(a.shape, generator=g)
             a.grad, b.grad = grad.clone(), grad.clone()
@@ -271,7 +281,7 @@ def test_loading_a_python_number_step_converts_it_like_torch_adamw(number):
         backward(model, seed)
         opt.step()
     saved = copy.deepcopy(opt.state_dict())
-    for index, s in saved["state"].items():
+    for s in saved["state"].values():
         if "step" in s:
             s["step"] = number
     clone = copy.deepcopy(model)
@@ -279,8 +289,12 @@ def test_loading_a_python_number_step_converts_it_like_torch_adamw(number):
     resumed.load_state_dict(saved)
     # torch.optim.AdamW turns the same number into the same tensor on load
     ref = torch.optim.AdamW([nn.Parameter(torch.zeros(3))])
-    ref.load_state_dict({"state": {0: {"step": number, "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}},
-                         "param_groups": [{**ref.param_groups[0], "params": [0]}]})
+    ref.load_state_dict(
+        {
+            "state": {0: {"step": number, "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}},
+            "param_groups": [{**ref.param_groups[0], "params": [0]}],
+        }
+    )
     ref_step = ref.state[ref.param_groups[0]["params"][0]]["step"]
     for p in clone.parameters():
         if "step" in resumed.state[p]:
@@ -324,8 +338,9 @@ def test_parameter_unfrozen_later_gets_fresh_state_at_its_first_step_like_torch(
     train_side_by_side(model, opt, ref_model, refs, steps=2, first_seed=10)
     assert_same_params(model, ref_model)
     assert model.fc1.weight in opt.state and "fc1.weight" in {r.spec.name for p in opt.plans for r in p.routes}
-    assert torch.equal(opt.state[model.fc1.weight]["momentum_buffer"],
-                       refs[0].state[ref_model.fc1.weight]["momentum_buffer"])
+    assert torch.equal(
+        opt.state[model.fc1.weight]["momentum_buffer"], refs[0].state[ref_model.fc1.weight]["momentum_buffer"]
+    )
 
 
 def test_dcp_state_dict_with_frozen_parameters_round_trips():
@@ -386,7 +401,10 @@ def test_tensor_lr_of_a_param_group_must_be_one_element():
 
 def test_add_param_group_after_construction_logs_and_warns_for_its_parameters(caplog):
     opt = Muon([nn.Parameter(torch.randn(8, 8))])
-    with caplog.at_level(logging.INFO, logger="dtensor_muon"), pytest.warns(UserWarning, match=r"params\[1\] \(300×8\)"):
+    with (
+        caplog.at_level(logging.INFO, logger="dtensor_muon"),
+        pytest.warns(UserWarning, match=r"params\[1\] \(300×8\)"),
+    ):
         opt.add_param_group({"params": [nn.Parameter(torch.randn(300, 8))]})
     assert [r.getMessage() for r in caplog.records if r.name == "dtensor_muon"] == [
         "Muon routing: muon: 1 parameter (2,400 elements): params[1]"
@@ -414,7 +432,7 @@ def fsdp_frozen_training(rank: int, world_size: int, overlap: bool, steps: int) 
     opt = Muon(model.named_parameters(), overlap=overlap, **scenarios.OPTIONS)
     opt.attach(model)
     frozen_state = [p in opt.state for p in model.blocks[FROZEN_BLOCK].parameters()]
-    fed, twin = [], None
+    fed, twin, opt_params, twin_params = [], None, [], []
     for step in range(steps):
         if step == UNFREEZE_AT:
             model.blocks[FROZEN_BLOCK].requires_grad_(True)
@@ -457,12 +475,20 @@ def test_fsdp_frozen_then_unfrozen_block_equals_torch_with_and_without_overlap_a
     muon_names = {n for n, t in params.items() if n.startswith("blocks.") and t.ndim == 2}
     import scenarios
 
-    muon_options = dict(lr=scenarios.OPTIONS["lr"], weight_decay=scenarios.OPTIONS["weight_decay"],
-                        adjust_lr_fn=scenarios.OPTIONS["adjust_lr_fn"])
+    muon_options = dict(
+        lr=scenarios.OPTIONS["lr"],
+        weight_decay=scenarios.OPTIONS["weight_decay"],
+        adjust_lr_fn=scenarios.OPTIONS["adjust_lr_fn"],
+    )
     refs = [
         torch.optim.Muon([p for n, p in params.items() if n in muon_names], **muon_options),
-        torch.optim.AdamW([p for n, p in params.items() if n not in muon_names], lr=scenarios.OPTIONS["lr"],
-                          weight_decay=scenarios.OPTIONS["weight_decay"], betas=(0.9, 0.95), eps=1e-8),
+        torch.optim.AdamW(
+            [p for n, p in params.items() if n not in muon_names],
+            lr=scenarios.OPTIONS["lr"],
+            weight_decay=scenarios.OPTIONS["weight_decay"],
+            betas=(0.9, 0.95),
+            eps=1e-8,
+        ),
     ]
     for grads in base["fed"]:
         for n, p in params.items():

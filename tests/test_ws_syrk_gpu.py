@@ -76,8 +76,9 @@ def test_bad_scale_is_rejected_by_name():
         ws_syrk(x, scale=torch.ones(2, device="cuda"))
 
 
-@pytest.mark.parametrize("shape", [(4096, 14336), (64, 2048, 1408), (4096, 4096), (8, 1024, 4096), (2048, 5632),
-                                   (2048, 2048)])
+@pytest.mark.parametrize(
+    "shape", [(4096, 14336), (64, 2048, 1408), (4096, 4096), (8, 1024, 4096), (2048, 5632), (2048, 2048)]
+)
 def test_newton_schulz_agrees_with_the_triton_kernel(shape):
     """The whole iteration with the kernel on and off (shapes where the backend takes it): within bf16
     rounding of each other (on the H200 the large ones gave the same bits). On the last three the kernel also
@@ -126,8 +127,10 @@ def test_direct_launches_give_the_jit_launch_bits():
     from dtensor_muon.kernels import ws_syrk as ws
 
     gen = torch.Generator("cuda").manual_seed(6)
-    inputs = [torch.randn(shape, device="cuda", generator=gen).bfloat16() for shape in
-              [(512, 384), (1000, 776), (2, 264, 200)]]
+    inputs = [
+        torch.randn(shape, device="cuda", generator=gen).bfloat16()
+        for shape in [(512, 384), (1000, 776), (2, 264, 200)]
+    ]
     ws._COMPILED.clear()
     direct = [ws_syrk(x, None, 1.5, 0.0, None, 0.5) for x in inputs]  # the first compiles, the others launch directly
     for x, out in zip(inputs, direct):

@@ -18,6 +18,7 @@ gloo also lacks the AVG and PREMUL_SUM reductions that FSDP2 uses for gradients:
 specs of this package after parallelization, when the backend is gloo).
 """
 
+import contextlib
 import os
 import resource
 from pathlib import Path
@@ -50,10 +51,8 @@ class CpuMemoryMonitor:
 
     def reset_peak_stats(self) -> None:
         """Reset the kernel's peak-RSS mark (Linux ``clear_refs`` 5); a no-op where that is unavailable."""
-        try:
+        with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass
 
 
 def _build_cpu_memory_monitor() -> CpuMemoryMonitor:

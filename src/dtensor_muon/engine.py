@@ -299,6 +299,7 @@ class Engine:
                 "gradients are not finite, and optimizer.metrics['muon/nonfinite_updates'] counts such matrices "
                 "per step (this warning is shown once)",
                 RuntimeWarning,
+                stacklevel=2,
             )
 
     def finish(self, indices: list[int]) -> None:
@@ -350,9 +351,10 @@ class Engine:
                 for what, t in (("parameter", e.param), ("gradient", g)):
                     if t is not None and tuple(t.to_local().shape) != expected:
                         raise PreflightError(
-                            e, f"this rank's local piece of the {what} has shape {tuple(t.to_local().shape)}; the "
+                            e,
+                            f"this rank's local piece of the {what} has shape {tuple(t.to_local().shape)}; the "
                             f"layout (global shape {tuple(e.param.shape)}, placements {tuple(e.param.placements)}) "
-                            f"gives mesh rank {e.layout.mesh_rank} the box {e.layout.local_box}, shape {expected}"
+                            f"gives mesh rank {e.layout.mesh_rank} the box {e.layout.local_box}, shape {expected}",
                         )
             grads[e.index] = g
         return grads
@@ -427,7 +429,9 @@ class Engine:
         for e in self.entries:
             if e.use_muon and e.index in active and e.index not in fully_local:
                 scratch.updates_in[e.index] = self._momentum(e, scratch)
-                scratch.updates_out[e.index] = torch.empty_like(local(e.param), dtype=self.mesh_of[e.index].update_dtype(e))
+                scratch.updates_out[e.index] = torch.empty_like(
+                    local(e.param), dtype=self.mesh_of[e.index].update_dtype(e)
+                )
         return scratch
 
     def _momentum(self, e: Entry, scratch: StepScratch) -> Tensor:
@@ -472,7 +476,9 @@ class Engine:
             with timer.phase("owner_compute"):
                 updates = self._compute_owned(work, bucket, received, active, device, stats)
             with timer.phase("exchange_back_launch"):
-                backs.append(BackExchange(work, bucket, self._launch_back(work, bucket, updates, active, device, stats)))
+                backs.append(
+                    BackExchange(work, bucket, self._launch_back(work, bucket, updates, active, device, stats))
+                )
         return backs
 
     def _compute_local(self, work: MeshWork, scratch: StepScratch, active, stats) -> None:
@@ -539,14 +545,13 @@ class Engine:
             full = torch.empty(box_shape(route.spec.box), dtype=work.wire_dtype, device=device)
             for box, source in route.pieces:
                 n = box_numel(box)
-                chunk = received[source][offsets[source]: offsets[source] + n]
+                chunk = received[source][offsets[source] : offsets[source] + n]
                 offsets[source] += n
                 target = full[relative_slices(box, route.spec.box)]
                 target.copy_(chunk.view(target.shape))
             jobs.append((route, e, full))
         outs = self._orthogonalize(jobs, stats)
-        return {id(route): o.reshape(box_shape(route.spec.box))
-                for (route, _, _), o in zip(jobs, outs)}
+        return {id(route): o.reshape(box_shape(route.spec.box)) for (route, _, _), o in zip(jobs, outs)}
 
     def _launch_back(self, work, bucket, updates: dict[int, Tensor], active, device, stats) -> PendingExchange:
         me = work.comm.mesh_rank
@@ -571,7 +576,7 @@ class Engine:
                 if holder != me:
                     continue
                 n = box_numel(box)
-                chunk = received[route.owner][offsets[route.owner]: offsets[route.owner] + n]
+                chunk = received[route.owner][offsets[route.owner] : offsets[route.owner] + n]
                 offsets[route.owner] += n
                 target = scratch.updates_out[e.index][relative_slices(box, e.layout.local_box)]
                 target.copy_(chunk.view(target.shape))
@@ -586,11 +591,19 @@ class Engine:
                 if e.index not in active:
                     continue
                 u = DTensor.from_local(
-                    scratch.updates_in[e.index], e.param.device_mesh, e.param.placements,
-                    run_check=False, shape=e.param.shape, stride=e.param.stride(),
+                    scratch.updates_in[e.index],
+                    e.param.device_mesh,
+                    e.param.placements,
+                    run_check=False,
+                    shape=e.param.shape,
+                    stride=e.param.stride(),
                 )
                 fulls[e.index] = u.full_tensor()
-                stats.bytes_sent += scratch.updates_in[e.index].numel() * scratch.updates_in[e.index].element_size() * (work.comm.world_size - 1)
+                stats.bytes_sent += (
+                    scratch.updates_in[e.index].numel()
+                    * scratch.updates_in[e.index].element_size()
+                    * (work.comm.world_size - 1)
+                )
         with timer.phase("owner_compute"):
             for route in work.plan.routes:
                 e = self.entries[route.spec.param_index]

@@ -94,7 +94,5 @@ def start_all_to_all(
     if mesh_group_.group is None:
         received.copy_(send)
         return PendingExchange(received, counts_in, None, order)
-    handle = dist.all_to_all_single(
-        received, send, counts_in, send_counts, group=mesh_group_.group, async_op=True
-    )
+    handle = dist.all_to_all_single(received, send, counts_in, send_counts, group=mesh_group_.group, async_op=True)
     return PendingExchange(received, counts_in, handle, order)

@@ -17,7 +17,6 @@ rectangular matrices and equal in exact arithmetic.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import torch
 from torch import Tensor
@@ -26,7 +25,7 @@ from .gram_newton_schulz import gram_newton_schulz
 from .kernels import Backend, select_backend, use_gram
 
 Triple = tuple[float, float, float]
-CoefficientSpec = Union[str, Triple, Sequence[Triple]]
+CoefficientSpec = str | Triple | Sequence[Triple]
 
 KELLER_COEFFICIENTS: Triple = (3.4445, -4.775, 2.0315)
 
@@ -162,9 +161,7 @@ def iteration_schedule(g: Tensor, coefficients: CoefficientSpec, steps: int) -> 
     return tuple(coefficients_at(triples, i) for i in range(steps))
 
 
-def normalized_start(
-    g: Tensor, dtype: torch.dtype, eps: float
-) -> tuple[Tensor, Tensor, Backend, Tensor | None]:
+def normalized_start(g: Tensor, dtype: torch.dtype, eps: float) -> tuple[Tensor, Tensor, Backend, Tensor | None]:
     """The start of the iteration: a new buffer in ``dtype`` and ``g``'s layout, the wide (m ≤ n) view of it
     the iteration works on (the buffer itself, or its transpose for a tall ``g``), the backend chosen for
     that view, and the scale: None when the buffer holds X₀ = G / max(‖G‖_F, eps), else the per-matrix

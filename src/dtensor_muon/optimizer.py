@@ -89,7 +89,9 @@ def validate_hyperparameters(group: dict[str, Any]) -> None:
         if isinstance(value, Tensor) and value.numel() != 1:
             raise ValueError(f"{key}: Tensor {key} must be 1-element, got shape {tuple(value.shape)}")
         _require(value is None or value >= 0, f"{key} must be None or >= 0, got {value}")
-    _require(group["use_muon"] in (None, True, False), f"use_muon must be None, True or False, got {group['use_muon']!r}")
+    _require(
+        group["use_muon"] in (None, True, False), f"use_muon must be None, True or False, got {group['use_muon']!r}"
+    )
 
 
 def _name_patterns(members: list[tuple[str, Tensor]]) -> str:
@@ -326,21 +328,30 @@ class Muon(torch.optim.Optimizer):
             for label, p, group in rows:
                 rule = "frozen" if not self.state.get(p) else ("muon" if group["use_muon"] else "adamw")
                 rules[rule].append((label, p))
-            titles = {"muon": "muon", "adamw": "adamw",
-                      "frozen": "frozen (requires_grad=False, no state until it requires grad)"}
+            titles = {
+                "muon": "muon",
+                "adamw": "adamw",
+                "frozen": "frozen (requires_grad=False, no state until it requires grad)",
+            }
             for rule, members in rules.items():
                 if members:
                     count = len(members)
                     numel = sum(p.numel() for _, p in members)
                     logger.info(
                         "Muon routing: %s: %d parameter%s (%s elements): %s",
-                        titles[rule], count, "" if count == 1 else "s", f"{numel:,}", _name_patterns(members),
+                        titles[rule],
+                        count,
+                        "" if count == 1 else "s",
+                        f"{numel:,}",
+                        _name_patterns(members),
                     )
         if logger.isEnabledFor(logging.DEBUG):
             group_index = {id(g): i for i, g in enumerate(self.param_groups)}
-            lines = [f"  {label}  {tuple(p.shape)}  {'muon' if group['use_muon'] else 'adamw'}"
-                     f"{'' if self.state.get(p) else ' (frozen)'}  group {group_index[id(group)]}"
-                     for label, p, group in rows]
+            lines = [
+                f"  {label}  {tuple(p.shape)}  {'muon' if group['use_muon'] else 'adamw'}"
+                f"{'' if self.state.get(p) else ' (frozen)'}  group {group_index[id(group)]}"
+                for label, p, group in rows
+            ]
             logger.debug("Muon routing table (name, shape, rule, param group):\n%s", "\n".join(lines))
         candidates = [(label, p) for label, p, _ in rows if id(p) in self._unnamed_default]
         shapes = [tuple(p.shape) for p in self._all_params()]

@@ -71,12 +71,16 @@ def attach_hooks(
 
     for root in roots:
         for module in root.modules():
-            own = [index_of_param[id(p)] for p in module._parameters.values()
-                   if p is not None and id(p) in index_of_param and index_of_param[id(p)] not in claimed]
+            own = [
+                index_of_param[id(p)]
+                for p in module._parameters.values()
+                if p is not None and id(p) in index_of_param and index_of_param[id(p)] not in claimed
+            ]
             if own:
                 claimed.update(own)
-                handles.append(module.register_forward_pre_hook(
-                    lambda _module, _args, own=own: finish(own), prepend=True))
+                handles.append(
+                    module.register_forward_pre_hook(lambda _module, _args, own=own: finish(own), prepend=True)
+                )
         handles.append(root.register_state_dict_pre_hook(lambda *_: flush()))
         handles.append(root.register_load_state_dict_pre_hook(lambda *_: flush()))
     return handles

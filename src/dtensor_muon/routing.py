@@ -75,7 +75,9 @@ def uses_muon(name: str | None, param: Tensor, explicit: bool | None) -> bool:
     return True
 
 
-def unnamed_lookalikes(candidates: Sequence[tuple[str, Tensor]], all_matrix_shapes: Sequence[tuple[int, ...]]) -> list[str]:
+def unnamed_lookalikes(
+    candidates: Sequence[tuple[str, Tensor]], all_matrix_shapes: Sequence[tuple[int, ...]]
+) -> list[str]:
     """Which unnamed matrices routed to Muon by default look like an embedding table or an output head.
 
     A heuristic for the warning only (it never changes routing): a 2-D parameter whose long side is more than

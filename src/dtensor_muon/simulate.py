@@ -23,8 +23,10 @@ from .layout import ParamLayout, chunk_range
 from .plan import Plan, build_plan
 from .routing import uses_muon
 
-MODEL_FAMILIES = {"llama3": ("torchtitan.models.llama3", "Transformer", "llama3_args"),
-                  "deepseek_v3": ("torchtitan.models.deepseek_v3", "DeepSeekV3Model", "deepseekv3_args")}
+MODEL_FAMILIES = {
+    "llama3": ("torchtitan.models.llama3", "Transformer", "llama3_args"),
+    "deepseek_v3": ("torchtitan.models.deepseek_v3", "DeepSeekV3Model", "deepseekv3_args"),
+}
 
 
 def model_matrix_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -95,8 +97,15 @@ def summarize_plan(model: str, plan: Plan, ns_steps: int, tflops: float, gbps: f
     )
 
 
-def simulate(model: str, world_sizes: list[int], ns_steps: int = 5, wire_bytes: int = 2,
-             bucket_mb: float = 64.0, tflops: float = 800.0, gbps: float = 50.0) -> list[Summary]:
+def simulate(
+    model: str,
+    world_sizes: list[int],
+    ns_steps: int = 5,
+    wire_bytes: int = 2,
+    bucket_mb: float = 64.0,
+    tflops: float = 800.0,
+    gbps: float = 50.0,
+) -> list[Summary]:
     """Plan ``model`` at each world size; see the module docstring."""
     shapes = model_matrix_shapes(model)
     out = []
@@ -109,8 +118,10 @@ def simulate(model: str, world_sizes: list[int], ns_steps: int = 5, wire_bytes: 
 
 
 def format_table(rows: list[Summary]) -> str:
-    header = (f"{'model':<18}{'ranks':>6}{'matrices':>9}{'local':>7}{'NS GFLOP max':>13}{'mean':>9}"
-              f"{'imbal':>7}{'MB sent max':>12}{'MB recv max':>12}{'NS ms':>8}{'comm ms':>9}{'plan s':>8}")
+    header = (
+        f"{'model':<18}{'ranks':>6}{'matrices':>9}{'local':>7}{'NS GFLOP max':>13}{'mean':>9}"
+        f"{'imbal':>7}{'MB sent max':>12}{'MB recv max':>12}{'NS ms':>8}{'comm ms':>9}{'plan s':>8}"
+    )
     lines = [header]
     for r in rows:
         lines.append(
@@ -122,10 +133,15 @@ def format_table(rows: list[Summary]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dtensor_muon.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", action="append", required=True,
-                        help="family:flavor, e.g. llama3:8B, llama3:70B, llama3:405B, deepseek_v3:16B (repeatable)")
+    parser = argparse.ArgumentParser(
+        prog="python -m dtensor_muon.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        help="family:flavor, e.g. llama3:8B, llama3:70B, llama3:405B, deepseek_v3:16B (repeatable)",
+    )
     parser.add_argument("--world-size", type=int, nargs="+", required=True)
     parser.add_argument("--ns-steps", type=int, default=5)
     parser.add_argument("--wire-bytes", type=int, default=2, help="bytes per element on the wire (bf16: 2)")
@@ -137,8 +153,13 @@ def main(argv: list[str] | None = None) -> None:
     for size in args.world_size:
         if size < 1:
             parser.error(f"--world-size must be >= 1, got {size}")
-    rows = [row for model in args.model for row in simulate(
-        model, args.world_size, args.ns_steps, args.wire_bytes, args.bucket_mb, args.tflops, args.gbps)]
+    rows = [
+        row
+        for model in args.model
+        for row in simulate(
+            model, args.world_size, args.ns_steps, args.wire_bytes, args.bucket_mb, args.tflops, args.gbps
+        )
+    ]
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

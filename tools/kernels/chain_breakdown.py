@@ -134,9 +134,12 @@ def main() -> None:
     parser.add_argument("--shapes", default="4096x4096,64x2048x1408")
     parser.add_argument("--algorithms", default="standard,gram")
     parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--ws-min-work", type=float, default=None,
-                        help="override ws_syrk.WS_MIN_WORK (fewest multiply-adds for the Gluon kernel; 0: every "
-                             "product it supports)")
+    parser.add_argument(
+        "--ws-min-work",
+        type=float,
+        default=None,
+        help="override ws_syrk.WS_MIN_WORK (fewest multiply-adds for the Gluon kernel; 0: every product it supports)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.ws_min_work is not None:
@@ -164,8 +167,13 @@ def main() -> None:
         print(f"  {key}: {config}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                   "results": results, "tuned": tuned}
+        payload = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "results": results,
+            "tuned": tuned,
+        }
         args.out.write_text(json.dumps(payload, indent=1))
 
 

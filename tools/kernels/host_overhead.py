@@ -47,8 +47,10 @@ def profile_call(shape: tuple[int, ...], calls: int = 20, top: int = 25) -> list
     """The ``top`` functions by own host time per eager ``newton_schulz`` call on an fp32 input of ``shape``."""
     g = torch.randn(shape, device="cuda")
     newton_schulz(g)  # the first call tunes and compiles; host_us's own warm-up call then compiles the chosen configs
-    print(f"newton_schulz {'x'.join(map(str, shape))}: {host_us(lambda: newton_schulz(g), calls):.0f} us of host "
-          "time per call (no profiler)")
+    print(
+        f"newton_schulz {'x'.join(map(str, shape))}: {host_us(lambda: newton_schulz(g), calls):.0f} us of host "
+        "time per call (no profiler)"
+    )
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
@@ -57,16 +59,22 @@ def profile_call(shape: tuple[int, ...], calls: int = 20, top: int = 25) -> list
     torch.cuda.synchronize()
     stats = pstats.Stats(profiler).stats
     rows = [
-        {"function": f"{path.rsplit('/', 1)[-1]}:{line} {name}", "calls": calls_made / calls,
-         "own_us": own / calls * 1e6, "cumulative_us": cumulative / calls * 1e6}
+        {
+            "function": f"{path.rsplit('/', 1)[-1]}:{line} {name}",
+            "calls": calls_made / calls,
+            "own_us": own / calls * 1e6,
+            "cumulative_us": cumulative / calls * 1e6,
+        }
         for (path, line, name), (_, calls_made, own, cumulative, _) in stats.items()
     ]
     rows.sort(key=lambda row: -row["own_us"])
     total = sum(row["own_us"] for row in rows)
     print(f"newton_schulz {'x'.join(map(str, shape))}: {total:.0f} us of host time per call (cProfile)")
     for row in rows[:top]:
-        print(f"{row['own_us']:9.1f} us own {row['cumulative_us']:9.1f} cumulative {row['calls']:6.1f}x  "
-              f"{row['function']}")
+        print(
+            f"{row['own_us']:9.1f} us own {row['cumulative_us']:9.1f} cumulative {row['calls']:6.1f}x  "
+            f"{row['function']}"
+        )
     return rows[:top]
 
 
@@ -86,9 +94,7 @@ def main() -> None:
         "syrk autotuned (poly, with C)": lambda: syrk(a, 2.0, -4.7, a, diag=3.4),
         "syrk fixed config (no autotuner)": lambda: syrk(x, config=FIXED_CONFIG),
         "symmetric_product": lambda: symmetric_product(a, a),
-        "5 host TMA descriptors (Python objects only)": lambda: _host_descriptors(
-            x3, x3, out, out, False, True, None
-        ),
+        "5 host TMA descriptors (Python objects only)": lambda: _host_descriptors(x3, x3, out, out, False, True, None),
         "cuBLAS x @ x.mT": lambda: x @ x.mT,
         "normalize_into (norm + one-pass kernel)": lambda: normalize_into(g, start, 1e-7),
         "newton_schulz 4096² (whole call)": lambda: newton_schulz(g4096),

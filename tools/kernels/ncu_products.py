@@ -44,8 +44,16 @@ def cases() -> dict[str, Callable[[], object]]:
     }
 
 
-CASES = ("ws_product", "ws_poly", "ws_gram", "triton_product", "cublas_product", "cublas_apply", "ws_gram4096",
-         "cublas_4096")
+CASES = (
+    "ws_product",
+    "ws_poly",
+    "ws_gram",
+    "triton_product",
+    "cublas_product",
+    "cublas_apply",
+    "ws_gram4096",
+    "cublas_4096",
+)
 
 
 def main() -> None:

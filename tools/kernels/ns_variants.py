@@ -42,8 +42,14 @@ TUNABLES: dict[str, ModuleType] = {
     **dict.fromkeys(("WS_MIN_WORK", "WS_MAX_DIM", "TURN_LEAD", "STAGES"), ws_syrk),
     **dict.fromkeys(("MIN_SYRK_DIM", "MIN_SYRK_TILES", "MIN_GLUON_SYRK_DIM", "MIN_GLUON_SYRK_TILES"), triton_matmuls),
     **dict.fromkeys(
-        ("MIN_GPU_BACKEND_WORK", "GRAM_MIN_ASPECT", "MIN_GRAM_PRODUCT_WORK", "GRAM_SMALL_DIM", "GRAM_MIN_ASPECT_SMALL",
-         "MIN_GRAM_PRODUCT_WORK_SMALL"),
+        (
+            "MIN_GPU_BACKEND_WORK",
+            "GRAM_MIN_ASPECT",
+            "MIN_GRAM_PRODUCT_WORK",
+            "GRAM_SMALL_DIM",
+            "GRAM_MIN_ASPECT_SMALL",
+            "MIN_GRAM_PRODUCT_WORK_SMALL",
+        ),
         dispatch,
     ),
     "MAX_GRAPH_WORK": ns_graphs,
@@ -98,7 +104,9 @@ def parse_method(spec: str) -> Callable[[Tensor], Tensor]:
         elif key in TUNABLES:
             constants[key] = number(value)
         else:
-            raise ValueError(f"{spec!r}: unknown setting {key!r}; expected algorithm, backend, gluon or {sorted(TUNABLES)}")
+            raise ValueError(
+                f"{spec!r}: unknown setting {key!r}; expected algorithm, backend, gluon or {sorted(TUNABLES)}"
+            )
     run = ns_graphs.NewtonSchulzGraphs() if base == "graphs" else newton_schulz
 
     def call(g: Tensor) -> Tensor:
@@ -129,13 +137,18 @@ def main() -> None:
     rows: list[dict] = []
     for shape in shapes:
         shape_rows, ceilings = measure_shape(shape, methods, cuda, args.rounds)
-        print(f"{shape}: matmul ceiling {', '.join(f'{c:.3g}' for c in ceilings)} TFLOP/s; "
-              f"dispatched: {shape_rows[0]['ours_route']}", flush=True)
+        print(
+            f"{shape}: matmul ceiling {', '.join(f'{c:.3g}' for c in ceilings)} TFLOP/s; "
+            f"dispatched: {shape_rows[0]['ours_route']}",
+            flush=True,
+        )
         rows += shape_rows
     print(markdown_table(rows, COLUMNS))
     if args.out is not None:
-        args.out.write_text(json.dumps({"machine": machine(), "args": vars(args) | {"out": str(args.out)},
-                                        "rows": rows}, indent=1) + "\n")
+        args.out.write_text(
+            json.dumps({"machine": machine(), "args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1)
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,9 @@ class Measurements:
     def __init__(self) -> None:
         self.entries: list[dict] = []
 
-    def add(self, product: str, case: str, impl: str, fn: Callable[[], Tensor], flops: float,
-            ref: Tensor | None) -> None:
+    def add(
+        self, product: str, case: str, impl: str, fn: Callable[[], Tensor], flops: float, ref: Tensor | None
+    ) -> None:
         try:
             out = fn()
         except Exception as exc:  # a config that does not fit (shared memory, registers) is a result too
@@ -67,8 +68,9 @@ class Measurements:
             self.entries.append({"product": product, "case": case, "impl": impl, "error": type(exc).__name__})
             return
         err = rel_err(out, ref) if ref is not None else float("nan")
-        self.entries.append({"product": product, "case": case, "impl": impl, "fn": fn, "flops": flops,
-                             "rel_err": err, "ms_rounds": []})
+        self.entries.append(
+            {"product": product, "case": case, "impl": impl, "fn": fn, "flops": flops, "rel_err": err, "ms_rounds": []}
+        )
 
     def time_all(self, rounds: int) -> list[dict]:
         """Times every entry that ran, ``rounds`` times interleaved; returns the rows (fn dropped)."""
@@ -82,8 +84,11 @@ class Measurements:
             if "fn" in e:
                 row["ms"] = statistics.median(e["ms_rounds"])
                 row["tflops"] = e["flops"] / row["ms"] / 1e9
-                print(f"{row['product']:8} {row['case']:34} {row['impl']:70} {row['ms']:8.4f} ms "
-                      f"{row['tflops']:6.1f} TFLOP/s err {row['rel_err']:.1e}", flush=True)
+                print(
+                    f"{row['product']:8} {row['case']:34} {row['impl']:70} {row['ms']:8.4f} ms "
+                    f"{row['tflops']:6.1f} TFLOP/s err {row['rel_err']:.1e}",
+                    flush=True,
+                )
             rows.append(row)
         return rows
 
@@ -118,37 +123,67 @@ def run_case(
     full = 2 * batch * m * m * k
     for cfg in SYRK_CANDIDATES:
         for mode in modes:
-            measurements.add("gram", label, f"syrk tma={mode} " + name_of(cfg),
-                    lambda cfg=cfg, mode=mode: syrk(x, config=cfg, tma=mode), sy_flops, gram_ref)
+            measurements.add(
+                "gram",
+                label,
+                f"syrk tma={mode} " + name_of(cfg),
+                lambda cfg=cfg, mode=mode: syrk(x, config=cfg, tma=mode),
+                sy_flops,
+                gram_ref,
+            )
     measurements.add("gram", label, "cuBLAS x@x.mT", lambda: x @ x.mT, full, gram_ref)
     product_ref = g64 @ pmat.double()
     for cfg in SYRK_CANDIDATES:
         for mode in modes:
-            measurements.add("product", label, f"syrk tma={mode} " + name_of(cfg),
-                    lambda cfg=cfg, mode=mode: symmetric_product(gram, pmat, config=cfg, tma=mode), poly_flops,
-                    product_ref)
+            measurements.add(
+                "product",
+                label,
+                f"syrk tma={mode} " + name_of(cfg),
+                lambda cfg=cfg, mode=mode: symmetric_product(gram, pmat, config=cfg, tma=mode),
+                poly_flops,
+                product_ref,
+            )
     measurements.add("product", label, "cuBLAS R@Z", lambda: gram @ pmat, 2 * batch * m**3, product_ref)
     for cfg in SYRK_CANDIDATES:
         for mode in modes:
-            measurements.add("poly", label, f"syrk tma={mode} " + name_of(cfg),
-                    lambda cfg=cfg, mode=mode: syrk(gram, c, b, gram, diag=a, config=cfg, tma=mode), poly_flops,
-                    poly_ref)
+            measurements.add(
+                "poly",
+                label,
+                f"syrk tma={mode} " + name_of(cfg),
+                lambda cfg=cfg, mode=mode: syrk(gram, c, b, gram, diag=a, config=cfg, tma=mode),
+                poly_flops,
+                poly_ref,
+            )
     if gram.ndim == 2:
-        measurements.add("poly", label, "cuBLAS addmm (no a·I)",
-                         lambda: torch.addmm(gram, gram, gram, beta=b, alpha=c), 2 * m**3, None)
+        measurements.add(
+            "poly",
+            label,
+            "cuBLAS addmm (no a·I)",
+            lambda: torch.addmm(gram, gram, gram, beta=b, alpha=c),
+            2 * m**3,
+            None,
+        )
     else:
-        measurements.add("poly", label, "cuBLAS baddbmm (no a·I)",
-                lambda: torch.baddbmm(gram, gram, gram, beta=b, alpha=c), 2 * batch * m**3, None)
+        measurements.add(
+            "poly",
+            label,
+            "cuBLAS baddbmm (no a·I)",
+            lambda: torch.baddbmm(gram, gram, gram, beta=b, alpha=c),
+            2 * batch * m**3,
+            None,
+        )
     transposed = x.stride(-2) == 1 and x.stride(-1) != 1
     if transposed:
         xt = x.mT  # contiguous [.., k, m]: X'ᵀ = a·Xᵀ + Xᵀ·B
-        add = (lambda: torch.addmm(xt, xt, bmat, beta=a)) if x.ndim == 2 else (
-            lambda: torch.baddbmm(xt, xt, bmat, beta=a))
+        add = (
+            (lambda: torch.addmm(xt, xt, bmat, beta=a))
+            if x.ndim == 2
+            else (lambda: torch.baddbmm(xt, xt, bmat, beta=a))
+        )
         measurements.add("combine", label, "cuBLAS addmm a·Xᵀ + Xᵀ·B", lambda: add().mT, full, comb_ref)
         measurements.add("combine", label, "cuBLAS mm Xᵀ·P", lambda: (xt @ pmat).mT, full, comb_ref)
     else:
-        add = (lambda: torch.addmm(x, bmat, x, beta=a)) if x.ndim == 2 else (
-            lambda: torch.baddbmm(x, bmat, x, beta=a))
+        add = (lambda: torch.addmm(x, bmat, x, beta=a)) if x.ndim == 2 else (lambda: torch.baddbmm(x, bmat, x, beta=a))
         measurements.add("combine", label, "cuBLAS addmm a·X + B·X", add, full, comb_ref)
         measurements.add("combine", label, "cuBLAS mm P·X", lambda: pmat @ x, full, comb_ref)
 
@@ -174,14 +209,28 @@ def main() -> None:
     measurements = Measurements()
     for label in args.cases.split(","):
         shape, transposed = CASES[label]
-        run_case(measurements, label, normalized(*shape, transposed=transposed), (3.4445, -4.775, 2.0315),
-                 args.modes.split(","))
+        run_case(
+            measurements,
+            label,
+            normalized(*shape, transposed=transposed),
+            (3.4445, -4.775, 2.0315),
+            args.modes.split(","),
+        )
     rows = measurements.time_all(args.rounds)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                        "triton": triton.__version__, "rounds": args.rounds, "rows": rows},
-                                       indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "triton": triton.__version__,
+                    "rounds": args.rounds,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     best: dict[tuple[str, str], dict] = {}
     for row in rows:
         key = (row["product"], row["case"])

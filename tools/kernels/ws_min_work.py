@@ -45,10 +45,16 @@ def cases(shapes: str) -> dict[str, tuple[int, Callable[[], object], Callable[[]
         name = f"{batch}x{m}x{n}"
         table[f"gram {name}"] = (batch * m * m * n, lambda x=x: ws_syrk(x), lambda x=x: syrk(x))
         if n == m or (batch, m, n) == (8, 1024, 4096):
-            table[f"poly {batch}x{m}²"] = (batch * m**3, lambda a=a: ws_syrk(a, None, -4.7, 2.0, a, 3.4),
-                                          lambda a=a: syrk(a, -4.7, 2.0, a, 3.4))
-            table[f"product {batch}x{m}²"] = (batch * m**3, lambda a=a, q=q: ws_syrk(a, q),
-                                             lambda a=a, q=q: symmetric_product(a, q))
+            table[f"poly {batch}x{m}²"] = (
+                batch * m**3,
+                lambda a=a: ws_syrk(a, None, -4.7, 2.0, a, 3.4),
+                lambda a=a: syrk(a, -4.7, 2.0, a, 3.4),
+            )
+            table[f"product {batch}x{m}²"] = (
+                batch * m**3,
+                lambda a=a, q=q: ws_syrk(a, q),
+                lambda a=a, q=q: symmetric_product(a, q),
+            )
     return table
 
 
@@ -68,19 +74,38 @@ def main() -> None:
             gpu[name]["gluon"].append(triton.testing.do_bench_cudagraph(gluon, rep=50))
             gpu[name]["triton"].append(triton.testing.do_bench_cudagraph(plain, rep=50))
     rows = []
-    print(f"{'product':<22} {'work 2^':>7} {'gluon ms':>9} {'triton ms':>9} {'gluon host us':>13} "
-          f"{'triton host us':>14}")
+    print(
+        f"{'product':<22} {'work 2^':>7} {'gluon ms':>9} {'triton ms':>9} {'gluon host us':>13} {'triton host us':>14}"
+    )
     for name, (work, gluon, plain) in table.items():
-        row = {"product": name, "work": work, "gluon_ms": statistics.median(gpu[name]["gluon"]),
-               "triton_ms": statistics.median(gpu[name]["triton"]), "gluon_rounds": gpu[name]["gluon"],
-               "triton_rounds": gpu[name]["triton"], "gluon_host_us": host_us(gluon, 100),
-               "triton_host_us": host_us(plain, 100)}
+        row = {
+            "product": name,
+            "work": work,
+            "gluon_ms": statistics.median(gpu[name]["gluon"]),
+            "triton_ms": statistics.median(gpu[name]["triton"]),
+            "gluon_rounds": gpu[name]["gluon"],
+            "triton_rounds": gpu[name]["triton"],
+            "gluon_host_us": host_us(gluon, 100),
+            "triton_host_us": host_us(plain, 100),
+        }
         rows.append(row)
-        print(f"{name:<22} {math.log2(work):7.1f} {row['gluon_ms']:9.4f} {row['triton_ms']:9.4f} "
-              f"{row['gluon_host_us']:13.1f} {row['triton_host_us']:14.1f}", flush=True)
+        print(
+            f"{name:<22} {math.log2(work):7.1f} {row['gluon_ms']:9.4f} {row['triton_ms']:9.4f} "
+            f"{row['gluon_host_us']:13.1f} {row['triton_host_us']:14.1f}",
+            flush=True,
+        )
     if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                        "triton": triton.__version__, "rows": rows}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "triton": triton.__version__,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ def parse_variants(text: str) -> list[tuple[int, ...]]:
     """``"S,P,C,R,L;..."`` as tuples (STAGES, PRODUCER_REGS, CONSUMER_REGS, MAX_REGS, TURN_LEAD)."""
     variants = [tuple(int(v) for v in item.split(",")) for item in text.split(";") if item]
     if not variants or any(len(v) != 5 for v in variants):
-        raise SystemExit(f"--variants: expected 'STAGES,PRODUCER_REGS,CONSUMER_REGS,MAX_REGS,TURN_LEAD;...', "
-                         f"got {text!r}")
+        raise SystemExit(
+            f"--variants: expected 'STAGES,PRODUCER_REGS,CONSUMER_REGS,MAX_REGS,TURN_LEAD;...', got {text!r}"
+        )
     return variants
 
 

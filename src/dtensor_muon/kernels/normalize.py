@@ -67,12 +67,7 @@ def _scale_from_partials_kernel(partial_ptr, scale_ptr, NUM_PARTIALS, eps, CHUNK
 def require_scale(scale: Tensor, matrices: int, device: torch.device, caller: str) -> None:
     """Raises ValueError, naming ``caller``, unless ``scale`` is a contiguous float32 tensor of ``matrices``
     entries on ``device``: the per-matrix scale the kernels read."""
-    if (
-        scale.dtype != torch.float32
-        or scale.numel() != matrices
-        or not scale.is_contiguous()
-        or scale.device != device
-    ):
+    if scale.dtype != torch.float32 or scale.numel() != matrices or not scale.is_contiguous() or scale.device != device:
         raise ValueError(
             f"{caller}: scale must be a contiguous float32 tensor of {matrices} entries on {device}, got "
             f"{tuple(scale.shape)} {scale.dtype} on {scale.device}"
@@ -83,9 +78,7 @@ def scale_cast_applies(g: Tensor, out: Tensor) -> bool:
     """Whether :func:`normalize_into` and :func:`cast_and_scale_into` apply: both contiguous, same shape, not
     empty, and each matrix under 2³¹ entries (the kernels' offsets within a matrix are 32-bit)."""
     per_matrix = g.size(-2) * g.size(-1) if g.ndim >= 2 else 0
-    return (
-        g.is_contiguous() and out.is_contiguous() and g.shape == out.shape and 0 < per_matrix < 2**31
-    )
+    return g.is_contiguous() and out.is_contiguous() and g.shape == out.shape and 0 < per_matrix < 2**31
 
 
 def _require_kernel_layout(g: Tensor, out: Tensor, caller: str) -> None:

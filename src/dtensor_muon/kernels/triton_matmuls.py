@@ -45,6 +45,7 @@ MIN_SYRK_TILES = 264
 MIN_GLUON_SYRK_DIM = 1024
 MIN_GLUON_SYRK_TILES = 136
 
+
 def symmetric_kernel(
     x: Tensor,
     y: Tensor | None = None,

@@ -86,8 +86,7 @@ def lower_tile_count(m: int, block_n: int, ratio: int) -> int:
 
 
 @triton.jit
-def _store_lower_and_mirror(out_base, result, row0, col0, M, stride_om, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
+def _store_lower_and_mirror(out_base, result, row0, col0, M, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Masked pointer stores: the tile's part on or below the diagonal, and its mirror image above."""
     rows = row0 + tl.arange(0, BLOCK_M)[:, None]
     cols = col0 + tl.arange(0, BLOCK_N)[None, :]
@@ -341,7 +340,12 @@ def _flat_rows(t3: Tensor, transposed: bool) -> Tensor:
 
 
 def _host_descriptors(
-    x3: Tensor, y3: Tensor | None, out: Tensor, c3: Tensor | None, transposed: bool, epilogue: bool,
+    x3: Tensor,
+    y3: Tensor | None,
+    out: Tensor,
+    c3: Tensor | None,
+    transposed: bool,
+    epilogue: bool,
     config: dict | None,
 ) -> tuple[object, ...]:
     """Descriptors over the stacked batch: X's row tiles, Y's column tiles, and (``epilogue``) the output's
@@ -411,9 +415,7 @@ def _launch(
     if c is not None:
         c3 = c if c.ndim == 3 else c.unsqueeze(0)
         if c3.shape != out.shape or c3.stride(-1) != 1:
-            raise ValueError(
-                f"syrk: C must be [.., {m}, {m}] with contiguous rows, got {tuple(c.shape)}"
-            )
+            raise ValueError(f"syrk: C must be [.., {m}, {m}] with contiguous rows, got {tuple(c.shape)}")
     else:
         c3 = out
     mode = tma_mode_for(x3, tma)
@@ -443,7 +445,12 @@ def _launch(
     known = bool(launch_options)
     descs = (
         _host_descriptors(
-            x3, y3 if y is not None else None, out, c3 if c is not None else None, transposed, epilogue,
+            x3,
+            y3 if y is not None else None,
+            out,
+            c3 if c is not None else None,
+            transposed,
+            epilogue,
             launch_options if known else None,
         )
         if mode == 2

@@ -171,8 +171,10 @@ def _launch_operands(
             raise ValueError(f"ws_syrk: scale_power must be 1 or 2, got {scale_power}")
     c3 = None if c is None else (c if c.ndim == 3 else c.unsqueeze(0)).contiguous()
     if c3 is not None and (tuple(c3.shape) != (batch, m, m) or not _tma_reads_c(c3, x)):
-        raise ValueError(f"ws_syrk: C must have X's batch, be {m}×{m} in X's dtype {x.dtype} and 16-byte "
-                         f"aligned, got {tuple(c.shape)} {c.dtype}")
+        raise ValueError(
+            f"ws_syrk: C must have X's batch, be {m}×{m} in X's dtype {x.dtype} and 16-byte "
+            f"aligned, got {tuple(c.shape)} {c.dtype}"
+        )
     transposed = is_transposed_view(x3)
     block = (1, BLOCK_K, BLOCK) if transposed else (1, BLOCK, BLOCK_K)
     out = torch.empty((batch, m, m), device=x.device, dtype=x.dtype)
@@ -200,8 +202,10 @@ def ws_syrk(
     C symmetric [.., m, m] in x's dtype; ``scale`` s fp32 with one entry per matrix, p = ``scale_power`` 1 or
     2. Returns a new, exactly symmetric [.., m, m] tensor in x's dtype."""
     if not ws_syrk_supports(x, y):
-        raise ValueError("ws_syrk: X and Y must meet ws_syrk_supports (a Hopper GPU, bf16/fp16, 8 | m, "
-                         f"TMA-aligned, Y like X), got X {tuple(x.shape)} {x.stride()} {x.dtype}")
+        raise ValueError(
+            "ws_syrk: X and Y must meet ws_syrk_supports (a Hopper GPU, bf16/fp16, 8 | m, "
+            f"TMA-aligned, Y like X), got X {tuple(x.shape)} {x.stride()} {x.dtype}"
+        )
     return ws_syrk_supported(x, y, alpha, beta, c, diag, scale, scale_power)
 
 
@@ -247,7 +251,18 @@ def _launch(programs: int, args: tuple, flags: tuple[bool, bool, bool, int], typ
         return
     transposed, has_c, has_diag, scale_power = flags
     _COMPILED[key] = ws_syrk_kernel[(programs,)](
-        *args, TRANSPOSED=transposed, HAS_C=has_c, HAS_DIAG=has_diag, SCALE_POWER=scale_power,
-        ACC=acc, BM=BLOCK, BK=BLOCK_K, STAGES=STAGES, TURN_LEAD=TURN_LEAD, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS,
+        *args,
+        TRANSPOSED=transposed,
+        HAS_C=has_c,
+        HAS_DIAG=has_diag,
+        SCALE_POWER=scale_power,
+        ACC=acc,
+        BM=BLOCK,
+        BK=BLOCK_K,
+        STAGES=STAGES,
+        TURN_LEAD=TURN_LEAD,
+        CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4,
+        maxnreg=MAX_REGS,
     )

@@ -37,9 +37,25 @@ def _load_c_tile(desc_c, staging3, c_bar, batch, row0, col0):
 
 
 @gluon.jit
-def _finish_tile(acc, desc_out, staging3, c_bar, c_phase, scale_ptr, batch, row0, col0, alpha, beta, diag,
-                ACC: gl.constexpr, HAS_C: gl.constexpr, HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr,
-                BM: gl.constexpr):
+def _finish_tile(
+    acc,
+    desc_out,
+    staging3,
+    c_bar,
+    c_phase,
+    scale_ptr,
+    batch,
+    row0,
+    col0,
+    alpha,
+    beta,
+    diag,
+    ACC: gl.constexpr,
+    HAS_C: gl.constexpr,
+    HAS_DIAG: gl.constexpr,
+    SCALE_POWER: gl.constexpr,
+    BM: gl.constexpr,
+):
     """A finished tile's epilogue: s^p·(alpha·acc + beta·C + d·I) in fp32 (C from the staging buffer once
     ``c_bar`` completes phase ``c_phase``), rounded once, stored by TMA through the staging buffer. A tile
     below the diagonal is stored as itself and transposed; a diagonal tile (row0 = col0) has its lower part
@@ -121,13 +137,38 @@ def _produce(p, TRANSPOSED: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, ST
 
 
 @gluon.jit
-def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.constexpr, HAS_C: gl.constexpr,
-             HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-             STAGES: gl.constexpr, TURN_LEAD: gl.constexpr):
+def _consume(
+    p,
+    CONSUMER: gl.constexpr,
+    ACC: gl.constexpr,
+    TRANSPOSED: gl.constexpr,
+    HAS_C: gl.constexpr,
+    HAS_DIAG: gl.constexpr,
+    SCALE_POWER: gl.constexpr,
+    BM: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    TURN_LEAD: gl.constexpr,
+):
     """Consumer warpgroup CONSUMER: this program's tiles l ≡ CONSUMER (mod 2), products then epilogue. The turn
     passes to the other consumer once the wgmma TURN_LEAD slices before the tile's last is issued."""
-    (desc_out, desc_c, scale_ptr, panels, staging_bufs, ready, empty, turn, c_ready,
-     K, total, per_matrix, alpha, beta, diag) = p
+    (
+        desc_out,
+        desc_c,
+        scale_ptr,
+        panels,
+        staging_bufs,
+        ready,
+        empty,
+        turn,
+        c_ready,
+        K,
+        total,
+        per_matrix,
+        alpha,
+        beta,
+        diag,
+    ) = p
     staging3 = staging_bufs.index(CONSUMER)  # [1, BM, BM], for TMA
     c_bar = c_ready.index(CONSUMER)
     programs = gl.num_programs(0)
@@ -151,16 +192,33 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
             a_op, b_op = _slice_operands(panels, 2 * slot, 2 * slot + 1, TRANSPOSED, BM, BK)
             acc = warpgroup_mma(a_op, b_op, acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            acc = warpgroup_mma_wait(1, deps=(acc,))
             mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=ki > 0)
             mbarrier.arrive(turn.index(1 - CONSUMER), count=1, pred=ki == handoff)
             g += 1
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
         local += 2
 
-        _finish_tile(acc, desc_out, staging3, c_bar, phase, scale_ptr, batch, row0, col0, alpha, beta, diag, ACC,
-                    HAS_C, HAS_DIAG, SCALE_POWER, BM)
+        _finish_tile(
+            acc,
+            desc_out,
+            staging3,
+            c_bar,
+            phase,
+            scale_ptr,
+            batch,
+            row0,
+            col0,
+            alpha,
+            beta,
+            diag,
+            ACC,
+            HAS_C,
+            HAS_DIAG,
+            SCALE_POWER,
+            BM,
+        )
     tma.store_wait(0)
 
 
@@ -168,10 +226,28 @@ def _consume(p, CONSUMER: gl.constexpr, ACC: gl.constexpr, TRANSPOSED: gl.conste
 # so the host launches it directly after the first call (``ws_syrk._launch``).
 @gluon.jit(do_not_specialize=["K", "total", "per_matrix"], do_not_specialize_on_alignment=["scale_ptr"])
 def ws_syrk_kernel(
-    desc_a, desc_b, desc_out, desc_c, scale_ptr, K, total, per_matrix, alpha, beta, diag,
-    TRANSPOSED: gl.constexpr, HAS_C: gl.constexpr, HAS_DIAG: gl.constexpr, SCALE_POWER: gl.constexpr,
-    ACC: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, TURN_LEAD: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    desc_a,
+    desc_b,
+    desc_out,
+    desc_c,
+    scale_ptr,
+    K,
+    total,
+    per_matrix,
+    alpha,
+    beta,
+    diag,
+    TRANSPOSED: gl.constexpr,
+    HAS_C: gl.constexpr,
+    HAS_DIAG: gl.constexpr,
+    SCALE_POWER: gl.constexpr,
+    ACC: gl.constexpr,
+    BM: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    TURN_LEAD: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
 ):
     """One persistent program per SM over ``total`` lower tiles (``per_matrix`` per matrix): a producer
     warp and two consumer warpgroups sharing a TMA ring of STAGES K slices (two panels each)."""
@@ -189,12 +265,30 @@ def ws_syrk_kernel(
     c_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(2):
         mbarrier.init(c_ready.index(s), count=1)
-    consumer = (desc_out, desc_c, scale_ptr, panels, staging, ready, empty, turn, c_ready,
-                K, total, per_matrix, alpha, beta, diag)
+    consumer = (
+        desc_out,
+        desc_c,
+        scale_ptr,
+        panels,
+        staging,
+        ready,
+        empty,
+        turn,
+        c_ready,
+        K,
+        total,
+        per_matrix,
+        alpha,
+        beta,
+        diag,
+    )
     producer = (desc_a, desc_b, panels, ready, empty, K, total, per_matrix)
-    gl.warp_specialize([(_consume, (consumer, 0, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES,
-                                    TURN_LEAD)),
-                        (_consume, (consumer, 1, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES,
-                                    TURN_LEAD)),
-                        (_produce, (producer, TRANSPOSED, BM, BK, STAGES))],
-                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize(
+        [
+            (_consume, (consumer, 0, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES, TURN_LEAD)),
+            (_consume, (consumer, 1, ACC, TRANSPOSED, HAS_C, HAS_DIAG, SCALE_POWER, BM, BK, STAGES, TURN_LEAD)),
+            (_produce, (producer, TRANSPOSED, BM, BK, STAGES)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )

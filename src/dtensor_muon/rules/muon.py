@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Union
 
 import torch
 from torch import Tensor
@@ -24,7 +23,7 @@ from ..newton_schulz import CoefficientSpec, newton_schulz
 
 NewtonSchulz = Callable[..., Tensor]
 
-AdjustLrFn = Union[None, str, Callable[[float, tuple[int, int]], float]]
+AdjustLrFn = None | str | Callable[[float, tuple[int, int]], float]
 ADJUST_LR_NAMES = ("original", "match_rms_adamw")
 
 
