@@ -189,6 +189,9 @@ class Engine:
                 fully_local = {e.index for e in entries} - routed
             self.meshes.append(MeshWork(mesh, entries, plan, comm, wire, fully_local))
         self.mesh_of = {e.index: work for work in self.meshes for e in work.entries}
+        # the shape of this rank's local piece of each DTensor parameter (and of its gradient), by its layout
+        self.local_shapes = {e.index: torch.Size(box_shape(e.layout.local_box))
+                             for e in self.entries if isinstance(e.param, DTensor)}
         dtensors: dict[tuple, list[Entry]] = defaultdict(list)
         for e in self.entries:
             key = _mesh_key(e.param)
@@ -346,16 +349,12 @@ class Engine:
                     isinstance(g, DTensor) and tuple(g.placements) != tuple(e.param.placements)
                 ):
                     raise PreflightError(e, "gradient layout differs from the parameter's")
-            if isinstance(e.param, DTensor):
-                expected = box_shape(e.layout.local_box)
-                for what, t in (("parameter", e.param), ("gradient", g)):
-                    if t is not None and tuple(t.to_local().shape) != expected:
-                        raise PreflightError(
-                            e,
-                            f"this rank's local piece of the {what} has shape {tuple(t.to_local().shape)}; the "
-                            f"layout (global shape {tuple(e.param.shape)}, placements {tuple(e.param.placements)}) "
-                            f"gives mesh rank {e.layout.mesh_rank} the box {e.layout.local_box}, shape {expected}",
-                        )
+            expected = self.local_shapes.get(e.index)
+            if expected is not None:  # _local_tensor: what to_local() returns, without its 2-3 us of checks
+                if e.param._local_tensor.shape != expected:
+                    raise _wrong_piece(e, "parameter", e.param)
+                if g is not None and g._local_tensor.shape != expected:
+                    raise _wrong_piece(e, "gradient", g)
             grads[e.index] = g
         return grads
 
@@ -622,6 +621,15 @@ class Engine:
     def apply_one(self, index: int, update: Tensor, lr: float, weight_decay: float, lr_adjusted: float) -> None:
         """θ ← θ·(1 − γλ) − γ'·O on this rank's shard of parameter ``index``."""
         muon_rule.apply(local(self.entries[index].param), update, lr, weight_decay, lr_adjusted)
+
+
+def _wrong_piece(e: Entry, what: str, t: DTensor) -> PreflightError:
+    return PreflightError(
+        e,
+        f"this rank's local piece of the {what} has shape {tuple(t.to_local().shape)}; the layout (global shape "
+        f"{tuple(e.param.shape)}, placements {tuple(e.param.placements)}) gives mesh rank {e.layout.mesh_rank} "
+        f"the box {e.layout.local_box}, shape {box_shape(e.layout.local_box)}",
+    )
 
 
 def _hyperparameters(e: Entry) -> tuple[float, float, float]:
