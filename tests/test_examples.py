@@ -25,9 +25,7 @@ def start(launcher: list[str], losses: Path, *args: str) -> subprocess.Popen:
     cmd = [*launcher, str(EXAMPLE), "--steps", str(STEPS), "--print-losses-json", str(losses), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # own process group: on a timeout the launcher and its 2 workers are killed together
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, process_group=0)
 
 
 def finish(proc: subprocess.Popen, losses: Path) -> dict:
