@@ -142,13 +142,19 @@ def test_overlap_gives_the_same_losses_and_checkpoints_applied_updates(tmp_path)
     assert after_resume == {step: reference[step] for step in (4, 5, 6)}
 
 
+def launch_with_edited_config(tmp_path: Path, old: str, new: str, timeout: int) -> subprocess.CompletedProcess:
+    """Start the launcher on llama3_tiny.toml with ``old`` replaced by ``new`` (a bad value or key)."""
+    config = (ROOT / "train_configs" / "llama3_tiny.toml").read_text()
+    assert old in config
+    bad = tmp_path / "bad.toml"
+    bad.write_text(config.replace(old, new))
+    cmd = [sys.executable, "-m", "torchtitan_ext.train", "--job.config_file", str(bad)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.mark.slow
 def test_bad_muon_value_in_toml_fails_at_start_with_choices(tmp_path):
-    config = (ROOT / "train_configs" / "llama3_tiny.toml").read_text()
-    bad = tmp_path / "bad.toml"
-    bad.write_text(config.replace('ns_coefficients = "simple"', 'ns_coefficients = "magic"'))
-    cmd = [sys.executable, "-m", "torchtitan_ext.train", "--job.config_file", str(bad)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = launch_with_edited_config(tmp_path, 'ns_coefficients = "simple"', 'ns_coefficients = "magic"', timeout=120)
     assert proc.returncode != 0
     assert "[muon] ns_coefficients = 'magic' is not valid; choose one of: cans, polar_express" in proc.stderr
 
@@ -174,11 +180,7 @@ def test_pipeline_parallel_rank_0_logs_the_last_stages_loss(tmp_path):
 
 @pytest.mark.slow
 def test_misspelled_muon_key_names_the_valid_keys_and_help_lists_them(tmp_path):
-    config = (ROOT / "train_configs" / "llama3_tiny.toml").read_text()
-    bad = tmp_path / "bad.toml"
-    bad.write_text(config.replace("ns_steps = 5", "ns_step = 5"))
-    cmd = [sys.executable, "-m", "torchtitan_ext.train", "--job.config_file", str(bad)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = launch_with_edited_config(tmp_path, "ns_steps = 5", "ns_step = 5", timeout=300)
     assert proc.returncode != 0
     assert "[muon] has no key 'ns_step' (did you mean 'ns_steps'?); its keys: momentum, nesterov, " in proc.stderr
     assert (
