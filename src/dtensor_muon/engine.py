@@ -190,8 +190,9 @@ class Engine:
             self.meshes.append(MeshWork(mesh, entries, plan, comm, wire, fully_local))
         self.mesh_of = {e.index: work for work in self.meshes for e in work.entries}
         # the shape of this rank's local piece of each DTensor parameter (and of its gradient), by its layout
-        self.local_shapes = {e.index: torch.Size(box_shape(e.layout.local_box))
-                             for e in self.entries if isinstance(e.param, DTensor)}
+        self.local_shapes = {
+            e.index: torch.Size(box_shape(e.layout.local_box)) for e in self.entries if isinstance(e.param, DTensor)
+        }
         dtensors: dict[tuple, list[Entry]] = defaultdict(list)
         for e in self.entries:
             key = _mesh_key(e.param)
