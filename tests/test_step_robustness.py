@@ -238,3 +238,49 @@ def test_nonfinite_update_on_two_fsdp_ranks_is_counted_by_its_owner():
         assert all("'3.weight'" in w and "skip_nonfinite=True" in w for w in s["warnings"])
     # each Muon matrix once, on its owner: 5·(4m²n + 2m³) each
     assert sum(s["flops"] for s in step0) == results[0]["expected_flops"] > 0
+
+
+# ---------------------------------------------------------------- nothing in flight after a step
+def exchange_handles_after_step(rank: int, world_size: int) -> dict[str, int]:
+    """How many of the exchange's all-to-all Work objects are still alive: after a plain step, and with
+    ``overlap=True`` after the step and after ``flush()`` (Python references only: weakrefs to the Works)."""
+    import gc
+    import weakref
+
+    from dtensor_muon import engine
+
+    launched: list[weakref.ref] = []
+    start = engine.start_all_to_all
+
+    def recording_start(*args, **kwargs):
+        pending = start(*args, **kwargs)
+        launched.append(weakref.ref(pending.handle))
+        return pending
+
+    engine.start_all_to_all = recording_start
+    out = {}
+    for overlap in (False, True):
+        params = scenarios.distributed_params("shard0", world_size)
+        model = scenarios.ParamHolder(params)
+        named = [(n, getattr(model, n.replace(".", "__"))) for n, _ in params]
+        opt = Muon(named, overlap=overlap, **scenarios.OPTIONS)
+        opt.attach(model)
+        launched.clear()
+        scenarios.set_gradients(named, 0)
+        opt.step()
+        gc.collect()
+        out[f"launched overlap={overlap}"] = len(launched)
+        out[f"alive after step overlap={overlap}"] = sum(r() is not None for r in launched)
+        opt.flush()
+        gc.collect()
+        out[f"alive after flush overlap={overlap}"] = sum(r() is not None for r in launched)
+    engine.start_all_to_all = start
+    return out
+
+
+@pytest.mark.slow
+def test_no_exchange_work_is_kept_after_the_step_or_the_flush():
+    for r in run_bounded(exchange_handles_after_step, 2):
+        assert r["launched overlap=False"] > 0 and r["alive after step overlap=False"] == 0, r
+        assert r["alive after step overlap=True"] > 0, r  # the return exchanges are still in flight
+        assert r["alive after flush overlap=True"] == 0, r
