@@ -4,7 +4,6 @@ error, the summary's dump folder and plot, and the Makefile's install messages."
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -133,7 +132,8 @@ def test_summary_finds_the_dump_folder_of_the_job_and_the_newest_run_of_a_minute
     dump = tmp_path / "elsewhere"
     run = dump / "tensorboard" / "20261201-2100"
     _write_run(run, {1: 9.0, 2: 8.0})
-    time.sleep(0.05)
+    (first,) = run.glob("events.out.tfevents.*")
+    os.utime(first, (first.stat().st_mtime - 60, first.stat().st_mtime - 60))  # written a minute earlier
     _write_run(run, {1: 7.0, 2: 6.0, 3: 5.0})  # a second run within the same minute
     args = ["--job.config_file", "train_configs/llama3_tiny.toml", "--job.dump_folder", str(dump),
             "--metrics.save_tb_folder", "tensorboard", "--training.steps", "3"]  # fmt: skip
