@@ -18,7 +18,7 @@ torch.optim.AdamW, even after deleting the model and the optimizer and collectin
 worker threads are torn down during interpreter finalization; one that then takes the GIL (to drop a
 Python-owned tensor) is ended by CPython with a forced unwind, and the C++ runtime aborts. Not traced
 to dtensor_muon: it keeps no collective in flight after ``step()`` (or ``flush()`` with overlap), and
-without this exit none of 15 runs of the 12-step job with Muon and 15 with AdamW aborted, nor 128 and 48
+without this exit none of 15 runs of the 12-step job with Muon and 15 with AdamW aborted, nor 128 and 68
 smaller FSDP2 scripts with Muon and with AdamW. A run that raises leaves through the normal path, with
 its traceback.
 """
