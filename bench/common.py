@@ -61,26 +61,23 @@ def result_path(args: argparse.Namespace) -> Path | None:
     return Path(args.json) if args.json else None
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> str | None:
+    """The stripped output of ``git ARGS`` in this checkout, or None where git or the checkout is missing."""
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
+            ["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10, check=True
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
-        cwd=Path(__file__).resolve().parent,
-        capture_output=True,
-        text=True,
-        timeout=10,
-    ).stdout.strip()
-    return out.stdout.strip() + ("+changes" if dirty else "")
+    return out.stdout.strip()
+
+
+def _git_commit() -> str | None:
+    """The short commit of this checkout, with ``+changes`` when tracked files differ from it."""
+    commit = _git("rev-parse", "--short", "HEAD")
+    if commit is None:
+        return None
+    return commit + ("+changes" if _git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def machine() -> dict[str, object]:
