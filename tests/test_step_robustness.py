@@ -247,17 +247,17 @@ def exchange_handles_after_step(rank: int, world_size: int) -> dict[str, int]:
     import gc
     import weakref
 
-    from dtensor_muon import engine
+    from dtensor_muon.strategies import owned
 
     launched: list[weakref.ref] = []
-    start = engine.start_all_to_all
+    start = owned.start_all_to_all
 
     def recording_start(*args, **kwargs):
         pending = start(*args, **kwargs)
         launched.append(weakref.ref(pending.handle))
         return pending
 
-    engine.start_all_to_all = recording_start
+    owned.start_all_to_all = recording_start
     out = {}
     for overlap in (False, True):
         params = scenarios.distributed_params("shard0", world_size)
@@ -274,7 +274,7 @@ def exchange_handles_after_step(rank: int, world_size: int) -> dict[str, int]:
         opt.flush()
         gc.collect()
         out[f"alive after flush overlap={overlap}"] = sum(r() is not None for r in launched)
-    engine.start_all_to_all = start
+    owned.start_all_to_all = start
     return out
 
 

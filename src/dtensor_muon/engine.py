@@ -1,19 +1,30 @@
-"""The distributed step: preflight → consensus → prepare → exchange out → Newton–Schulz → exchange back → apply.
+"""The distributed step: preflight → consensus → prepare → strategies (direction where the plan says) → apply.
 
-Every parameter is either a Muon parameter (its matrices are orthogonalized) or an AdamW parameter
-(element-wise, on local shards). Muon parameters are grouped by device mesh; each mesh gets a
-:class:`~dtensor_muon.plan.Plan`. Plain tensors form a world of one: all their matrices are local.
+Every parameter is either a matrix-rule parameter (its matrices get the rule's direction) or an AdamW
+parameter (element-wise, on local shards). Matrix-rule parameters are grouped by device mesh; each mesh gets
+a :class:`~dtensor_muon.plan.Plan`. Plain tensors form a world of one: all their matrices are local. The
+engine runs the strategies of :mod:`dtensor_muon.strategies` on each plan and never names a rule or a
+strategy.
 
-Exactness: momentum and the final update are element-wise on shards; the exchange only moves values
-(in a wire dtype that loses nothing, checked at construction), and each owner runs the same
-Newton–Schulz on the same full matrix as a single process would.
+Exactness: prepare and apply are element-wise on shards; transports only move values (in a wire dtype that
+does not round the rule's input, checked at construction), and every unit is computed on the same whole
+matrices, in the same batches, as in one process.
+
+Owner state (per-matrix state that only makes sense whole, e.g. NorMuon's row second moment) lives in the
+parameter's optimizer state under ``"owner_state"``, as ``{matrix key: {name: tensor}}``, on the ranks that
+compute that matrix (its owner; every holder of a local matrix; every rank with ``exchange="gather_all"``).
+So ``state_dict()`` holds each rank's own matrices, and torch.distributed.checkpoint saves each under the
+parameter's name and the matrix key. Loading on another world size works through DCP's templates
+(``get_optimizer_state_dict`` on the new ranks lists exactly the matrices each now computes, and
+``dcp.load`` fills them whoever saved them); a plain ``load_state_dict`` that lacks a matrix this rank now
+computes raises instead of starting it from zeros. Chosen over re-laying the state out in the parameter's
+layout at each save: no collective at save or load, and nothing but the owner's copy is ever kept.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,29 +33,19 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from . import metrics as metrics_lib
-from .exchange import MeshGroup, PendingExchange, mesh_group, start_all_to_all
-from .kernels import resolve_ns_algorithm
-from .layout import ParamLayout, box_numel, box_shape, box_slices, relative_slices
-from .newton_schulz import newton_schulz, resolve_coefficients, resolve_ns_dtype
+from .exchange import MeshGroup, mesh_group
+from .layout import box_shape, intersect, relative_slices
+from .newton_schulz import newton_schulz
 from .ns_graphs import NewtonSchulzGraphs
-from .pending import BackExchange, PendingUpdates
-from .plan import MatrixRoute, Plan, build_plan, chunk_by_budget, matrix_shape, ns_iteration_flops
+from .pending import PendingUpdates
+from .placement import GatherAll, Local, Owned
+from .plan import UNIT_COST_FRACTION, Plan, build_plan, matrices_of
 from .rules import adamw as adamw_rule
-from .rules import muon as muon_rule
+from .rules.base import MatrixRule
+from .step_context import OWNER_STATE_KEY, Entry, MeshWork, StepContext, local
+from .strategies import STRATEGIES
 
 EXCHANGE_MODES = ("owner", "gather_all")
-
-
-@dataclass
-class Entry:
-    """One parameter as the engine sees it."""
-
-    index: int
-    name: str
-    param: Tensor
-    group: dict[str, Any]
-    use_muon: bool
-    layout: ParamLayout
 
 
 class PreflightError(RuntimeError):
@@ -55,44 +56,12 @@ class PreflightError(RuntimeError):
         self.index = entry.index
 
 
-@dataclass
-class MeshWork:
-    """The Muon parameters of one mesh, their plan and the group the exchange runs on."""
-
-    mesh: Any
-    entries: list[Entry]
-    plan: Plan
-    comm: MeshGroup
-    wire_dtype: torch.dtype
-    fully_local: set[int] = field(default_factory=set)
-    """Parameters all of whose matrices are local: computed in chunks and applied at once, no buffers."""
-
-    def update_dtype(self, e: Entry) -> torch.dtype:
-        """dtype of a parameter's received update: the wire dtype, or the Newton–Schulz dtype without a mesh."""
-        return self.wire_dtype if self.mesh is not None else resolve_ns_dtype(e.group["ns_dtype"])
-
-
-@dataclass
 class ConsensusGroup:
-    """The DTensor parameters (Muon and AdamW) of one mesh with more than one rank, and that mesh's group."""
+    """The DTensor parameters (matrix-rule and AdamW) of one mesh with more than one rank, and its group."""
 
-    entries: list[Entry]
-    comm: MeshGroup
-
-
-@dataclass
-class StepScratch:
-    """Per-step tensors: the matrix to orthogonalize (U) and the received update (O), per parameter."""
-
-    grads: dict[int, Tensor | None]
-    state: dict[Tensor, dict[str, Any]]
-    updates_in: dict[int, Tensor] = field(default_factory=dict)
-    updates_out: dict[int, Tensor] = field(default_factory=dict)
-
-
-def local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor, or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    def __init__(self, entries: list[Entry], comm: MeshGroup) -> None:
+        self.entries = entries
+        self.comm = comm
 
 
 def _mesh_key(t: Tensor) -> tuple | None:
@@ -113,20 +82,23 @@ def _mesh_order(key: tuple | None) -> tuple:
     return (1, len(key[0]), key[0])
 
 
-def _ns_settings(group: dict[str, Any]) -> tuple:
-    """Hashable Newton–Schulz settings of a param group (matrices batch together only when these agree)."""
-    return (
-        resolve_coefficients(group["ns_coefficients"]),
-        int(group["ns_steps"]),
-        float(group["eps"]),
-        resolve_ns_dtype(group["ns_dtype"]),
-        resolve_ns_algorithm(group["ns_algorithm"]),
-    )
+def wire_is_lossless(wire: torch.dtype, input_dtype: torch.dtype) -> bool:
+    """Moving values in ``wire`` then casting to ``input_dtype`` equals casting directly (and back)."""
+    return wire == input_dtype or torch.finfo(wire).bits >= 32
 
 
-def wire_is_lossless(wire: torch.dtype, ns_dtype: torch.dtype) -> bool:
-    """Moving values in ``wire`` then casting to ``ns_dtype`` equals casting directly (and back)."""
-    return wire == ns_dtype or torch.finfo(wire).bits >= 32
+def apply_regions(e: Entry) -> list[tuple[tuple[slice, ...] | None, tuple[int, int]]]:
+    """The parts of ``e``'s local shard with their own γ': one (None, shape) when all its matrices share a
+    shape, else (slices relative to the local shard, shape) per matrix that meets the shard."""
+    specs = matrices_of(e.index, e.layout, e.split)
+    if len({s.shape for s in specs}) == 1:
+        return [(None, specs[0].shape)]
+    out = []
+    for s in specs:
+        part = intersect(s.box, e.layout.local_box)
+        if part is not None:
+            out.append((relative_slices(part, e.layout.local_box), s.shape))
+    return out
 
 
 class Engine:
@@ -134,7 +106,9 @@ class Engine:
 
     def __init__(
         self,
+        rule: MatrixRule,
         entries: list[Entry],
+        state: dict[Tensor, dict[str, Any]],
         *,
         wire_dtype: torch.dtype | None,
         bucket_bytes: int,
@@ -143,10 +117,13 @@ class Engine:
         diagnostics_interval: int,
         overlap: bool = False,
         ns_cuda_graphs: bool = True,
+        loaded_owner_state: set[int] = frozenset(),  # type: ignore[assignment]
     ) -> None:
         if exchange not in EXCHANGE_MODES:
             raise ValueError(f"exchange: expected one of {EXCHANGE_MODES}, got {exchange!r}")
+        self.rule = rule
         self.entries = entries
+        self.state = state
         self.wire_dtype_option = wire_dtype
         self.bucket_bytes = bucket_bytes
         self.exchange = exchange
@@ -167,26 +144,56 @@ class Engine:
         self.mesh_of: dict[int, MeshWork] = {}
         self.consensus_groups: list[ConsensusGroup] = []
         self.rebuild_plans()
+        self._sync_owner_state(loaded_owner_state)
 
     # ------------------------------------------------------------------ plans
     def rebuild_plans(self) -> None:
         """(Re)build one plan per mesh and check that every rank of the mesh built the same one."""
+        for e in self.entries:
+            if e.use_muon:
+                e.regions = apply_regions(e)
         by_mesh: dict[tuple | None, list[Entry]] = defaultdict(list)
         for e in self.entries:
             if e.use_muon:
                 by_mesh[_mesh_key(e.param)].append(e)
+        # one cost cap for every mesh, from every matrix: each mesh then groups its matrices into the same
+        # units as one process holding all parameters would
+        costs = [
+            self.rule.cost(e.group, s.shape).flops
+            for entries in by_mesh.values()
+            for e in entries
+            for s in matrices_of(e.index, e.layout, e.split)
+        ]
+        cost_cap = max(costs, default=0) // UNIT_COST_FRACTION
         self.meshes = []
         for key, entries in sorted(by_mesh.items(), key=lambda kv: _mesh_order(kv[0])):
             wire = self._wire_dtype(entries)
-            layouts = [e.layout for e in entries]
-            plan = build_plan(layouts, [e.index for e in entries], self.bucket_bytes, wire.itemsize)
             mesh = entries[0].param.device_mesh if key is not None else None
+
+            def cost(k: int, shape: tuple[int, int], entries: list[Entry] = entries) -> tuple[int, int]:
+                c = self.rule.cost(entries[k].group, shape)
+                return c.flops, c.owner_state_bytes
+
+            plan = build_plan(
+                [e.layout for e in entries],
+                [e.index for e in entries],
+                self.bucket_bytes,
+                wire.itemsize,
+                splits=[e.split for e in entries],
+                batch_keys=[self.rule.batch_key(e.group) for e in entries],
+                cost_fn=cost,
+                cost_cap=cost_cap,
+                gather_all=self.exchange == "gather_all" and mesh is not None,
+            )
             comm = mesh_group(mesh, entries[0].layout.mesh_rank)
             _check_same_plan_everywhere(plan, comm)
-            fully_local: set[int] = set()
-            if self.exchange == "owner" or mesh is None:
-                routed = {r.spec.param_index for r in plan.routes if not r.is_local}
-                fully_local = {e.index for e in entries} - routed
+            not_local = {
+                plan.routes[i].spec.param_index
+                for u in plan.units
+                if not isinstance(u.placement, Local)
+                for i in u.members
+            }
+            fully_local = {e.index for e in entries} - not_local
             self.meshes.append(MeshWork(mesh, entries, plan, comm, wire, fully_local))
         self.mesh_of = {e.index: work for work in self.meshes for e in work.entries}
         # the shape of this rank's local piece of each DTensor parameter (and of its gradient), by its layout
@@ -205,6 +212,55 @@ class Engine:
             if comm.world_size > 1:  # a one-rank mesh has nothing to agree on: no collective, no host sync
                 self.consensus_groups.append(ConsensusGroup(entries, comm))
 
+    def _computed_here(self, work: MeshWork) -> list[int]:
+        """Route indices of the matrices this rank computes (and so keeps the owner state of)."""
+        plan, me = work.plan, work.comm.mesh_rank
+        out = []
+        for unit in plan.units:
+            p = unit.placement
+            if (
+                isinstance(p, GatherAll)
+                or (isinstance(p, Owned) and p.rank == me)
+                or (isinstance(p, Local) and any(rank == me for rank, _ in plan.routes[unit.members[0]].holders))
+            ):
+                out.extend(unit.members)
+        return out
+
+    def _sync_owner_state(self, loaded: set[int]) -> None:
+        """Create the owner state of every matrix computed here, drop that of matrices computed elsewhere.
+
+        ``loaded``: ids of the parameters whose owner state a load just put back; a matrix of one of them that
+        this rank computes but the load lacks raises (a state dict from another world size or plan, loaded
+        without DCP) instead of restarting from zeros.
+        """
+        if not self.rule.has_owner_state:
+            return
+        missing = []
+        for work in self.meshes:
+            for e in work.entries:
+                self.state[e.param].setdefault(OWNER_STATE_KEY, {})
+            keep: dict[int, set[str]] = defaultdict(set)
+            for i in self._computed_here(work):
+                spec = work.plan.routes[i].spec
+                e = self.entries[spec.param_index]
+                keep[e.index].add(spec.key)
+                held = self.state[e.param][OWNER_STATE_KEY]
+                if spec.key not in held:
+                    if id(e.param) in loaded:
+                        missing.append(spec.name)
+                    held[spec.key] = self.rule.init_owner_state(spec.shape, e.group, local(e.param).device)
+            for e in work.entries:
+                held = self.state[e.param][OWNER_STATE_KEY]
+                for key in [k for k in held if k not in keep[e.index]]:
+                    del held[key]
+        if missing:
+            raise RuntimeError(
+                f"the loaded optimizer state lacks the owner state of {len(missing)} matrices this rank computes "
+                f"({', '.join(missing[:3])}{', …' if len(missing) > 3 else ''}): it was saved with another world "
+                "size or plan. Load it through torch.distributed.checkpoint (get_optimizer_state_dict, dcp.load, "
+                "set_optimizer_state_dict), which gives each matrix to its new owner."
+            )
+
     def _wire_dtype(self, entries: list[Entry]) -> torch.dtype:
         wire = self.wire_dtype_option
         if wire is None:
@@ -213,16 +269,20 @@ class Engine:
                 wire = torch.promote_types(wire, e.param.dtype)
         if any(isinstance(e.param, DTensor) for e in entries):
             for e in entries:
-                ns_dtype = resolve_ns_dtype(e.group["ns_dtype"])
-                if not wire_is_lossless(wire, ns_dtype):
+                needed = self.rule.input_dtype(e.group)
+                if not wire_is_lossless(wire, needed):
                     raise ValueError(
-                        f"wire_dtype {wire} would round the {ns_dtype} Newton–Schulz input of parameter "
-                        f"{e.name!r}; use wire_dtype=None (the parameter dtype) or {ns_dtype}"
+                        f"wire_dtype {wire} would round the {needed} input of parameter {e.name!r}'s "
+                        f"{self.rule.name} direction; use wire_dtype=None (the parameter dtype) or {needed}"
                     )
         return wire
 
+    def update_dtype(self, work: MeshWork, e: Entry) -> torch.dtype:
+        """dtype of a parameter's received update: the wire dtype, or the rule's input dtype without a mesh."""
+        return work.wire_dtype if work.mesh is not None else self.rule.input_dtype(e.group)
+
     # ------------------------------------------------------------------ step
-    def step(self, state: dict[Tensor, dict[str, Any]]) -> bool:
+    def step(self) -> bool:
         """One optimizer step. Returns False when the step was skipped (non-finite gradients).
 
         Without overlap every update is applied before returning. With overlap the return exchanges may
@@ -256,18 +316,17 @@ class Engine:
         diagnostics = self.diagnostics_interval > 0 and self.steps_taken % self.diagnostics_interval == 0
         stats = metrics_lib.StepStats(sample_orthogonality=diagnostics)
         with timer.phase("adamw"):
-            self._adamw_step(grads, active, state, stats, diagnostics)
+            self._adamw_step(grads, active, stats, diagnostics)
+        ctx = StepContext(
+            self.rule, self.entries, self.state, grads, active, stats, timer, self.ns_runner, self.bucket_bytes
+        )
         with timer.phase("prepare"):
-            scratch = self._prepare(grads, active, state)
-        # parameters with every matrix local are prepared, orthogonalized and applied in chunks
-        backs: list[BackExchange] = []
+            self._prepare(ctx)
+        backs = []
         for work in self.meshes:
-            if self.exchange == "gather_all" and work.mesh is not None:
-                self._gather_all(work, scratch, active, timer, stats)
-            else:
-                backs.extend(self._owner_exchange(work, scratch, active, timer, stats))
-        hyper = {e.index: _hyperparameters(e) for e in self.entries if e.index in scratch.updates_out}
-        self.pending = PendingUpdates(self, scratch, active, backs, hyper)
+            for strategy in STRATEGIES:
+                backs.extend(strategy(ctx, work))
+        self.pending = PendingUpdates(list(ctx.updates), backs, ctx.apply)
         if not self.overlap:
             with timer.phase("finish"):
                 self.flush()
@@ -394,11 +453,7 @@ class Engine:
         failed = ((code >> 32) - 1, code & 0xFFFFFFFF) if code else None
         return active, nonfinite, failed
 
-    def _grad_or_zeros(self, e: Entry, grads: dict[int, Tensor | None]) -> Tensor:
-        g = grads[e.index]
-        return local(g) if g is not None else torch.zeros_like(local(e.param))
-
-    def _adamw_step(self, grads, active, state, stats, diagnostics: bool) -> None:
+    def _adamw_step(self, grads, active, stats, diagnostics: bool) -> None:
         by_group: dict[int, list[Entry]] = defaultdict(list)
         for e in self.entries:
             if not e.use_muon and e.index in active:
@@ -409,10 +464,13 @@ class Engine:
             before = [p.detach().clone() for p in params] if diagnostics else None
             adamw_rule.step(
                 params,
-                [self._grad_or_zeros(e, grads) for e in entries],
-                [local(state[e.param]["exp_avg"]) for e in entries],
-                [local(state[e.param]["exp_avg_sq"]) for e in entries],
-                [state[e.param]["step"] for e in entries],
+                [
+                    local(grads[e.index]) if grads[e.index] is not None else torch.zeros_like(p)
+                    for e, p in zip(entries, params)
+                ],
+                [local(self.state[e.param]["exp_avg"]) for e in entries],
+                [local(self.state[e.param]["exp_avg_sq"]) for e in entries],
+                [self.state[e.param]["step"] for e in entries],
                 lr=group["lr"],
                 betas=tuple(group["adamw_betas"]),
                 eps=group["adamw_eps"],
@@ -422,206 +480,15 @@ class Engine:
                 for p, b in zip(params, before):
                     stats.add_update("adamw", p - b)
 
-    def _prepare(self, grads, active, state) -> StepScratch:
-        """Momentum on the shards of the parameters that are exchanged, and their update buffers."""
-        scratch = StepScratch(grads, state)
-        fully_local = set().union(*(w.fully_local for w in self.meshes))
-        for e in self.entries:
-            if e.use_muon and e.index in active and e.index not in fully_local:
-                scratch.updates_in[e.index] = self._momentum(e, scratch)
-                scratch.updates_out[e.index] = torch.empty_like(
-                    local(e.param), dtype=self.mesh_of[e.index].update_dtype(e)
-                )
-        return scratch
-
-    def _momentum(self, e: Entry, scratch: StepScratch) -> Tensor:
-        """U for parameter ``e`` (updating its momentum buffer in place)."""
-        buf = local(scratch.state[e.param]["momentum_buffer"])
-        return muon_rule.prepare(self._grad_or_zeros(e, scratch.grads), buf, e.group["momentum"], e.group["nesterov"])
-
-    # ------------------------------------------------------------------ Newton–Schulz on owners
-    def _orthogonalize(self, jobs: list[tuple[MatrixRoute, Entry, Tensor]], stats) -> list[Tensor]:
-        """Newton–Schulz on full matrices, batching those of equal shape and settings; returns O per job."""
-        results: list[Tensor | None] = [None] * len(jobs)
-        batches: dict[tuple, list[int]] = defaultdict(list)
-        for j, (route, entry, _) in enumerate(jobs):
-            batches[(route.spec.shape, _ns_settings(entry.group))].append(j)
-        for (shape, (coefficients, steps, eps, ns_dtype, algorithm)), members in batches.items():
-            mats = [jobs[j][2].reshape(shape) for j in members]
-            stacked = mats[0] if len(mats) == 1 else torch.stack(mats)
-            out = muon_rule.direction(stacked, coefficients, steps, eps, ns_dtype, algorithm, self.ns_runner)
-            stats.add_flops(len(mats) * steps * ns_iteration_flops(shape))
-            outs = [out] if len(mats) == 1 else list(out.unbind(0))
-            for j, o in zip(members, outs):
-                results[j] = o
-                route, entry, _ = jobs[j]
-                lr_adjusted = muon_rule.adjusted_lr(entry.group["lr"], entry.group["adjust_lr_fn"], shape)
-                stats.add_orthogonal(o, lr_adjusted, route.spec.name)
-        return results  # type: ignore[return-value]
-
-    def _owner_exchange(self, work: MeshWork, scratch: StepScratch, active, timer, stats) -> list[BackExchange]:
-        """Compute local matrices, exchange out, orthogonalize owned matrices, launch the return exchanges."""
-        plan = work.plan
-        with timer.phase("local_compute"):
-            self._compute_local(work, scratch, active, stats)
-        if not plan.buckets:
-            return []
-        device = local(work.entries[0].param).device
-        with timer.phase("exchange_out_launch"):
-            pending_out = [self._launch_out(work, bucket, scratch, active, device, stats) for bucket in plan.buckets]
-        backs: list[BackExchange] = []
-        for bucket, pending in zip(plan.buckets, pending_out):
-            with timer.phase("exchange_out_wait"):
-                received = pending.wait()
-            with timer.phase("owner_compute"):
-                updates = self._compute_owned(work, bucket, received, active, device, stats)
-            with timer.phase("exchange_back_launch"):
-                backs.append(
-                    BackExchange(work, bucket, self._launch_back(work, bucket, updates, active, device, stats))
-                )
-        return backs
-
-    def _compute_local(self, work: MeshWork, scratch: StepScratch, active, stats) -> None:
-        """Local matrices, in chunks of at most ``bucket_bytes`` of Newton–Schulz input (batched by shape).
-
-        Matrices of fully local parameters are applied as soon as they are orthogonalized, and a parameter's
-        U lives only until its last matrix is done, so peak memory is about one chunk, not the model.
-        """
-        routes = [work.plan.routes[i] for i in work.plan.local_to(work.comm.mesh_rank)]
-        routes = [r for r in routes if r.spec.param_index in active]
-        left = defaultdict(int)
-        for r in routes:
-            left[r.spec.param_index] += 1
-        momentum: dict[int, Tensor] = {}
-        for chunk in chunk_by_budget(routes, self.bucket_bytes, lambda r: r.spec.numel * self._ns_itemsize(r)):
-            jobs = []
-            for route in chunk:
-                e = self.entries[route.spec.param_index]
-                if e.index in work.fully_local and e.index not in momentum:
-                    momentum[e.index] = self._momentum(e, scratch)
-                u = momentum[e.index] if e.index in work.fully_local else scratch.updates_in[e.index]
-                jobs.append((route, e, u[relative_slices(route.spec.box, e.layout.local_box)]))
-            for (route, e, _), o in zip(jobs, self._orthogonalize(jobs, stats)):
-                sl = relative_slices(route.spec.box, e.layout.local_box)
-                if e.index in work.fully_local:
-                    target = local(e.param)[sl]
-                    muon_rule.apply(target, o.reshape(target.shape), *_hyperparameters(e))
-                    left[e.index] -= 1
-                    if left[e.index] == 0:
-                        del momentum[e.index]
-                else:
-                    target = scratch.updates_out[e.index][sl]
-                    target.copy_(o.reshape(target.shape))
-
-    def _ns_itemsize(self, route: MatrixRoute) -> int:
-        return resolve_ns_dtype(self.entries[route.spec.param_index].group["ns_dtype"]).itemsize
-
-    def _active_routes(self, work: MeshWork, bucket: list[int], active) -> list[MatrixRoute]:
-        return [work.plan.routes[i] for i in bucket if work.plan.routes[i].spec.param_index in active]
-
-    def _launch_out(self, work, bucket, scratch, active, device, stats) -> PendingExchange:
-        me = work.comm.mesh_rank
-        send: dict[int, list[Tensor]] = defaultdict(list)
-        recv: dict[int, int] = defaultdict(int)
-        for route in self._active_routes(work, bucket, active):
-            e = self.entries[route.spec.param_index]
-            for box, source in route.pieces:
-                if source == me:
-                    send[route.owner].append(scratch.updates_in[e.index][relative_slices(box, e.layout.local_box)])
-                if route.owner == me:
-                    recv[source] += box_numel(box)
-        stats.bytes_sent += sum(p.numel() for r, ps in send.items() if r != me for p in ps) * work.wire_dtype.itemsize
-        return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
-
-    def _compute_owned(self, work, bucket, received: dict[int, Tensor], active, device, stats) -> dict[int, Tensor]:
-        """Assemble each owned matrix from its pieces (in route order per source) and orthogonalize."""
-        me = work.comm.mesh_rank
-        offsets: dict[int, int] = defaultdict(int)
-        jobs = []
-        for route in self._active_routes(work, bucket, active):
-            if route.owner != me:
-                continue
-            e = self.entries[route.spec.param_index]
-            full = torch.empty(box_shape(route.spec.box), dtype=work.wire_dtype, device=device)
-            for box, source in route.pieces:
-                n = box_numel(box)
-                chunk = received[source][offsets[source] : offsets[source] + n]
-                offsets[source] += n
-                target = full[relative_slices(box, route.spec.box)]
-                target.copy_(chunk.view(target.shape))
-            jobs.append((route, e, full))
-        outs = self._orthogonalize(jobs, stats)
-        return {id(route): o.reshape(box_shape(route.spec.box)) for (route, _, _), o in zip(jobs, outs)}
-
-    def _launch_back(self, work, bucket, updates: dict[int, Tensor], active, device, stats) -> PendingExchange:
-        me = work.comm.mesh_rank
-        send: dict[int, list[Tensor]] = defaultdict(list)
-        recv: dict[int, int] = defaultdict(int)
-        for route in self._active_routes(work, bucket, active):
-            for holder, box in route.holders:
-                if route.owner == me:
-                    send[holder].append(updates[id(route)][relative_slices(box, route.spec.box)])
-                if holder == me:
-                    recv[route.owner] += box_numel(box)
-        stats.bytes_sent += sum(p.numel() for r, ps in send.items() if r != me for p in ps) * work.wire_dtype.itemsize
-        return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
-
-    def unpack_back(self, work, bucket, received: dict[int, Tensor], scratch: StepScratch, active) -> None:
-        """Copy the update pieces of one bucket's return exchange into the per-parameter update buffers."""
-        me = work.comm.mesh_rank
-        offsets: dict[int, int] = defaultdict(int)
-        for route in self._active_routes(work, bucket, active):
-            e = self.entries[route.spec.param_index]
-            for holder, box in route.holders:
-                if holder != me:
-                    continue
-                n = box_numel(box)
-                chunk = received[route.owner][offsets[route.owner] : offsets[route.owner] + n]
-                offsets[route.owner] += n
-                target = scratch.updates_out[e.index][relative_slices(box, e.layout.local_box)]
-                target.copy_(chunk.view(target.shape))
-
-    # ------------------------------------------------------------------ baseline: every rank computes all
-    def _gather_all(self, work: MeshWork, scratch: StepScratch, active, timer, stats) -> None:
-        """Baseline: ``full_tensor()`` of U on every rank, every matrix orthogonalized on every rank."""
-        jobs = []
-        fulls: dict[int, Tensor] = {}
-        with timer.phase("gather_all"):
+    def _prepare(self, ctx: StepContext) -> None:
+        """U on the shards of the parameters that are not fully local, their update buffers and apply scalars."""
+        for work in self.meshes:
             for e in work.entries:
-                if e.index not in active:
+                if e.index not in ctx.active or e.index in work.fully_local:
                     continue
-                u = DTensor.from_local(
-                    scratch.updates_in[e.index],
-                    e.param.device_mesh,
-                    e.param.placements,
-                    run_check=False,
-                    shape=e.param.shape,
-                    stride=e.param.stride(),
-                )
-                fulls[e.index] = u.full_tensor()
-                stats.bytes_sent += (
-                    scratch.updates_in[e.index].numel()
-                    * scratch.updates_in[e.index].element_size()
-                    * (work.comm.world_size - 1)
-                )
-        with timer.phase("owner_compute"):
-            for route in work.plan.routes:
-                e = self.entries[route.spec.param_index]
-                if e.index in fulls:
-                    jobs.append((route, e, fulls[e.index][box_slices(route.spec.box)]))
-            outs = self._orthogonalize(jobs, stats)
-            full_out = {i: torch.empty_like(f, dtype=work.wire_dtype) for i, f in fulls.items()}
-            for (route, e, _), o in zip(jobs, outs):
-                target = full_out[e.index][box_slices(route.spec.box)]
-                target.copy_(o.reshape(target.shape))
-            for i, f in full_out.items():
-                e = self.entries[i]
-                scratch.updates_out[i].copy_(f[box_slices(e.layout.local_box)])
-
-    # ------------------------------------------------------------------ apply
-    def apply_one(self, index: int, update: Tensor, lr: float, weight_decay: float, lr_adjusted: float) -> None:
-        """θ ← θ·(1 − γλ) − γ'·O on this rank's shard of parameter ``index``."""
-        muon_rule.apply(local(self.entries[index].param), update, lr, weight_decay, lr_adjusted)
+                ctx.inputs[e.index] = ctx.prepare(e)
+                ctx.updates[e.index] = torch.empty_like(local(e.param), dtype=self.update_dtype(work, e))
+                ctx.scalars[e.index] = self.rule.scalars(e.group, e.regions)
 
 
 def _wrong_piece(e: Entry, what: str, t: DTensor) -> PreflightError:
@@ -631,12 +498,6 @@ def _wrong_piece(e: Entry, what: str, t: DTensor) -> PreflightError:
         f"{tuple(e.param.shape)}, placements {tuple(e.param.placements)}) gives mesh rank {e.layout.mesh_rank} "
         f"the box {e.layout.local_box}, shape {box_shape(e.layout.local_box)}",
     )
-
-
-def _hyperparameters(e: Entry) -> tuple[float, float, float]:
-    """(γ, λ, γ') of a Muon parameter, read from its group now (schedulers may change them later)."""
-    lr = e.group["lr"]
-    return lr, e.group["weight_decay"], muon_rule.adjusted_lr(lr, e.group["adjust_lr_fn"], matrix_shape(e.param.shape))
 
 
 def _check_same_plan_everywhere(plan: Plan, comm: MeshGroup) -> None:
@@ -651,6 +512,6 @@ def _check_same_plan_everywhere(plan: Plan, comm: MeshGroup) -> None:
     values = {int(t.item()) for t in gathered}
     if len(values) != 1:
         raise RuntimeError(
-            f"the Muon plan differs across ranks ({len(values)} different digests): the ranks were given "
-            "different parameter names, shapes, placements or options"
+            f"the plan differs across ranks ({len(values)} different digests): the ranks were given different "
+            "parameter names, shapes, placements or options"
         )

@@ -1,44 +1,49 @@
-"""The plan: which rank orthogonalizes each matrix, which pieces move where, and in which buckets.
+"""The plan: which matrices are computed together, where, which pieces move where, and in which buckets.
 
-Unit: a matrix (a 2-D parameter, one expert ``[e]`` of a 3-D ``[E, m, n]`` parameter, or a ≥4-D parameter
-viewed as ``(shape[0], -1)``). Cost of one Newton–Schulz iteration on an m×n matrix (m ≤ n after
-transposing): ``4m²n + 2m³`` FLOPs.
+Matrices (see :mod:`dtensor_muon.views`) are grouped into **units**, computed as one batch: matrices of
+one shape whose rule settings agree (equal batch keys), where batching pays (:mod:`..kernels.batching`),
+consecutive in parameter order (the experts of a 3-D parameter only with each other), up to a power-of-two
+count whose cost stays within a quarter of the costliest matrix. The units depend only on the model (names,
+shapes, splits, settings), never on the world size, so every placement computes the same batches as one
+process: the same bits.
 
-A matrix that every rank holding any part of it holds whole is *local*: each holder computes it without
-communication, and its cost is pinned load on those ranks. The others get an owner by longest-processing-
-time greedy: matrices by decreasing cost (ties by name), each to the rank with the least load so far (ties:
-the rank holding most of the matrix, then the lowest rank). Buckets group the non-local matrices in
-parameter (forward-execution) order up to a byte budget. The plan depends only on names, shapes, boxes and
-world size, so every rank builds the same one; its digest is compared across ranks.
+A unit whose matrices every holder holds whole is :class:`~..placement.Local` (its cost is pinned load on
+each holder). The others get :class:`~..placement.GatherAll` when asked, else an :class:`~..placement.Owned`
+rank from :func:`.balance.assign_owners` (longest-processing-time, refined toward the lower bound, with
+owner-state bytes as a second constraint). Buckets group the owned units in parameter (forward-execution)
+order up to a byte budget. The plan is a pure function of names, shapes, boxes, options and world size, so
+every rank builds the same one; its digest is compared across ranks.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from math import prod
 from typing import Any
 
 import torch
 
+from ..kernels.batching import MAX_BATCH, batching_pays
 from ..layout import Box, ParamLayout, box_numel
+from ..placement import GatherAll, Local, Owned, Placement
+from ..rules.muon import ns_iteration_flops
+from ..views import MatrixSplit, parameter_matrices
+from .balance import assign_owners, lower_bound
 
-
-def ns_iteration_flops(shape: tuple[int, int]) -> int:
-    """FLOPs of one Newton–Schulz iteration on an m×n matrix: 4m²n + 2m³ with m = min(dims)."""
-    m, n = min(shape), max(shape)
-    return 4 * m * m * n + 2 * m**3
+UNIT_COST_FRACTION = 4
+"""A batched unit costs at most 1/4 of the costliest matrix, so units never raise the balance lower bound."""
 
 
 @dataclass(frozen=True)
 class MatrixSpec:
-    """One unit of orthogonalization: ``box`` inside parameter ``param_index``, reshaped to ``shape``."""
+    """One matrix: ``box`` inside parameter ``param_index``, viewed as ``shape``; ``key`` names it there."""
 
     name: str
     param_index: int
     box: Box
     shape: tuple[int, int]
+    key: str = "m0"
 
     @property
     def numel(self) -> int:
@@ -46,74 +51,106 @@ class MatrixSpec:
 
     @property
     def cost(self) -> int:
+        """FLOPs of one Newton–Schulz iteration (the plan's default cost)."""
         return ns_iteration_flops(self.shape)
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """Shape of one matrix of a parameter: itself (2-D), one expert (3-D), (shape[0], rest) (≥4-D)."""
-    if len(shape) < 2:
-        raise ValueError(f"Muon needs ≥2 dims, got shape {tuple(shape)}")
-    if len(shape) == 3:
-        return (shape[1], shape[2])
-    return (shape[0], prod(shape[1:]))
+    """Shape of one matrix of an unsplit parameter: itself (2-D), one expert (3-D), (shape[0], rest) (≥4-D)."""
+    return parameter_matrices("", tuple(shape))[0].shape
 
 
-def matrices_of(param_index: int, layout: ParamLayout) -> list[MatrixSpec]:
-    """The matrices of one parameter: itself (2-D), one per expert (3-D), or a (shape[0], -1) view (≥4-D)."""
+def matrices_of(param_index: int, layout: ParamLayout, split: MatrixSplit | None = None) -> list[MatrixSpec]:
+    """The matrices of one parameter (see :mod:`dtensor_muon.views`), named ``name``, ``name[e]`` (expert e)
+    and ``name/j`` (view j of a split)."""
     shape = layout.global_shape
-    if len(shape) < 2:
-        raise ValueError(f"parameter {layout.name!r}: Muon needs ≥2 dims, got shape {shape}")
-    full: Box = tuple((0, s) for s in shape)
-    if len(shape) == 3:
-        return [
-            MatrixSpec(f"{layout.name}[{e}]", param_index, ((e, e + 1),) + full[1:], matrix_shape(shape))
-            for e in range(shape[0])
-        ]
-    return [MatrixSpec(layout.name, param_index, full, matrix_shape(shape))]
+    views = parameter_matrices(layout.name, shape, split)
+    per_base = len(views) // (shape[0] if len(shape) == 3 else 1)
+    out = []
+    for i, view in enumerate(views):
+        name = layout.name
+        if len(shape) == 3:
+            name = f"{name}[{i // per_base}]"
+        if split is not None:
+            name = f"{name}/{i % per_base}"
+        out.append(MatrixSpec(name, param_index, view.box, view.shape, view.key))
+    return out
 
 
 @dataclass(frozen=True)
 class MatrixRoute:
     """How one matrix travels: pieces (box, source rank) out to ``owner``, and each holder's box back.
 
-    ``owner`` is None for a local matrix (every holder holds it whole and computes it itself).
+    ``owner`` is None unless the matrix's unit is :class:`~..placement.Owned`; ``unit`` indexes ``Plan.units``.
     """
 
     spec: MatrixSpec
     owner: int | None
     pieces: tuple[tuple[Box, int], ...]
     holders: tuple[tuple[int, Box], ...]
+    unit: int = 0
 
     @property
     def is_local(self) -> bool:
         return self.owner is None
 
 
+@dataclass(frozen=True)
+class Unit:
+    """Matrices (indices into ``Plan.routes``) computed together in one call, and where."""
+
+    members: tuple[int, ...]
+    placement: Placement
+    cost: int
+    owner_state_bytes: int = 0
+
+
 @dataclass
 class Plan:
-    """Owners, routes and buckets for the matrices of one mesh; ``digest`` identifies it across ranks."""
+    """Units, placements, routes and buckets for the matrices of one mesh; ``digest`` identifies it."""
 
     world_size: int
     routes: list[MatrixRoute]
+    units: list[Unit]
     buckets: list[list[int]]
     rank_flops: list[int]
     rank_bytes_sent: list[int]
     rank_bytes_received: list[int]
+    rank_owner_state_bytes: list[int] = field(default_factory=list)
     digest: str = field(default="")
 
     @property
     def imbalance(self) -> float:
-        """max / mean of the per-rank Newton–Schulz cost (1.0 is perfect balance)."""
+        """max / mean of the per-rank cost (1.0 is perfect balance)."""
         mean = sum(self.rank_flops) / max(1, len(self.rank_flops))
         return max(self.rank_flops) / mean if mean > 0 else 1.0
 
+    @property
+    def lower_bound(self) -> float:
+        """No assignment of these units beats max(mean load, costliest unit, largest pinned load)."""
+        pinned = [0] * self.world_size
+        for unit in self.units:
+            if isinstance(unit.placement, Local):
+                for rank, _ in self.routes[unit.members[0]].holders:
+                    pinned[rank] += unit.cost
+        owned = [u.cost for u in self.units if isinstance(u.placement, Owned)]
+        return lower_bound(owned, pinned, self.world_size)
+
     def owned_by(self, rank: int) -> list[int]:
-        """Indices of the routed (non-local) matrices whose owner is ``rank``."""
+        """Indices of the routes of matrices owned by ``rank``."""
         return [i for i, r in enumerate(self.routes) if r.owner == rank]
 
     def local_to(self, rank: int) -> list[int]:
-        """Indices of the local matrices that ``rank`` holds (and so computes)."""
-        return [i for i, r in enumerate(self.routes) if r.is_local and any(h == rank for h, _ in r.holders)]
+        """Indices of the routes of local matrices that ``rank`` holds (and so computes)."""
+        return [
+            i
+            for i, r in enumerate(self.routes)
+            if isinstance(self.units[r.unit].placement, Local) and any(h == rank for h, _ in r.holders)
+        ]
+
+    def units_placed(self, kind: type) -> list[int]:
+        """Indices of the units whose placement is of type ``kind``."""
+        return [i for i, u in enumerate(self.units) if isinstance(u.placement, kind)]
 
 
 def _holder_boxes(spec: MatrixSpec, boxes: torch.Tensor) -> list[tuple[int, Box]]:
@@ -128,44 +165,152 @@ def _holder_boxes(spec: MatrixSpec, boxes: torch.Tensor) -> list[tuple[int, Box]
     return out
 
 
+def group_units(
+    specs: Sequence[MatrixSpec],
+    batch_keys: Sequence[Hashable],
+    costs: Sequence[int],
+    expert_params: set[int],
+    cost_cap: int,
+) -> list[list[int]]:
+    """Indices of ``specs`` grouped into units (see the module docstring), in order of their first member.
+
+    A group takes consecutive same-(shape, key) matrices until it holds ``2^k`` of them, the largest power
+    of two ≤ :data:`MAX_BATCH` whose total cost stays ≤ ``cost_cap``.
+    """
+    open_groups: dict[Hashable, list[int]] = {}
+    capacity: dict[Hashable, int] = {}
+    groups: list[list[int]] = []
+    for i, spec in enumerate(specs):
+        if not batching_pays(spec.shape):
+            groups.append([i])
+            continue
+        scope = spec.param_index if spec.param_index in expert_params else None
+        key = (spec.shape, batch_keys[i], scope)
+        if key not in capacity:
+            count = 1
+            while count * 2 <= MAX_BATCH and count * 2 * costs[i] <= cost_cap:
+                count *= 2
+            capacity[key] = count
+        group = open_groups.get(key)
+        if group is None or len(group) == capacity[key]:
+            group = open_groups[key] = []
+            groups.append(group)
+        group.append(i)
+    return groups
+
+
 def build_plan(
     layouts: list[ParamLayout],
     param_indices: list[int],
     bucket_bytes: int,
     wire_itemsize: int,
+    *,
+    splits: Sequence[MatrixSplit | None] | None = None,
+    batch_keys: Sequence[Hashable] | None = None,
+    cost_fn: Callable[[int, tuple[int, int]], tuple[int, int]] | None = None,
+    cost_cap: int | None = None,
+    gather_all: bool = False,
 ) -> Plan:
-    """Plan the Muon matrices of ``layouts`` (all on one mesh of the same world size)."""
+    """Plan the matrices of ``layouts`` (all on one mesh of the same world size).
+
+    ``splits[k]`` cuts parameter k into views; ``batch_keys[k]`` is its rule's batch key; ``cost_fn(k, shape)``
+    gives (FLOPs, owner-state bytes) of one matrix of parameter k (default: one Newton–Schulz iteration, no
+    state); ``cost_cap`` bounds a batched unit's cost (default: a quarter of the costliest matrix here; the
+    engine passes the optimizer-wide value so that every mesh groups as one process would). ``gather_all``:
+    units that are not local are computed on every rank.
+    """
     world = layouts[0].world_size if layouts else 1
+    splits = list(splits) if splits is not None else [None] * len(layouts)
+    keys = list(batch_keys) if batch_keys is not None else [None] * len(layouts)
     specs: list[MatrixSpec] = []
-    for index, layout in zip(param_indices, layouts):
+    spec_keys: list[Hashable] = []
+    costs: list[int] = []
+    state_bytes: list[int] = []
+    expert_params = set()
+    for k, (index, layout) in enumerate(zip(param_indices, layouts)):
         if layout.world_size != world:
             raise ValueError(f"parameter {layout.name!r}: world size {layout.world_size} != {world}")
-        specs.extend(matrices_of(index, layout))
-    by_param = {index: layout for index, layout in zip(param_indices, layouts)}
-    box_tensors = {i: torch.tensor(layout.boxes, dtype=torch.int64) for i, layout in by_param.items()}
+        if len(layout.global_shape) == 3:
+            expert_params.add(index)
+        for spec in matrices_of(index, layout, splits[k]):
+            flops, nbytes = cost_fn(k, spec.shape) if cost_fn is not None else (spec.cost, 0)
+            specs.append(spec)
+            spec_keys.append(keys[k])
+            costs.append(flops)
+            state_bytes.append(nbytes)
+    if cost_cap is None:
+        cost_cap = max(costs, default=0) // UNIT_COST_FRACTION
+    groups = group_units(specs, spec_keys, costs, expert_params, cost_cap)
 
+    box_tensors = {i: torch.tensor(layout.boxes, dtype=torch.int64) for i, layout in zip(param_indices, layouts)}
     holders = [_holder_boxes(s, box_tensors[s.param_index]) for s in specs]
     load = [0] * world
-    local = [all(box == s.box for _, box in h) for s, h in zip(specs, holders)]
-    for s, h, is_local in zip(specs, holders, local):
-        if is_local:
-            for rank, _ in h:
-                load[rank] += s.cost
-    owners: list[int | None] = [None] * len(specs)
-    order = sorted((i for i in range(len(specs)) if not local[i]), key=lambda i: (-specs[i].cost, specs[i].name))
-    for i in order:
-        held = {rank: box_numel(box) for rank, box in holders[i]}
-        best = min(range(world), key=lambda r: (load[r], -held.get(r, 0), r))
-        owners[i] = best
-        load[best] += specs[i].cost
+    unit_local: list[bool] = []
+    for group in groups:
+        ranks = {rank for rank, _ in holders[group[0]]}
+        whole = all(
+            {rank for rank, _ in holders[i]} == ranks and all(box == specs[i].box for _, box in holders[i])
+            for i in group
+        )
+        unit_local.append(whole)
+        if whole:
+            for rank in ranks:
+                load[rank] += sum(costs[i] for i in group)
+    routed = [g for g, is_local in enumerate(unit_local) if not is_local]
+    owner_of_group: dict[int, int] = {}
+    if routed and not gather_all:
+        held = []
+        for g in routed:
+            counts: dict[int, int] = {}
+            for i in groups[g]:
+                for rank, box in holders[i]:
+                    counts[rank] = counts.get(rank, 0) + box_numel(box)
+            held.append(counts)
+        owners = assign_owners(
+            [sum(costs[i] for i in groups[g]) for g in routed],
+            [specs[groups[g][0]].name for g in routed],
+            world,
+            list(load),
+            held,
+            [sum(state_bytes[i] for i in groups[g]) for g in routed],
+        )
+        owner_of_group = dict(zip(routed, owners))
+
+    units: list[Unit] = []
+    unit_of_spec = [0] * len(specs)
+    rank_state = [0] * world
+    for g, group in enumerate(groups):
+        placement: Placement
+        if unit_local[g]:
+            placement = Local()
+        elif gather_all:
+            placement = GatherAll()
+        else:
+            placement = Owned(owner_of_group[g])
+        cost = sum(costs[i] for i in group)
+        nbytes = sum(state_bytes[i] for i in group)
+        if isinstance(placement, Owned):
+            load[placement.rank] += cost
+            rank_state[placement.rank] += nbytes
+        elif isinstance(placement, GatherAll):
+            load = [x + cost for x in load]
+            rank_state = [x + nbytes for x in rank_state]
+        else:
+            for rank, _ in holders[group[0]]:
+                rank_state[rank] += nbytes
+        for i in group:
+            unit_of_spec[i] = len(units)
+        units.append(Unit(tuple(group), placement, cost, nbytes))
 
     routes: list[MatrixRoute] = []
     sent = [0] * world
     received = [0] * world
-    for s, h, owner in zip(specs, holders, owners):
-        if owner is None:
-            routes.append(MatrixRoute(s, None, (), tuple(h)))
+    for i, (s, h) in enumerate(zip(specs, holders)):
+        placement = units[unit_of_spec[i]].placement
+        if not isinstance(placement, Owned):
+            routes.append(MatrixRoute(s, None, (), tuple(h), unit_of_spec[i]))
             continue
+        owner = placement.rank
         pieces: dict[Box, int] = {}
         for rank, box in h:
             if box not in pieces or rank == owner:
@@ -180,12 +325,16 @@ def build_plan(
                 nbytes = box_numel(box) * wire_itemsize
                 sent[owner] += nbytes
                 received[rank] += nbytes
-        routes.append(MatrixRoute(s, owner, tuple(pieces.items()), tuple(h)))
+        routes.append(MatrixRoute(s, owner, tuple(pieces.items()), tuple(h), unit_of_spec[i]))
+    # unit members are spec indices, which are route indices (one route per spec, in order)
 
-    routed = [i for i, route in enumerate(routes) if not route.is_local]
-    buckets = chunk_by_budget(routed, bucket_bytes, lambda i: routes[i].spec.numel * wire_itemsize)
+    owned_units = [u for u in units if isinstance(u.placement, Owned)]
+    unit_chunks = chunk_by_budget(
+        owned_units, bucket_bytes, lambda u: sum(routes[i].spec.numel for i in u.members) * wire_itemsize
+    )
+    buckets = [[i for u in chunk for i in u.members] for chunk in unit_chunks]
 
-    plan = Plan(world, routes, buckets, load, sent, received)
+    plan = Plan(world, routes, units, buckets, load, sent, received, rank_state)
     plan.digest = _digest(plan)
     return plan
 
@@ -211,7 +360,8 @@ def _digest(plan: Plan) -> str:
     text = repr(
         (
             plan.world_size,
-            [(r.spec, r.owner, r.pieces, r.holders) for r in plan.routes],
+            [(r.spec, r.owner, r.pieces, r.holders, r.unit) for r in plan.routes],
+            [(u.members, u.placement) for u in plan.units],
             plan.buckets,
         )
     )

@@ -1,4 +1,4 @@
-"""Muon's math in three parts: ``prepare`` (on the shard), ``direction`` (on the owner), ``apply`` (on the shard).
+"""Muon's rule: momentum on the shard, Newton–Schulz on the owner, the shape-scaled update on the shard.
 
 With momentum μ, gradient g, momentum buffer B, learning rate γ and weight decay λ:
 
@@ -13,41 +13,33 @@ These are exactly torch.optim.Muon's operations, so one device gives the same bi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
-from ..newton_schulz import CoefficientSpec, newton_schulz
-
-NewtonSchulz = Callable[..., Tensor]
+from ..kernels import resolve_ns_algorithm
+from ..newton_schulz import resolve_coefficients, resolve_ns_dtype
+from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
 
 AdjustLrFn = None | str | Callable[[float, tuple[int, int]], float]
 ADJUST_LR_NAMES = ("original", "match_rms_adamw")
 
 
-def prepare(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
-    """Update the momentum buffer in place and return the matrix to orthogonalize (see module formula)."""
+def ns_iteration_flops(shape: tuple[int, int]) -> int:
+    """FLOPs of one Newton–Schulz iteration on an m×n matrix: 4m²n + 2m³ with m = min(dims)."""
+    m, n = min(shape), max(shape)
+    return 4 * m * m * n + 2 * m**3
+
+
+def momentum_input(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """Update the momentum buffer in place and return U (see the module formula)."""
     momentum_buffer.lerp_(grad, 1 - momentum)
     return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
 
 
-def direction(
-    update: Tensor,
-    coefficients: CoefficientSpec,
-    steps: int,
-    eps: float,
-    dtype: torch.dtype,
-    algorithm: str = "auto",
-    runner: NewtonSchulz = newton_schulz,
-) -> Tensor:
-    """O = NS(U) for one matrix [m, n] or a batch [B, m, n] (``algorithm``: see :func:`newton_schulz`), run by
-    ``runner``: :func:`newton_schulz` or a :class:`..ns_graphs.NewtonSchulzGraphs` (the same bits)."""
-    return runner(update, coefficients, steps, eps, dtype, algorithm)
-
-
-def adjusted_lr(lr: float, adjust_lr_fn: AdjustLrFn, matrix_shape: tuple[int, int]) -> float:
+def adjusted_lr(lr: float | Tensor, adjust_lr_fn: AdjustLrFn, matrix_shape: tuple[int, int]) -> float | Tensor:
     """γ' for a matrix of shape (A, B): "original" √max(1, A/B), "match_rms_adamw" 0.2·√max(A, B), or a callable."""
     rows, cols = matrix_shape
     lr = _to_scalar(lr)  # a Tensor lr of shape [1] or [1, 1] as a 0-d tensor, as torch.optim.Muon does
@@ -60,8 +52,39 @@ def adjusted_lr(lr: float, adjust_lr_fn: AdjustLrFn, matrix_shape: tuple[int, in
     raise ValueError(f"adjust_lr_fn: expected None, {ADJUST_LR_NAMES} or a callable, got {adjust_lr_fn!r}")
 
 
-def apply(param: Tensor, orthogonal_update: Tensor, lr: float, weight_decay: float, lr_adjusted: float) -> None:
-    """θ ← θ·(1 − γλ) − γ'·O, in place on ``param`` (a whole matrix or a shard of it)."""
-    lr, lr_adjusted = _to_scalar(lr), _to_scalar(lr_adjusted)
-    param.mul_(1 - lr * weight_decay)
-    param.add_(orthogonal_update, alpha=-lr_adjusted)
+def newton_schulz_settings(group: Group) -> tuple:
+    """Hashable Newton–Schulz settings of a group: (coefficients, steps, eps, dtype, algorithm)."""
+    return (
+        resolve_coefficients(group["ns_coefficients"]),
+        int(group["ns_steps"]),
+        float(group["eps"]),
+        resolve_ns_dtype(group["ns_dtype"]),
+        resolve_ns_algorithm(group["ns_algorithm"]),
+    )
+
+
+class MuonRule(MatrixRule):
+    """Muon (see the module formula); shard state ``momentum_buffer``, no owner state."""
+
+    name = "muon"
+    shard_state_keys = ("momentum_buffer",)
+
+    def batch_key(self, group: Group) -> Hashable:
+        return newton_schulz_settings(group)
+
+    def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
+        return MatrixCost(int(group["ns_steps"]) * ns_iteration_flops(shape))
+
+    def input_dtype(self, group: Group) -> torch.dtype:
+        return resolve_ns_dtype(group["ns_dtype"])
+
+    def prepare(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
+        return momentum_input(grad, shard_state["momentum_buffer"], group["momentum"], group["nesterov"])
+
+    def direction(
+        self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner
+    ) -> Tensor:
+        return runner(u, *newton_schulz_settings(group))
+
+    def adjusted_lr(self, group: Group, shape: tuple[int, int]) -> float | Tensor:
+        return adjusted_lr(group["lr"], group["adjust_lr_fn"], shape)

@@ -1,0 +1,1 @@
+"""Front ends: one short class per matrix optimizer over :class:`.base.MatrixOptimizer`."""

@@ -1,0 +1,150 @@
+"""``dtensor_muon.Muon``: torch.optim.Muon's interface, for whole models, on one device or over DTensors.
+
+Matrices (see :mod:`dtensor_muon.routing` for the rule) get Muon's orthogonalized momentum update
+(:mod:`dtensor_muon.rules.muon`); everything else gets AdamW. The shared machinery (param groups, routing,
+eager state, engine, checkpoints, overlap) is :class:`dtensor_muon.optim.base.MatrixOptimizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..kernels import resolve_ns_algorithm
+from ..newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec, resolve_coefficients, resolve_ns_dtype
+from ..rules.muon import ADJUST_LR_NAMES, AdjustLrFn, MuonRule
+from ..views import MatrixSplit
+from .base import MatrixOptimizer, require, require_number
+
+MAX_NS_STEPS = 99  # torch.optim.Muon: "Number of steps must be less than 100 for computational efficiency"
+
+
+def validate_newton_schulz(group: dict[str, Any]) -> None:
+    """Raise ValueError/TypeError naming the first bad Newton–Schulz or ``adjust_lr_fn`` setting of a group."""
+    require_number(group, "eps")
+    require(group["eps"] > 0, f"eps: eps should be > 0 but is: {group['eps']}")
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"ns_steps must be an int, got {type(steps).__name__}")
+    require(steps >= 1, f"ns_steps: ns_steps should be >= 1 but is: {steps}")
+    require(
+        steps <= MAX_NS_STEPS,
+        f"ns_steps: Number of steps must be less than {MAX_NS_STEPS + 1} for computational efficiency, got {steps}",
+    )
+    resolve_coefficients(group["ns_coefficients"])
+    resolve_ns_dtype(group["ns_dtype"])
+    resolve_ns_algorithm(group["ns_algorithm"])
+    validate_adjust_lr_fn(group)
+
+
+def validate_adjust_lr_fn(group: dict[str, Any]) -> None:
+    """Raise ValueError unless ``adjust_lr_fn`` is None, a known name or a callable."""
+    fn = group["adjust_lr_fn"]
+    require(
+        fn is None or fn in ADJUST_LR_NAMES or (callable(fn) and not isinstance(fn, str)),
+        f"adjust_lr_fn: Adjust learning rate function {fn} is not supported; expected None, "
+        f"{' or '.join(repr(n) for n in ADJUST_LR_NAMES)} or a callable (lr, (A, B)) -> lr",
+    )
+
+
+class Muon(MatrixOptimizer):
+    """Muon for matrices, AdamW for the rest; exact on DTensor (FSDP2) parameters.
+
+    Args (shared with torch.optim.Muon, same meaning and defaults):
+        params: tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or param groups.
+        lr: learning rate γ, a float or a 1-element Tensor (AdamW's too unless ``adamw_lr`` is given).
+        weight_decay: decoupled weight decay λ: θ ← θ·(1 − γλ).
+        momentum: μ in [0, 1).
+        nesterov: use g + μ·(B − g) instead of B.
+        ns_coefficients: (a, b, c), a list of triples (one per iteration, last repeated) or a name from
+            :data:`dtensor_muon.newton_schulz.NAMED_COEFFICIENTS`.
+        eps: Frobenius-normalization floor of Newton–Schulz.
+        ns_steps: Newton–Schulz iterations, 1 to 99.
+        adjust_lr_fn: None/"original" (√max(1, A/B)), "match_rms_adamw" (0.2·√max(A, B)), or a callable
+            ``(lr, (A, B)) -> lr`` for an A×B matrix.
+    Keyword-only:
+        adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.
+        ns_dtype: Newton–Schulz working dtype (bfloat16, float32, float16).
+        ns_algorithm: "auto" (Gram Newton–Schulz where it is faster and validated: Keller's coefficients,
+            large rectangular matrices on the GPU backend), "standard" or "gram" (measured as accurate as
+            the standard form for Keller's, quintic and 8-step Polar Express coefficients; not for CANS or
+            5-step Polar Express); see :func:`dtensor_muon.newton_schulz.newton_schulz`.
+        wire_dtype: dtype of the exchange (bf16 by default; None = parameter dtype). Must not round the
+            Newton–Schulz input: bf16 with float32 ns_dtype is refused.
+        bucket_size_mb: full-matrix megabytes per exchange bucket.
+        exchange: "owner" (each matrix on one owner rank) or "gather_all" (baseline: every rank computes all).
+        skip_nonfinite: if any rank sees an inf/NaN gradient, every rank skips the step.
+        diagnostics_interval: every N steps, measure the orthogonality error and AdamW update RMS (0: never).
+        overlap: ``step()`` returns with the return exchanges in flight; each module's updates are applied by
+            a forward pre-hook just before FSDP all-gathers it (call :meth:`attach` with the model), and
+            everything is flushed before the next step, any ``state_dict()`` and by :meth:`flush`.
+        matrix_splits: ``{parameter-name pattern: MatrixSplit}`` (fnmatch patterns) cutting fused parameters into
+            their matrices (fused QKV, SwiGLU w13, per-head blocks); a group's ``"matrix_split"`` wins.
+        ns_cuda_graphs: on CUDA, replay each owner's Newton–Schulz from a CUDA graph per matrix shape (same
+            bits; for matrices of up to 2³⁴ multiply-adds per Gram matrix, e.g. 2048×4096, whose eager
+            launches cost the host longer than the GPU work, see :mod:`dtensor_muon.ns_graphs`). Each graph
+            keeps a few matrices of memory.
+    """
+
+    rule = MuonRule()
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: CoefficientSpec = KELLER_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: AdjustLrFn = None,
+        *,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_lr: float | None = None,
+        adamw_weight_decay: float | None = None,
+        ns_dtype: torch.dtype | str = torch.bfloat16,
+        ns_algorithm: str = "auto",
+        wire_dtype: torch.dtype | None = torch.bfloat16,
+        bucket_size_mb: float = 64.0,
+        exchange: str = "owner",
+        skip_nonfinite: bool = False,
+        diagnostics_interval: int = 0,
+        overlap: bool = False,
+        ns_cuda_graphs: bool = True,
+        matrix_splits: dict[str, MatrixSplit] | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+            adamw_lr=adamw_lr,
+            adamw_weight_decay=adamw_weight_decay,
+            ns_dtype=ns_dtype,
+            ns_algorithm=ns_algorithm,
+        )
+        super().__init__(
+            params,
+            defaults,
+            wire_dtype=wire_dtype,
+            bucket_size_mb=bucket_size_mb,
+            exchange=exchange,
+            skip_nonfinite=skip_nonfinite,
+            diagnostics_interval=diagnostics_interval,
+            overlap=overlap,
+            ns_cuda_graphs=ns_cuda_graphs,
+            matrix_splits=matrix_splits,
+        )
+
+    def validate_group(self, group: dict[str, Any]) -> None:
+        validate_newton_schulz(group)

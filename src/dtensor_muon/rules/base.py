@@ -1,0 +1,117 @@
+"""The rule protocol: the per-matrix math of one matrix optimizer, in the three places it runs.
+
+A step of a matrix rule on one matrix W (a 2-D parameter, one expert, or one view of a fused parameter):
+
+1. ``prepare`` on each rank's shard, element-wise: reads the gradient and the **shard state** (e.g. the
+   momentum buffer, kept in the parameter's layout), returns the matrix input U (a shard of it);
+2. ``direction`` on the matrix's owner, on the whole U (a batch of same-key matrices ``[B, m, n]`` or one
+   ``[m, n]``): returns the direction O and may read and write the **owner state** of each matrix (state
+   that only makes sense whole, kept on the owner and saved under the matrix's name);
+3. ``apply`` on each rank's shard, element-wise: θ ← θ·(1 − γλ) − γ'·O with the scalars captured at step
+   time by ``scalars`` (γ' per matrix: a fused parameter's views may have different shapes).
+
+A rule also declares: its ``batch_key`` (matrices of one shape with equal keys may be stacked), its
+``cost`` (FLOPs of ``direction`` and owner-state bytes, which the plan balances), and ``input_dtype``
+(the dtype the owner's input must not be rounded below: the transport's wire dtype is checked against it).
+The engine calls only these methods and never names a rule.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import _to_scalar
+
+Group = dict[str, Any]
+NewtonSchulzRunner = Callable[..., Tensor]
+
+
+@dataclass(frozen=True)
+class MatrixCost:
+    """What one matrix costs its owner per step: FLOPs of ``direction`` and bytes of owner state kept."""
+
+    flops: int
+    owner_state_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ApplyScalars:
+    """The scalars of one parameter's ``apply``, read from its group when the step ran: γ, λ, and (γ', box
+    slices relative to the local shard or None for the whole shard) per region with its own γ'."""
+
+    lr: float | Tensor
+    weight_decay: float | Tensor
+    regions: tuple[tuple[tuple[slice, ...] | None, float | Tensor], ...]
+
+
+class MatrixRule(ABC):
+    """One matrix optimizer's math (see the module docstring). Subclasses are stateless; state lives in dicts."""
+
+    name: str
+    """Short name used in metric keys and messages (``"muon"``)."""
+
+    shard_state_keys: tuple[str, ...] = ()
+    """Keys of the state :meth:`init_shard_state` creates (in the parameter's layout)."""
+
+    has_owner_state: bool = False
+    """Whether :meth:`init_owner_state` creates any state."""
+
+    def init_shard_state(self, param: Tensor) -> dict[str, Tensor]:
+        """Fresh shard state of a parameter (DTensor parameters get DTensors in the same layout)."""
+        return {key: torch.zeros_like(param) for key in self.shard_state_keys}
+
+    def init_owner_state(self, shape: tuple[int, int], group: Group, device: torch.device) -> dict[str, Tensor]:
+        """Fresh owner state of one ``shape`` matrix (none by default)."""
+        return {}
+
+    @abstractmethod
+    def batch_key(self, group: Group) -> Hashable:
+        """Settings under which same-shape matrices may be stacked into one ``direction`` call."""
+
+    @abstractmethod
+    def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
+        """Cost of ``direction`` on one ``shape`` matrix and the bytes of its owner state."""
+
+    @abstractmethod
+    def input_dtype(self, group: Group) -> torch.dtype:
+        """The dtype the owner's input is first used in (the wire must not round below it)."""
+
+    @abstractmethod
+    def prepare(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
+        """U on a shard (may update the shard state in place)."""
+
+    @abstractmethod
+    def direction(
+        self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner
+    ) -> Tensor:
+        """O for ``u`` ([m, n], or [B, m, n] with one owner-state dict per matrix); ``runner`` runs Newton–Schulz
+        with :func:`dtensor_muon.newton_schulz.newton_schulz`'s signature (the owner's CUDA-graph cache)."""
+
+    @abstractmethod
+    def adjusted_lr(self, group: Group, shape: tuple[int, int]) -> float | Tensor:
+        """γ' of a ``shape`` matrix under this group's settings."""
+
+    def scalars(self, group: Group, regions: list[tuple[tuple[slice, ...] | None, tuple[int, int]]]) -> ApplyScalars:
+        """The apply scalars of a parameter whose local shard has these (slices, matrix shape) regions."""
+        return ApplyScalars(
+            group["lr"], group["weight_decay"], tuple((sl, self.adjusted_lr(group, shape)) for sl, shape in regions)
+        )
+
+    def apply(self, param: Tensor, update: Tensor, scalars: ApplyScalars) -> None:
+        """θ ← θ·(1 − γλ) − γ'·O in place on a shard (each region with its own γ')."""
+        lr = _to_scalar(scalars.lr)
+        param.mul_(1 - lr * scalars.weight_decay)
+        for sl, lr_adjusted in scalars.regions:
+            target, source = (param, update) if sl is None else (param[sl], update[sl])
+            target.add_(source, alpha=-_to_scalar(lr_adjusted))
+
+    def apply_region(self, target: Tensor, update: Tensor, group: Group, shape: tuple[int, int]) -> None:
+        """:meth:`apply` on one matrix's region alone (the same element-wise operations, so the same bits)."""
+        lr = _to_scalar(group["lr"])
+        target.mul_(1 - lr * group["weight_decay"])
+        target.add_(update, alpha=-_to_scalar(self.adjusted_lr(group, shape)))

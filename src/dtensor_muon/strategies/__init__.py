@@ -1,0 +1,18 @@
+"""One strategy per compute placement; the engine runs them in this order on each mesh's plan.
+
+Each strategy is ``run(ctx, work) -> list[BackExchange]``: it computes the units of its placement that
+concern this rank and returns the return exchanges it leaves in flight (none for local and gather-all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..pending import BackExchange
+from ..step_context import MeshWork, StepContext
+from . import gather_all, local, owned
+
+Strategy = Callable[[StepContext, MeshWork], list[BackExchange]]
+
+STRATEGIES: tuple[Strategy, ...] = (local.run, gather_all.run, owned.run)
+"""Local first (no communication), then the baseline, then owned units with their exchanges."""

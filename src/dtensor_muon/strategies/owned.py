@@ -1,0 +1,125 @@
+"""Strategy for :class:`~dtensor_muon.placement.Owned` units: gathered whole to one owner, computed once there.
+
+Per bucket of the plan: one variable-size all-to-all carries every source rank's pieces of U to their
+owners, each owner assembles its matrices (pieces in route order per source), computes its units, and one
+all-to-all back carries each holder's part of O. The return exchanges are left in flight: the engine's
+pending updates unpack and apply them (at once, or in the next forward with overlap).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+from ..exchange import PendingExchange, start_all_to_all
+from ..layout import box_numel, box_shape, relative_slices
+from ..pending import BackExchange
+from ..plan import MatrixRoute
+from ..step_context import MeshWork, StepContext, local
+
+
+def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
+    """Exchange out, compute owned units, launch the return exchanges (see the module docstring)."""
+    plan = work.plan
+    if not plan.buckets:
+        return []
+    device = local(work.entries[0].param).device
+    with ctx.timer.phase("exchange_out_launch"):
+        pending_out = [_launch_out(ctx, work, bucket, device) for bucket in plan.buckets]
+    backs: list[BackExchange] = []
+    for bucket, pending in zip(plan.buckets, pending_out):
+        with ctx.timer.phase("exchange_out_wait"):
+            received = pending.wait()
+        with ctx.timer.phase("owner_compute"):
+            updates = _compute_owned(ctx, work, bucket, received, device)
+        with ctx.timer.phase("exchange_back_launch"):
+            routes = _active_routes(ctx, work, bucket)
+            back = _launch_back(ctx, work, routes, updates, device)
+            indices = tuple(dict.fromkeys(r.spec.param_index for r in routes))
+            backs.append(BackExchange(back, indices, lambda got, routes=routes: _unpack_back(ctx, work, routes, got)))
+    return backs
+
+
+def _active_routes(ctx: StepContext, work: MeshWork, bucket: list[int]) -> list[MatrixRoute]:
+    return [work.plan.routes[i] for i in bucket if work.plan.routes[i].spec.param_index in ctx.active]
+
+
+def _sent_bytes(send: dict[int, list[Tensor]], me: int, itemsize: int) -> int:
+    return sum(p.numel() for rank, parts in send.items() if rank != me for p in parts) * itemsize
+
+
+def _launch_out(ctx: StepContext, work: MeshWork, bucket: list[int], device: torch.device) -> PendingExchange:
+    me = work.comm.mesh_rank
+    send: dict[int, list[Tensor]] = defaultdict(list)
+    recv: dict[int, int] = defaultdict(int)
+    for route in _active_routes(ctx, work, bucket):
+        e = ctx.entries[route.spec.param_index]
+        for box, source in route.pieces:
+            if source == me:
+                send[route.owner].append(ctx.inputs[e.index][relative_slices(box, e.layout.local_box)])
+            if route.owner == me:
+                recv[source] += box_numel(box)
+    ctx.stats.bytes_sent += _sent_bytes(send, me, work.wire_dtype.itemsize)
+    return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
+
+
+def _compute_owned(
+    ctx: StepContext, work: MeshWork, bucket: list[int], received: dict[int, Tensor], device: torch.device
+) -> dict[int, Tensor]:
+    """Assemble each owned matrix from its pieces, compute its unit; O per ``id(route)``, in the box's shape."""
+    me = work.comm.mesh_rank
+    offsets: dict[int, int] = defaultdict(int)
+    by_unit: dict[int, list[tuple[int, Tensor]]] = defaultdict(list)
+    for i in bucket:
+        route = work.plan.routes[i]
+        if route.spec.param_index not in ctx.active or route.owner != me:
+            continue
+        full = torch.empty(box_shape(route.spec.box), dtype=work.wire_dtype, device=device)
+        for box, source in route.pieces:
+            n = box_numel(box)
+            chunk = received[source][offsets[source] : offsets[source] + n]
+            offsets[source] += n
+            target = full[relative_slices(box, route.spec.box)]
+            target.copy_(chunk.view(target.shape))
+        by_unit[route.unit].append((i, full))
+    out: dict[int, Tensor] = {}
+    for members in by_unit.values():
+        jobs = [(work.plan.routes[i].spec, full) for i, full in members]
+        for (i, _), o in zip(members, ctx.compute(jobs)):
+            route = work.plan.routes[i]
+            out[id(route)] = o.reshape(box_shape(route.spec.box))
+    return out
+
+
+def _launch_back(
+    ctx: StepContext, work: MeshWork, routes: list[MatrixRoute], updates: dict[int, Tensor], device: torch.device
+) -> PendingExchange:
+    me = work.comm.mesh_rank
+    send: dict[int, list[Tensor]] = defaultdict(list)
+    recv: dict[int, int] = defaultdict(int)
+    for route in routes:
+        for holder, box in route.holders:
+            if route.owner == me:
+                send[holder].append(updates[id(route)][relative_slices(box, route.spec.box)])
+            if holder == me:
+                recv[route.owner] += box_numel(box)
+    ctx.stats.bytes_sent += _sent_bytes(send, me, work.wire_dtype.itemsize)
+    return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
+
+
+def _unpack_back(ctx: StepContext, work: MeshWork, routes: list[MatrixRoute], received: dict[int, Tensor]) -> None:
+    """Copy one bucket's received update pieces into the per-parameter update buffers."""
+    me = work.comm.mesh_rank
+    offsets: dict[int, int] = defaultdict(int)
+    for route in routes:
+        e = ctx.entries[route.spec.param_index]
+        for holder, box in route.holders:
+            if holder != me:
+                continue
+            n = box_numel(box)
+            chunk = received[route.owner][offsets[route.owner] : offsets[route.owner] + n]
+            offsets[route.owner] += n
+            target = ctx.updates[e.index][relative_slices(box, e.layout.local_box)]
+            target.copy_(chunk.view(target.shape))
