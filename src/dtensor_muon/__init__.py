@@ -1,11 +1,13 @@
-"""dtensor_muon: exact owner-rank distributed matrix optimizers for PyTorch FSDP2/DTensor."""
+"""dtensor_muon: exact owner-rank distributed matrix optimizers (Muon, MOP) for PyTorch FSDP2/DTensor."""
 
 from .newton_schulz import NAMED_COEFFICIENTS, newton_schulz, polar_factor
+from .optim.mop import MOP
 from .optim.muon import Muon
 from .param_groups import muon_param_groups
 from .views import MatrixSplit
 
 __all__ = [
+    "MOP",
     "NAMED_COEFFICIENTS",
     "MatrixSplit",
     "Muon",

@@ -1,0 +1,94 @@
+"""``dtensor_muon.MOP``: momentum orthogonalized by the exact polar factor (an fp32 SVD on each matrix's owner)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..rules.mop import MOP_SCALES, MOPRule
+from ..rules.muon import AdjustLrFn
+from ..views import MatrixSplit
+from .base import MatrixOptimizer, require
+from .muon import validate_adjust_lr_fn
+
+
+class MOP(MatrixOptimizer):
+    """MOP for matrices, AdamW for the rest; exact on DTensor (FSDP2) parameters.
+
+    Per matrix (see :mod:`dtensor_muon.rules.mop`): B ← B + (1 − μ)(g − B); U = g + μ(B − g) if nesterov
+    else B; U = P·diag(S)·Qᵀ (float32 SVD); O = P·Qᵀ; θ ← θ·(1 − γλ) − γ·(ΣS)·O (``scale="nuclear"``) or
+    θ ← θ·(1 − γλ) − γ'·O with Muon's shape-scaled γ' (``scale="shape"``).
+
+    Defaults follow Emerging-Optimizers' MOP (lr 3e-4, momentum 0.95, weight_decay 0.01, no Nesterov);
+    the nuclear-norm scale is the default here (Emerging-Optimizers 0.5 scales by the shape).
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or param groups.
+        lr: learning rate γ (AdamW's too unless ``adamw_lr`` is given).
+        weight_decay: decoupled weight decay λ.
+        momentum: μ in [0, 1).
+        nesterov: use g + μ·(B − g) instead of B.
+        scale: "nuclear" (ΣS, the default) or "shape" (Muon's γ', see ``adjust_lr_fn``).
+    Keyword-only:
+        adjust_lr_fn: with ``scale="shape"``: None/"original", "match_rms_adamw" or a callable, as in Muon.
+        adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.
+        wire_dtype: dtype of the exchange; float32 by default, since the SVD runs in float32 (a 16-bit wire
+            is refused for DTensor parameters: it would round the SVD's input).
+        bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, matrix_splits: as in
+            :class:`dtensor_muon.Muon`.
+    """
+
+    rule = MOPRule()
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 3e-4,
+        weight_decay: float = 0.01,
+        momentum: float = 0.95,
+        nesterov: bool = False,
+        scale: str = "nuclear",
+        *,
+        adjust_lr_fn: AdjustLrFn = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_lr: float | None = None,
+        adamw_weight_decay: float | None = None,
+        wire_dtype: torch.dtype | None = torch.float32,
+        bucket_size_mb: float = 64.0,
+        exchange: str = "owner",
+        skip_nonfinite: bool = False,
+        diagnostics_interval: int = 0,
+        overlap: bool = False,
+        matrix_splits: dict[str, MatrixSplit] | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            scale=scale,
+            adjust_lr_fn=adjust_lr_fn,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+            adamw_lr=adamw_lr,
+            adamw_weight_decay=adamw_weight_decay,
+        )
+        super().__init__(
+            params,
+            defaults,
+            wire_dtype=wire_dtype,
+            bucket_size_mb=bucket_size_mb,
+            exchange=exchange,
+            skip_nonfinite=skip_nonfinite,
+            diagnostics_interval=diagnostics_interval,
+            overlap=overlap,
+            ns_cuda_graphs=False,
+            matrix_splits=matrix_splits,
+        )
+
+    def validate_group(self, group: dict[str, Any]) -> None:
+        require(group["scale"] in MOP_SCALES, f"scale must be one of {MOP_SCALES}, got {group['scale']!r}")
+        validate_adjust_lr_fn(group)
