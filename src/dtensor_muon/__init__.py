@@ -1,8 +1,9 @@
-"""dtensor_muon: exact owner-rank distributed matrix optimizers (Muon, MOP) for PyTorch FSDP2/DTensor."""
+"""dtensor_muon: exact owner-rank distributed matrix optimizers (Muon, MOP, NorMuon) for PyTorch FSDP2/DTensor."""
 
 from .newton_schulz import NAMED_COEFFICIENTS, newton_schulz, polar_factor
 from .optim.mop import MOP
 from .optim.muon import Muon
+from .optim.normuon import NorMuon
 from .param_groups import muon_param_groups
 from .views import MatrixSplit
 
@@ -11,6 +12,7 @@ __all__ = [
     "NAMED_COEFFICIENTS",
     "MatrixSplit",
     "Muon",
+    "NorMuon",
     "muon_param_groups",
     "newton_schulz",
     "polar_factor",

@@ -1,0 +1,55 @@
+"""NorMuon's rule: Muon's orthogonalized momentum, normalized per row by a second moment kept on the owner.
+
+Per m×n matrix, after Muon's B, U and O = NS(U) (:mod:`.muon`), in float32 (β₂, ε = ``normuon_eps``):
+
+    v ← β₂·v + (1 − β₂)·mean_cols(O²)           (v ∈ ℝᵐ, one entry per row; owner state, starts at 0)
+    Ô = O / (√v + ε)                             (each row divided by its own scale)
+    Ô ← Ô · ‖O‖_F / ‖Ô‖_F                        (back to O's Frobenius norm)
+    θ ← θ·(1 − γλ) − γ'·Ô,  γ' = Muon's adjust_lr(γ, matrix shape)
+
+This follows NorMuon (arXiv 2510.05491) with the renormalization to ‖O‖_F of its modded-nanogpt form, so
+the learning rate keeps Muon's meaning; Emerging-Optimizers' AdaptiveMuon ``"normuon"`` instead averages
+along the longer side and rescales by 1/√max(v, ε) without renormalizing. Ô is returned in O's dtype (the
+Newton–Schulz dtype), as Muon's O is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+from torch import Tensor
+
+from .base import Group, MatrixCost, NewtonSchulzRunner
+from .muon import MuonRule, newton_schulz_settings
+
+
+class NorMuonRule(MuonRule):
+    """NorMuon (see the module formula); owner state ``v`` (float32, one entry per row) per matrix."""
+
+    name = "normuon"
+    has_owner_state = True
+
+    def init_owner_state(self, shape: tuple[int, int], group: Group, device: torch.device) -> dict[str, Tensor]:
+        return {"v": torch.zeros(shape[0], dtype=torch.float32, device=device)}
+
+    def batch_key(self, group: Group) -> Hashable:
+        return (newton_schulz_settings(group), float(group["beta2"]), float(group["normuon_eps"]))
+
+    def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
+        return MatrixCost(super().cost(group, shape).flops + 6 * shape[0] * shape[1], 4 * shape[0])
+
+    def direction(
+        self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner
+    ) -> Tensor:
+        o = super().direction(u, owner_states, group, runner)
+        o32 = o.to(torch.float32)
+        beta2, eps = group["beta2"], group["normuon_eps"]
+        v = owner_states[0]["v"] if o.ndim == 2 else torch.stack([s["v"] for s in owner_states])
+        v = v * beta2 + (1 - beta2) * o32.square().mean(-1)
+        normalized = o32 / (v.sqrt() + eps).unsqueeze(-1)
+        ratio = torch.linalg.vector_norm(o32, dim=(-2, -1)) / torch.linalg.vector_norm(normalized, dim=(-2, -1))
+        normalized = normalized * ratio[..., None, None]
+        for i, s in enumerate(owner_states):
+            s["v"].copy_(v if o.ndim == 2 else v[i])
+        return normalized.to(o.dtype)
