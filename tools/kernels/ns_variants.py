@@ -13,6 +13,8 @@ dispatch captures one), followed by ``:key=value`` settings applied around every
 - ``algorithm=auto|standard|gram``: the Newton–Schulz form;
 - ``backend=torch|triton|syrk``: force a backend (``syrk``: the SYRK kernels at every size);
 - ``gluon=0|1``: the warp-specialized Gluon SYRK kernel off or on;
+- ``loop=1``: a batch [B, m, n] run one matrix at a time (what the optimizer does for shapes it does not stack:
+  ``--shapes 8x1024x4096 --methods graphs,graphs:loop=1`` re-measures ``kernels.batching.BATCH_MAX_NUMEL``);
 - a tuned constant by name (see TUNABLES), e.g. ``WS_MIN_WORK=2**36``, ``TURN_LEAD=0``, ``MAX_GRAPH_WORK=2**38``,
   ``GRAM_MIN_ASPECT=99`` (values are integers, floats or ``a**b``).
 """
@@ -92,7 +94,7 @@ def parse_method(spec: str) -> Callable[[Tensor], Tensor]:
         return plain_torch
     if base not in ("ours", "graphs"):
         raise ValueError(f"{spec!r}: a method starts with torch, ours or graphs")
-    algorithm, backend, gluon, constants = "auto", None, None, {}
+    algorithm, backend, gluon, loop, constants = "auto", None, None, False, {}
     for item in items:
         key, _, value = item.partition("=")
         if key == "algorithm":
@@ -101,16 +103,20 @@ def parse_method(spec: str) -> Callable[[Tensor], Tensor]:
             backend = value
         elif key == "gluon":
             gluon = value != "0"
+        elif key == "loop":
+            loop = value != "0"
         elif key in TUNABLES:
             constants[key] = number(value)
         else:
             raise ValueError(
-                f"{spec!r}: unknown setting {key!r}; expected algorithm, backend, gluon or {sorted(TUNABLES)}"
+                f"{spec!r}: unknown setting {key!r}; expected algorithm, backend, gluon, loop or {sorted(TUNABLES)}"
             )
     run = ns_graphs.NewtonSchulzGraphs() if base == "graphs" else newton_schulz
 
     def call(g: Tensor) -> Tensor:
         with settings(constants, backend, gluon):
+            if loop and g.ndim == 3:
+                return torch.stack([run(m, algorithm=algorithm) for m in g.unbind(0)])
             return run(g, algorithm=algorithm)
 
     return call
