@@ -70,6 +70,8 @@ class Summary:
     ns_gflop_max: float
     ns_gflop_mean: float
     imbalance: float
+    max_over_bound: float
+    max_over_simple_bound: float
     bytes_sent_max: float
     bytes_received_max: float
     est_ns_ms: float
@@ -89,6 +91,8 @@ def summarize_plan(model: str, plan: Plan, ns_steps: int, tflops: float, gbps: f
         ns_gflop_max=max(gflop),
         ns_gflop_mean=sum(gflop) / len(gflop),
         imbalance=plan.imbalance,
+        max_over_bound=max(plan.rank_flops) / plan.lower_bound,
+        max_over_simple_bound=max(plan.rank_flops) / plan.simple_lower_bound,
         bytes_sent_max=sent_max,
         bytes_received_max=received_max,
         est_ns_ms=max(gflop) / tflops,  # GFLOP / (TFLOP/s) = ms
@@ -120,13 +124,14 @@ def simulate(
 def format_table(rows: list[Summary]) -> str:
     header = (
         f"{'model':<18}{'ranks':>6}{'matrices':>9}{'local':>7}{'NS GFLOP max':>13}{'mean':>9}"
-        f"{'imbal':>7}{'MB sent max':>12}{'MB recv max':>12}{'NS ms':>8}{'comm ms':>9}{'plan s':>8}"
+        f"{'imbal':>7}{'/bound':>8}{'/max(mean,largest)':>19}{'MB sent max':>12}{'MB recv max':>12}{'NS ms':>8}{'comm ms':>9}{'plan s':>8}"
     )
     lines = [header]
     for r in rows:
         lines.append(
             f"{r.model:<18}{r.world_size:>6}{r.matrices:>9}{r.local_matrices:>7}{r.ns_gflop_max:>13.1f}"
-            f"{r.ns_gflop_mean:>9.1f}{r.imbalance:>7.3f}{r.bytes_sent_max / 1e6:>12.1f}"
+            f"{r.ns_gflop_mean:>9.1f}{r.imbalance:>7.3f}{r.max_over_bound:>8.3f}{r.max_over_simple_bound:>19.3f}"
+            f"{r.bytes_sent_max / 1e6:>12.1f}"
             f"{r.bytes_received_max / 1e6:>12.1f}{r.est_ns_ms:>8.2f}{r.est_comm_ms:>9.2f}{r.plan_seconds:>8.2f}"
         )
     return "\n".join(lines)

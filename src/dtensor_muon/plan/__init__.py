@@ -29,7 +29,7 @@ from ..layout import Box, ParamLayout, box_numel
 from ..placement import GatherAll, Local, Owned, Placement
 from ..rules.muon import ns_iteration_flops
 from ..views import MatrixSplit, parameter_matrices
-from .balance import assign_owners, lower_bound
+from .balance import assign_owners, lower_bound, simple_lower_bound
 
 UNIT_COST_FRACTION = 4
 """A batched unit costs at most 1/4 of the costliest matrix, so units never raise the balance lower bound."""
@@ -125,16 +125,27 @@ class Plan:
         mean = sum(self.rank_flops) / max(1, len(self.rank_flops))
         return max(self.rank_flops) / mean if mean > 0 else 1.0
 
-    @property
-    def lower_bound(self) -> float:
-        """No assignment of these units beats max(mean load, costliest unit, largest pinned load)."""
+    def _pinned_and_owned(self) -> tuple[list[int], list[int]]:
         pinned = [0] * self.world_size
         for unit in self.units:
             if isinstance(unit.placement, Local):
                 for rank, _ in self.routes[unit.members[0]].holders:
                     pinned[rank] += unit.cost
-        owned = [u.cost for u in self.units if isinstance(u.placement, Owned)]
+            elif isinstance(unit.placement, GatherAll):
+                pinned = [x + unit.cost for x in pinned]
+        return pinned, [u.cost for u in self.units if isinstance(u.placement, Owned)]
+
+    @property
+    def lower_bound(self) -> float:
+        """No assignment of these units beats this busiest-rank cost (:func:`.balance.lower_bound`)."""
+        pinned, owned = self._pinned_and_owned()
         return lower_bound(owned, pinned, self.world_size)
+
+    @property
+    def simple_lower_bound(self) -> float:
+        """max(mean load, costliest unit, largest pinned load) (:func:`.balance.simple_lower_bound`)."""
+        pinned, owned = self._pinned_and_owned()
+        return simple_lower_bound(owned, pinned, self.world_size)
 
     def owned_by(self, rank: int) -> list[int]:
         """Indices of the routes of matrices owned by ``rank``."""

@@ -38,10 +38,19 @@ MAX_STEPS_PER_UNIT = 4
 
 
 def lower_bound(costs: list[int], pinned_load: list[int], world_size: int) -> float:
-    """A lower bound on the busiest rank's load: the largest unit, the mean load, or the largest pinned load.
+    """A lower bound on the busiest rank's load: the largest of the costliest unit, the mean load (units and
+    pinned load spread over all ``world_size`` ranks), the largest pinned load, and, with more units than
+    ranks, the sum of the W-th and (W+1)-th costliest units (two of the W+1 costliest share a rank)."""
+    mean = (sum(costs) + sum(pinned_load)) / world_size
+    pair = 0
+    if len(costs) > world_size:
+        top = sorted(costs, reverse=True)
+        pair = top[world_size - 1] + top[world_size]
+    return float(max(max(costs, default=0), mean, max(pinned_load, default=0), pair))
 
-    The mean spreads the units and the pinned load together over all ``world_size`` ranks.
-    """
+
+def simple_lower_bound(costs: list[int], pinned_load: list[int], world_size: int) -> float:
+    """max(costliest unit, mean load, largest pinned load): the bound without the pair term."""
     mean = (sum(costs) + sum(pinned_load)) / world_size
     return float(max(max(costs, default=0), mean, max(pinned_load, default=0)))
 
