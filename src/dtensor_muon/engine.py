@@ -39,7 +39,7 @@ from .newton_schulz import newton_schulz
 from .ns_graphs import NewtonSchulzGraphs
 from .pending import PendingUpdates
 from .placement import GatherAll, Local, Owned
-from .plan import UNIT_COST_FRACTION, Plan, build_plan, matrices_of
+from .plan import Plan, build_plan, matrices_of, unit_cost_cap
 from .rules import adamw as adamw_rule
 from .rules.base import MatrixRule
 from .step_context import OWNER_STATE_KEY, Entry, MeshWork, StepContext, local
@@ -164,7 +164,7 @@ class Engine:
             for e in entries
             for s in matrices_of(e.index, e.layout, e.split)
         ]
-        cost_cap = max(costs, default=0) // UNIT_COST_FRACTION
+        cost_cap = unit_cost_cap(costs)
         self.meshes = []
         for key, entries in sorted(by_mesh.items(), key=lambda kv: _mesh_order(kv[0])):
             wire = self._wire_dtype(entries)

@@ -3,7 +3,8 @@
 Matrices (see :mod:`dtensor_muon.views`) are grouped into **units**, computed as one batch: matrices of
 one shape whose rule settings agree (equal batch keys), where batching pays (:mod:`..kernels.batching`),
 consecutive in parameter order (the experts of a 3-D parameter only with each other), up to a power-of-two
-count whose cost stays within a quarter of the costliest matrix. The units depend only on the model (names,
+count whose cost stays within :func:`unit_cost_cap` (no more than the costliest matrix, so units never raise
+the balance's lower bound, nor than 1/64 of all the matrices' cost). The units depend only on the model (names,
 shapes, splits, settings), never on the world size, so every placement computes the same batches as one
 process: the same bits.
 
@@ -31,8 +32,13 @@ from ..rules.muon import ns_iteration_flops
 from ..views import MatrixSplit, parameter_matrices
 from .balance import assign_owners, lower_bound, simple_lower_bound
 
-UNIT_COST_FRACTION = 4
-"""A batched unit costs at most 1/4 of the costliest matrix, so units never raise the balance lower bound."""
+UNIT_SHARE = 64
+"""A batched unit costs at most 1/64 of all the matrices' cost (and at most the costliest matrix)."""
+
+
+def unit_cost_cap(costs: Sequence[int]) -> int:
+    """Most a batched unit may cost: min(costliest matrix, total / :data:`UNIT_SHARE`)."""
+    return min(max(costs, default=0), sum(costs) // UNIT_SHARE)
 
 
 @dataclass(frozen=True)
@@ -226,7 +232,7 @@ def build_plan(
 
     ``splits[k]`` cuts parameter k into views; ``batch_keys[k]`` is its rule's batch key; ``cost_fn(k, shape)``
     gives (FLOPs, owner-state bytes) of one matrix of parameter k (default: one Newton–Schulz iteration, no
-    state); ``cost_cap`` bounds a batched unit's cost (default: a quarter of the costliest matrix here; the
+    state); ``cost_cap`` bounds a batched unit's cost (default: :func:`unit_cost_cap` of the matrices here; the
     engine passes the optimizer-wide value so that every mesh groups as one process would). ``gather_all``:
     units that are not local are computed on every rank.
     """
@@ -250,7 +256,7 @@ def build_plan(
             costs.append(flops)
             state_bytes.append(nbytes)
     if cost_cap is None:
-        cost_cap = max(costs, default=0) // UNIT_COST_FRACTION
+        cost_cap = unit_cost_cap(costs)
     groups = group_units(specs, spec_keys, costs, expert_params, cost_cap)
 
     box_tensors = {i: torch.tensor(layout.boxes, dtype=torch.int64) for i, layout in zip(param_indices, layouts)}
