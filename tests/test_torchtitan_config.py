@@ -1,6 +1,8 @@
-"""Fast checks of torchtitan_ext's pieces: [muon] validation, kwargs mapping, spec registration, CPU patches, data."""
+"""Fast checks of torchtitan_ext's pieces: the optimizer registry, [muon]/[mop]/[normuon] validation, kwargs mapping,
+spec registration, CPU patches, data."""
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -11,8 +13,9 @@ pytest.importorskip("torchtitan")
 from torchtitan.config import ConfigManager
 from torchtitan.protocols.train_spec import get_train_spec
 
+import dtensor_muon
 import torchtitan_ext
-from torchtitan_ext import cpu, data, optimizer, spec
+from torchtitan_ext import cpu, data, job_config, optimizer, registry, sections, spec
 from torchtitan_ext.job_config import Muon as MuonConfig
 from torchtitan_ext.job_config import check_optimizer_name
 
@@ -61,6 +64,162 @@ def test_bf16_wire_with_fp32_newton_schulz_is_refused():
 def test_unknown_optimizer_name_lists_the_choices():
     with pytest.raises(ValueError, match="Adam, AdamW, Muon"):
         check_optimizer_name("Lion")
+
+
+def test_registry_names_are_the_optimizer_choices_and_its_sections_the_config_sections():
+    assert registry.OPTIMIZER_NAMES == ("Adam", "AdamW", "Muon", "MOP", "NorMuon")
+    for name in registry.OPTIMIZER_NAMES:
+        check_optimizer_name(name)
+    for bad in ("Lion", "muon", "Normuon", ""):
+        with pytest.raises(ValueError) as info:
+            check_optimizer_name(bad)
+        assert str(info.value) == (
+            f"[optimizer] name = {bad!r} is not valid; choose one of: Adam, AdamW, Muon, MOP, NorMuon"
+        )
+    assert {name: (e.section, e.section_cls, e.optimizer_cls) for name, e in registry.REGISTRY.items()} == {
+        "Muon": ("muon", sections.Muon, dtensor_muon.Muon),
+        "MOP": ("mop", sections.MOP, dtensor_muon.MOP),
+        "NorMuon": ("normuon", sections.NorMuon, dtensor_muon.NorMuon),
+    }
+    extension = {f.name: f.type for f in dataclasses.fields(job_config.JobConfig)}
+    assert extension == {"muon": sections.Muon, "mop": sections.MOP, "normuon": sections.NorMuon}
+    config = ConfigManager().parse_args(
+        EXT + ["--optimizer.name", "NorMuon", "--normuon.beta2", "0.9", "--mop.scale", "shape", "--muon.ns_steps", "3"]
+    )
+    assert config.optimizer.name == "NorMuon" and config.normuon.beta2 == 0.9 and config.normuon.normuon_eps == 1e-8
+    assert config.mop.scale == "shape" and config.muon.ns_steps == 3 and config.normuon.ns_steps == 5
+
+
+def test_normuon_and_mop_sections_defaults():
+    muon, normuon, mop = sections.Muon(), sections.NorMuon(), sections.MOP()
+    assert {f.name: getattr(normuon, f.name) for f in dataclasses.fields(muon)} == dataclasses.asdict(muon)
+    assert (normuon.beta2, normuon.normuon_eps, normuon.adjust_lr_fn) == (0.95, 1e-8, "match_rms_adamw")
+    assert dataclasses.asdict(mop) == {
+        "momentum": 0.95, "nesterov": False, "scale": "nuclear", "adjust_lr_fn": "match_rms_adamw",
+        "wire_dtype": "float32", "bucket_size_mb": 64.0, "exchange": "owner", "skip_nonfinite": False,
+        "diagnostics_interval": 0, "overlap": False,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "section_cls, field, value, needle",
+    [
+        (sections.NorMuon, "beta2", 1.0, "[0, 1)"),
+        (sections.NorMuon, "beta2", -0.1, "[0, 1)"),
+        (sections.NorMuon, "normuon_eps", 0.0, "> 0"),
+        (sections.NorMuon, "ns_coefficients", "magic", "cans, polar_express, quintic, simple"),
+        (sections.NorMuon, "exchange", "everyone", "owner, gather_all"),
+        (sections.NorMuon, "momentum", 1.0, "[0, 1)"),
+        (sections.MOP, "scale", "spectral", "choose one of: nuclear, shape"),
+        (sections.MOP, "adjust_lr_fn", "sqrt", "match_rms_adamw, original"),
+        (sections.MOP, "wire_dtype", "int8", "choose one of: float32"),
+        (sections.MOP, "exchange", "everyone", "owner, gather_all"),
+        (sections.MOP, "momentum", -0.5, "[0, 1)"),
+        (sections.MOP, "bucket_size_mb", 0.0, "> 0"),
+        (sections.MOP, "diagnostics_interval", -1, ">= 0"),
+    ],
+)
+def test_bad_section_value_names_its_section_and_the_valid_choices(section_cls, field, value, needle):
+    with pytest.raises(ValueError) as info:
+        section_cls(**{field: value})
+    message = str(info.value)
+    assert message.startswith(f"[{section_cls.SECTION}] {field} = {value!r} is not valid") and needle in message
+
+
+def test_bf16_wire_is_refused_for_mop_from_toml_and_cli(tmp_path):
+    with pytest.raises(ValueError) as info:
+        sections.MOP(wire_dtype="bfloat16")
+    assert str(info.value) == (
+        "[mop] wire_dtype = 'bfloat16' is not valid: MOP's SVD runs in float32 and a bfloat16 wire would round "
+        "its input; choose one of: float32"
+    )
+    toml = tmp_path / "x.toml"
+    toml.write_text('[job]\ncustom_config_module = "torchtitan_ext.job_config"\n[mop]\nwire_dtype = "bfloat16"\n')
+    with pytest.raises(ValueError, match=r"\[mop\] wire_dtype = 'bfloat16' is not valid: MOP's SVD runs in float32"):
+        ConfigManager().parse_args(["--job.config_file", str(toml)])
+    toml.write_text('[job]\ncustom_config_module = "torchtitan_ext.job_config"\n[normuon]\nbeta2 = 1.5\n')
+    with pytest.raises(ValueError, match=r"\[normuon\] beta2 = 1.5 is not valid"):
+        ConfigManager().parse_args(["--job.config_file", str(toml)])
+
+
+def _tiny_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.ModuleDict(
+        {"tok_embeddings": torch.nn.Embedding(16, 12), "w": torch.nn.Linear(8, 12), "output": torch.nn.Linear(12, 16)}
+    )
+
+
+def _backward(model: torch.nn.Module, seed: int) -> None:
+    torch.manual_seed(seed)
+    x = torch.randn(4, 8)
+    (model["output"](model["w"](x) + model["tok_embeddings"](torch.arange(4))) ** 2).sum().backward()
+
+
+@pytest.mark.parametrize(
+    "name, cli, expected",
+    [
+        (
+            "MOP",
+            ["--mop.scale", "shape", "--mop.adjust_lr_fn", "original", "--mop.momentum", "0.9", "--mop.nesterov"],
+            {"momentum": 0.9, "nesterov": True, "scale": "shape", "adjust_lr_fn": "original",
+             "wire_dtype": torch.float32},
+        ),
+        (
+            "NorMuon",
+            ["--normuon.beta2", "0.9", "--normuon.normuon_eps", "1e-6", "--normuon.ns_steps", "4",
+             "--normuon.ns_dtype", "float32", "--normuon.wire_dtype", "float32"],
+            {"momentum": 0.95, "nesterov": True, "ns_coefficients": "simple", "ns_steps": 4,
+             "adjust_lr_fn": "match_rms_adamw", "ns_dtype": torch.float32, "ns_algorithm": "auto",
+             "wire_dtype": torch.float32, "beta2": 0.9, "normuon_eps": 1e-6},
+        ),
+    ],
+)  # fmt: skip
+def test_container_builds_the_registry_class_and_steps_as_the_class_itself(name, cli, expected):
+    args = EXT + ["--optimizer.name", name, "--optimizer.lr", "0.02", "--optimizer.weight_decay", "0.05"]
+    config = ConfigManager().parse_args(args + ["--optimizer.beta2", "0.99", *cli])
+    registry.attach_sections(config)
+    model, reference = _tiny_model(0), _tiny_model(0)
+    container = optimizer.build_optimizers([model], config.optimizer, parallel_dims=None)
+    assert isinstance(container, optimizer.MatrixOptimizersContainer)
+    (opt,) = container.optimizers
+    assert type(opt) is registry.REGISTRY[name].optimizer_cls
+    engine = {"bucket_size_mb": 64.0, "exchange": "owner", "skip_nonfinite": False, "diagnostics_interval": 0,
+              "overlap": False}  # fmt: skip
+    kwargs = {"lr": 0.02, "weight_decay": 0.05, "adamw_betas": (0.9, 0.99), "adamw_eps": 1e-8, **engine, **expected}
+    assert optimizer.optimizer_kwargs(config.optimizer) == kwargs
+    matrices = next(g for g in opt.param_groups if g["use_muon"])
+    assert matrices["param_names"] == ["w.weight"] and matrices["lr"] == 0.02 and matrices["weight_decay"] == 0.05
+    assert matrices["adamw_betas"] == (0.9, 0.99)
+    for key in set(expected) - {"wire_dtype"}:
+        assert matrices[key] == expected[key], key
+    direct = getattr(dtensor_muon, name)(list(reference.named_parameters()), **kwargs)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(2):  # the second step reads the state of the first (momentum, NorMuon's second moment)
+        for m, opt_ in ((model, container), (reference, direct)):
+            opt_.zero_grad()
+            _backward(m, seed=1)
+            opt_.step()
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert not torch.equal(p, before[n]), n
+        assert torch.equal(p, q), n
+    assert "muon/update_rms/muon" in container.metrics
+
+
+@pytest.mark.parametrize("name", ["MOP", "NorMuon"])
+def test_sections_default_where_none_is_attached(name):
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    entry = registry.REGISTRY[name]
+    config = OptimizerConfig(name=name, lr=0.01)
+    assert optimizer.optimizer_kwargs(config) == entry.kwargs(config, entry.section_cls())
+    container = optimizer.build_optimizers([_tiny_model(0)], config, parallel_dims=None)
+    (opt,) = container.optimizers
+    assert type(opt) is entry.optimizer_cls
+    group = opt.param_groups[0]
+    if name == "MOP":
+        assert group["scale"] == "nuclear" and group["nesterov"] is False
+    else:
+        assert group["beta2"] == 0.95 and group["normuon_eps"] == 1e-8
 
 
 def test_muon_kwargs_come_from_both_sections():
@@ -140,7 +299,7 @@ def test_moe_muon_container_keeps_torchtitan_expert_bias_hook():
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     titan = titan_moe_builder([model], OptimizerConfig(name="AdamW", implementation="for-loop"), dims)
     ours = optimizer.build_optimizers_with_moe_load_balancing([model], OptimizerConfig(name="Muon"), dims)
-    assert isinstance(ours, optimizer.MuonOptimizersContainer)
+    assert isinstance(ours, optimizer.MatrixOptimizersContainer)
     assert len(titan._optimizer_step_pre_hooks) == 1
     assert len(ours._optimizer_step_pre_hooks) == 1
     (muon,) = ours.optimizers

@@ -5,10 +5,10 @@ stdout and to TensorBoard/W&B); the trainer calls it on every rank at the same s
 is ``step == 1 or step % log_freq == 0``, the same on every rank). On those steps only,
 :class:`OptimizerMetricsProcessor`
 
-- gathers the optimizer container's ``metrics`` (``muon/...``) from every rank (one
-  ``all_gather_object`` over the default group; steps that do not log run no collective) and
-  reduces them key by key as :data:`REDUCTIONS` says, so that every rank, and the record written to
-  TensorBoard, holds the same global values;
+- gathers the optimizer container's ``metrics`` (``muon/...``, for Muon, MOP and NorMuon alike) from
+  every rank (one ``all_gather_object`` over the default group; steps that do not log run no
+  collective) and reduces them key by key as :data:`REDUCTIONS` says, so that every rank, and the
+  record written to TensorBoard, holds the same global values;
 - with pipeline parallelism, replaces the loss of stages that compute none (torchtitan's -1) by the
   last stage's loss (a max over ranks in the same gather), so rank 0's console shows the real loss;
 - adds the optimizer's share of the FLOPs (``muon/optimizer_tflops_per_step``,

@@ -1,14 +1,16 @@
-"""Train specs for torchtitan's models with optimizers, whose builders understand Muon.
+"""Train specs for torchtitan's models whose optimizer builders understand the matrix optimizers
+(Muon, MOP, NorMuon: :data:`torchtitan_ext.registry.REGISTRY`).
 
 Each spec is torchtitan's own with three builders swapped:
 
-- ``build_optimizers_fn``: :mod:`torchtitan_ext.optimizer` (Muon; Adam/AdamW unchanged; MoE models
-  keep the expert-bias hook);
+- ``build_optimizers_fn``: :mod:`torchtitan_ext.optimizer` (the registry's optimizers; Adam/AdamW
+  unchanged; MoE models keep the expert-bias hook);
 - ``build_metrics_processor_fn``: :class:`torchtitan_ext.metrics.OptimizerMetricsProcessor`. It is
-  also where the ``[muon]`` section reaches the optimizer builder: torchtitan 0.2.2 passes only the
-  ``[optimizer]`` section to ``build_optimizers_fn`` but the whole JobConfig to
-  ``build_metrics_processor_fn``, which it calls first; so that hook checks ``[optimizer] name``
-  and attaches ``[muon]`` to the ``[optimizer]`` object;
+  also where the optimizers' sections (``[muon]``, ``[mop]``, ``[normuon]``) reach the optimizer
+  builder: torchtitan 0.2.2 passes only the ``[optimizer]`` section to ``build_optimizers_fn`` but the
+  whole JobConfig to ``build_metrics_processor_fn``, which it calls first; so that hook checks
+  ``[optimizer] name`` and attaches the sections to the ``[optimizer]`` object
+  (:func:`torchtitan_ext.registry.attach_sections`);
 - ``parallelize_fn``: torchtitan's, then FSDP2 SUM reductions when the backend is gloo
   (:func:`torchtitan_ext.cpu.use_sum_reduction`).
 
@@ -27,10 +29,9 @@ from torchtitan.models import _supported_models
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 from torchtitan_ext.cpu import use_sum_reduction
-from torchtitan_ext.job_config import Muon as MuonConfig
-from torchtitan_ext.job_config import check_optimizer_name
 from torchtitan_ext.metrics import OptimizerMetricsProcessor
-from torchtitan_ext.optimizer import MUON_SECTION_ATTR, REPLACEMENTS
+from torchtitan_ext.optimizer import REPLACEMENTS
+from torchtitan_ext.registry import attach_sections, check_optimizer_name
 
 MODELS = ("llama3", "deepseek_v3", "qwen3", "llama4")
 """torchtitan models whose specs are replaced (those of them present in the installed torchtitan)."""
@@ -42,10 +43,10 @@ def build_metrics_processor(
     model_args: object | None = None,
     tag: str | None = None,
 ) -> OptimizerMetricsProcessor:
-    """Check ``[optimizer] name``, attach ``[muon]`` to ``[optimizer]``, and build the metrics processor."""
+    """Check ``[optimizer] name``, attach the matrix optimizers' sections to ``[optimizer]``, and build the
+    metrics processor."""
     check_optimizer_name(job_config.optimizer.name)
-    muon = getattr(job_config, "muon", None) or MuonConfig()
-    setattr(job_config.optimizer, MUON_SECTION_ATTR, muon)
+    attach_sections(job_config)
     return OptimizerMetricsProcessor(job_config, parallel_dims, tag)
 
 
@@ -72,7 +73,7 @@ def muon_train_spec(base: TrainSpec) -> TrainSpec:
 
 
 def register_all() -> list[str]:
-    """Register a Muon-aware spec under each name of :data:`MODELS` that torchtitan has; return the names."""
+    """Register a spec with these builders under each name of :data:`MODELS` that torchtitan has; return the names."""
     names = [name for name in MODELS if name in _supported_models]
     for name in names:
         base = import_module(f"torchtitan.models.{name}").get_train_spec()

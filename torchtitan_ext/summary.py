@@ -8,7 +8,7 @@ from the config and the same overrides as the run (``make train`` passes its ``A
 event file of the newest run under ``DUMP/<save_tb_folder>`` is read (a run folder is named by the
 minute, so two runs within a minute share one: the newest file is the latest run). The line gives
 the steps, the first and last logged loss, the mean of the last logged losses, the time per step
-and the optimizer's update RMS. ``--plot`` also draws the loss curve and the Muon metrics into a PNG
+and the optimizer's update RMS. ``--plot`` also draws the loss curve and the optimizer's metrics into a PNG
 (default ``DUMP/loss_curve.png``); it needs matplotlib (``pip install -e .[plot]``).
 """
 
@@ -76,8 +76,9 @@ def _xy(points: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
 
 
 def plot(series: dict[str, list[tuple[int, float]]], png: Path, title: str = "") -> Path:
-    """Draw the loss (with the max over ranks), the update RMS of Muon and AdamW, and, where logged,
-    the Newton–Schulz σ range / orthogonality error and the gradient norm, one panel each; save as ``png``."""
+    """Draw the loss (with the max over ranks), the update RMS of the matrix (Muon, MOP or NorMuon) and AdamW
+    parameters, and, where logged, the Newton–Schulz σ range / orthogonality error and the gradient norm,
+    one panel each; save as ``png``."""
     try:
         import matplotlib
     except ImportError:

@@ -2,9 +2,10 @@
 
 Runs torchtitan's own ``Trainer`` unchanged. Where no GPU is present it first points torchtitan at
 the CPU and gloo (:mod:`torchtitan_ext.cpu`). It also builds the offline dataset and tokenizer
-(:mod:`torchtitan_ext.data`) when they are missing. The job config always has the ``[muon]``
-section, an unknown TOML key is reported with its section's valid keys
-(:func:`torchtitan_ext.job_config.use_in_config_manager`; ``--help`` lists every option), and
+(:mod:`torchtitan_ext.data`) when they are missing. The job config always has the matrix
+optimizers' sections (``[muon]``, ``[mop]``, ``[normuon]``), an unknown TOML key is reported with
+its section's valid keys (:func:`torchtitan_ext.job_config.use_in_config_manager`; ``--help`` lists
+every option), and
 torchtitan's warning that rank 0 shows no pipeline-parallel loss is dropped where the metrics
 processor of :mod:`torchtitan_ext.metrics` shows the last stage's loss on every rank.
 
