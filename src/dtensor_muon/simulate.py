@@ -5,7 +5,8 @@
 Builds the model on the meta device (no memory), routes its parameters as :class:`dtensor_muon.Muon`
 would, lays every parameter out as FSDP2 does (``Shard(0)`` over all ranks, chunked like ``torch.chunk``),
 and prints per world size: per-rank Newton–Schulz GFLOP per step (max and mean, ``ns_steps`` iterations),
-the imbalance max/mean, bytes sent and received per rank per step (max), and the estimated time of the
+the imbalance max/mean, the busiest rank over the plan's lower bound (:attr:`..plan.Plan.lower_bound`, 1.000:
+no assignment of these units does better) and over max(mean load, costliest unit), bytes sent and received per rank per step (max), and the estimated time of the
 busiest rank at the given TFLOP/s and GB/s.
 """
 
@@ -123,14 +124,14 @@ def simulate(
 
 def format_table(rows: list[Summary]) -> str:
     header = (
-        f"{'model':<18}{'ranks':>6}{'matrices':>9}{'local':>7}{'NS GFLOP max':>13}{'mean':>9}"
+        f"{'model':<18}{'ranks':>6}{'matrices':>9}{'local':>7}{'NS GFLOP max':>14}{'mean':>11}"
         f"{'imbal':>7}{'/bound':>8}{'/max(mean,largest)':>19}{'MB sent max':>12}{'MB recv max':>12}{'NS ms':>8}{'comm ms':>9}{'plan s':>8}"
     )
     lines = [header]
     for r in rows:
         lines.append(
-            f"{r.model:<18}{r.world_size:>6}{r.matrices:>9}{r.local_matrices:>7}{r.ns_gflop_max:>13.1f}"
-            f"{r.ns_gflop_mean:>9.1f}{r.imbalance:>7.3f}{r.max_over_bound:>8.3f}{r.max_over_simple_bound:>19.3f}"
+            f"{r.model:<18}{r.world_size:>6}{r.matrices:>9}{r.local_matrices:>7}{r.ns_gflop_max:>14.1f}"
+            f"{r.ns_gflop_mean:>11.1f}{r.imbalance:>7.3f}{r.max_over_bound:>8.3f}{r.max_over_simple_bound:>19.3f}"
             f"{r.bytes_sent_max / 1e6:>12.1f}"
             f"{r.bytes_received_max / 1e6:>12.1f}{r.est_ns_ms:>8.2f}{r.est_comm_ms:>9.2f}{r.plan_seconds:>8.2f}"
         )
