@@ -10,8 +10,9 @@ coefficients, ``adjust_lr_fn="match_rms_adamw"``) on one CPU process.
 - ``muon/time_step_ms``: their sum. ``muon/time_deferred_finish_ms`` (``overlap=True``): time spent applying
   the previous step's updates in forward pre-hooks and flushes.
 - ``muon/bytes_sent``: bytes this rank put on the wire (exchange out + back); 0 on one rank.
-- ``muon/optimizer_flops``: Newton–Schulz FLOPs run on this rank in this step: ``ns_steps · (4m²n + 2m³)``
-  (m ≤ n) per matrix it orthogonalized, the plan's cost model (the Gram form runs fewer); summed over the
+- ``muon/optimizer_flops``: the rule's FLOPs run on this rank in this step, per matrix it computed (m ≤ n):
+  Muon and NorMuon ``ns_steps · (4m²n + 2m³)`` (the Gram form runs fewer), MOP's SVD ``4m²n + 22m³``, the
+  plan's cost model; summed over the
   ranks it is the step's total (each matrix once with ``exchange="owner"``, once per rank with
   ``"gather_all"``). 3.3·10¹⁰ for the debugmodel (42 matrices on one rank).
 - ``muon/nonfinite_updates``: matrices whose Newton–Schulz output was not finite on this rank in this step
@@ -19,9 +20,9 @@ coefficients, ``adjust_lr_fn="match_rms_adamw"``) on one CPU process.
   (``RuntimeWarning``, once). ``skip_nonfinite=True`` skips such steps on every rank instead.
 - ``muon/skipped_steps``: steps skipped so far (``skip_nonfinite=True``); ``muon/step_skipped``: 1.0 on a skipped
   step, whose metrics are only these two.
-- ``muon/plan_imbalance``: max/mean of the per-rank Newton–Schulz FLOPs of the plan (worst mesh); 1.0 is
+- ``muon/plan_imbalance``: max/mean of the per-rank FLOPs of the plan (worst mesh); 1.0 is
   perfect balance.
-- ``muon/plan_max_gflop``: the busiest rank's Newton–Schulz GFLOP of the plan per iteration (worst mesh).
+- ``muon/plan_max_gflop``: the busiest rank's GFLOP per step in the plan, the rule's cost (worst mesh).
 - ``muon/update_rms/muon``: RMS of γ'·O over the matrices this rank orthogonalized. With
   ``adjust_lr_fn="match_rms_adamw"`` about 0.2·lr·(RMS of σ) (0.0018 at lr 1e-2); with the default
   ``"original"`` about lr·√(max(1, A/B)/max(A, B)) per A×B matrix, less where σ < 1.
