@@ -55,6 +55,65 @@ def test_llama3_8b_fsdp_reaches_the_best_bound(world):
     assert busiest <= (1.06 if world == 64 else 1.05) * simple
 
 
+def test_small_case_lpt_then_swap_reaches_the_optimum():
+    costs, names = [5, 4, 3, 3, 3], ["a", "b", "c", "d", "e"]
+    args = (costs, names, 2, [0, 0], [{} for _ in costs])
+    greedy = greedy_owners(*args)
+    assert greedy == [0, 1, 1, 0, 1] and rank_sums(greedy, costs, 2) == [8, 10]
+    refined = assign_owners(*args)
+    assert rank_sums(refined, costs, 2) == [9, 9] == [lower_bound(costs, [0, 0], 2)] * 2
+    assert refined == [0, 0, 1, 1, 1]  # 4 on rank 1 swapped for a 3 on rank 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_refinement_never_raises_the_max_nor_breaks_the_cap(seed):
+    costs, names, world, pinned, preferred, memory = random_case(seed)
+    greedy = greedy_owners(costs, names, world, pinned, preferred, memory)
+    refined = assign_owners(costs, names, world, pinned, preferred, memory)
+    assert max(rank_sums(refined, costs, world, pinned)) <= max(rank_sums(greedy, costs, world, pinned))
+    assert max(rank_sums(refined, costs, world, pinned)) <= 1.05 * lower_bound(costs, pinned, world)
+    if memory is not None:
+        assert max(rank_sums(refined, memory, world)) <= memory_cap(memory, world)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_same_input_same_owners_and_unit_order_does_not_matter(seed):
+    costs, names, world, pinned, preferred, memory = random_case(seed)
+    owners = assign_owners(costs, names, world, pinned, preferred, memory)
+    assert assign_owners(costs, names, world, pinned, preferred, memory) == owners
+    perm = list(range(len(costs)))
+    random.Random(seed).shuffle(perm)
+    shuffled = assign_owners(
+        [costs[i] for i in perm],
+        [names[i] for i in perm],
+        world,
+        pinned,
+        [preferred[i] for i in perm],
+        None if memory is None else [memory[i] for i in perm],
+    )
+    assert dict(zip([names[i] for i in perm], shuffled)) == dict(zip(names, owners))
+
+
+def test_memory_cap_spreads_memory_heavy_units():
+    # one unit of cost 8 and eight of cost 1: by cost alone rank 1 takes all eight small ones and their 80 bytes
+    costs = [8] + [1] * 8
+    memory = [1] + [10] * 8
+    names = [f"u{i}" for i in range(9)]
+    args = (costs, names, 2, [0, 0], [{} for _ in costs])
+    cap = memory_cap(memory, 2)
+    assert cap == 1.25 * 81 / 2
+    unconstrained = assign_owners(*args)
+    assert rank_sums(unconstrained, costs, 2) == [8, 8] and max(rank_sums(unconstrained, memory, 2)) == 80 > cap
+    owners = assign_owners(*args, memory)
+    assert rank_sums(owners, memory, 2) == [31, 50]  # five small units fit under the cap on rank 1
+    assert rank_sums(owners, costs, 2) == [11, 5]  # and no refinement step may take rank 1 over it
+
+
+def test_memory_cap_when_no_rank_fits_takes_the_rank_owning_least():
+    # cap max(1.25·18/2, 6) = 11.25: the third unit fits nowhere; both ranks own 6 bytes, rank 1 has less load
+    assert greedy_owners([3, 2, 1], ["a", "b", "c"], 2, [0, 0], [{}, {}, {}], [6, 6, 6]) == [0, 1, 1]
+
+
 def test_pinned_load_is_respected():
     costs = [10] * 12
     names = [f"u{i}" for i in range(12)]
