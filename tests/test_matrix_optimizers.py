@@ -311,6 +311,8 @@ DIST_CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
     "mop_shape": (MOP, dict(lr=0.02, weight_decay=0.1, momentum=0.9, scale="shape", adjust_lr_fn="match_rms_adamw")),
     "normuon": (NorMuon, dict(lr=0.02, weight_decay=0.1, beta2=0.9, adjust_lr_fn="match_rms_adamw")),
     "muon": (Muon, dict(scenarios.OPTIONS)),
+    "normuon_gather_all": (NorMuon, dict(lr=0.02, beta2=0.9, adjust_lr_fn="match_rms_adamw", exchange="gather_all")),
+    "mop_gather_all": (MOP, dict(lr=1e-3, exchange="gather_all")),
 }
 
 
@@ -359,7 +361,8 @@ def assert_bitwise(got: list[Tensor], want: list[Tensor], names: list[str], what
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size, steps", [(2, 3), (3, 3), (4, 3), (8, 2)])
 def test_shard0_equals_one_process_bitwise(world_size, steps):
-    """Bit for bit, all four optimizers, on tests/scenarios.py's model: uneven shards (the 20-row matrices 7/7/6 on
+    """Bit for bit, every configuration (the three optimizers on owners, MOP and NorMuon with every rank computing
+    every matrix), on tests/scenarios.py's model: uneven shards (the 20-row matrices 7/7/6 on
     3 ranks and 3×6/2/0 on 8, the 50-row embedding and 11-row head everywhere), empty shards (the 3×12 matrix and
     the 6-row conv at 4 and 8 ranks) and 5 experts, a count no world size divides (3/2, 2/2/1, 2/2/1/0, 1×5/0×3).
 

@@ -39,7 +39,7 @@ from .newton_schulz import newton_schulz
 from .ns_graphs import NewtonSchulzGraphs
 from .pending import PendingUpdates
 from .placement import GatherAll, Local, Owned
-from .plan import Plan, build_plan, matrices_of, unit_cost_cap
+from .plan import Plan, build_plan, matrices_of
 from .rules import adamw as adamw_rule
 from .rules.base import MatrixRule
 from .step_context import OWNER_STATE_KEY, Entry, MeshWork, StepContext, local
@@ -141,7 +141,6 @@ class Engine:
         self._unchecked_stats: metrics_lib.StepStats | None = None  # last step's, until its norms are read
         self._warned_nonfinite = False
         self.meshes: list[MeshWork] = []
-        self.mesh_of: dict[int, MeshWork] = {}
         self.consensus_groups: list[ConsensusGroup] = []
         self.rebuild_plans()
         self._sync_owner_state(loaded_owner_state)
@@ -156,15 +155,6 @@ class Engine:
         for e in self.entries:
             if e.use_muon:
                 by_mesh[_mesh_key(e.param)].append(e)
-        # one cost cap for every mesh, from every matrix: each mesh then groups its matrices into the same
-        # units as one process holding all parameters would
-        costs = [
-            self.rule.cost(e.group, s.shape).flops
-            for entries in by_mesh.values()
-            for e in entries
-            for s in matrices_of(e.index, e.layout, e.split)
-        ]
-        cost_cap = unit_cost_cap(costs)
         self.meshes = []
         for key, entries in sorted(by_mesh.items(), key=lambda kv: _mesh_order(kv[0])):
             wire = self._wire_dtype(entries)
@@ -180,9 +170,8 @@ class Engine:
                 self.bucket_bytes,
                 wire.itemsize,
                 splits=[e.split for e in entries],
-                batch_keys=[self.rule.batch_key(e.group) for e in entries],
+                batchable=[self.rule.can_batch(e.group) for e in entries],
                 cost_fn=cost,
-                cost_cap=cost_cap,
                 gather_all=self.exchange == "gather_all" and mesh is not None,
             )
             comm = mesh_group(mesh, entries[0].layout.mesh_rank)
@@ -195,7 +184,6 @@ class Engine:
             }
             fully_local = {e.index for e in entries} - not_local
             self.meshes.append(MeshWork(mesh, entries, plan, comm, wire, fully_local))
-        self.mesh_of = {e.index: work for work in self.meshes for e in work.entries}
         # the shape of this rank's local piece of each DTensor parameter (and of its gradient), by its layout
         self.local_shapes = {
             e.index: torch.Size(box_shape(e.layout.local_box)) for e in self.entries if isinstance(e.param, DTensor)

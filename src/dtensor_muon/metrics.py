@@ -23,6 +23,8 @@ coefficients, ``adjust_lr_fn="match_rms_adamw"``) on one CPU process.
 - ``muon/plan_imbalance``: max/mean of the per-rank FLOPs of the plan (worst mesh); 1.0 is
   perfect balance.
 - ``muon/plan_max_gflop``: the busiest rank's GFLOP per step in the plan, the rule's cost (worst mesh).
+- ``muon/plan_owner_state_mb``: the most owner state one rank keeps (MiB; rules with owner state only, e.g.
+  NorMuon: 4 bytes per matrix row).
 - ``muon/update_rms/muon``: RMS of γ'·O over the matrices this rank orthogonalized. With
   ``adjust_lr_fn="match_rms_adamw"`` about 0.2·lr·(RMS of σ) (0.0018 at lr 1e-2); with the default
   ``"original"`` about lr·√(max(1, A/B)/max(A, B)) per A×B matrix, less where σ < 1.
@@ -178,6 +180,9 @@ def summarize(timer: PhaseTimer, stats: StepStats, plans: list[Plan], skipped_st
     if plans:
         out["muon/plan_imbalance"] = max(p.imbalance for p in plans)
         out["muon/plan_max_gflop"] = max(max(p.rank_flops) for p in plans) / 1e9
+        owner_state = max(max(p.rank_owner_state_bytes, default=0) for p in plans)
+        if owner_state:
+            out["muon/plan_owner_state_mb"] = owner_state / 2**20
     for kind, total in stats.sq_sum.items():
         out[f"muon/update_rms/{kind}"] = (float(total) / max(1, stats.count[kind])) ** 0.5
     if stats.orthogonality_error is not None:

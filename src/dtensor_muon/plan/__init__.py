@@ -1,12 +1,12 @@
 """The plan: which matrices are computed together, where, which pieces move where, and in which buckets.
 
-Matrices (see :mod:`dtensor_muon.views`) are grouped into **units**, computed as one batch: matrices of
-one shape whose rule settings agree (equal batch keys), where batching pays (:mod:`..kernels.batching`),
-consecutive in parameter order (the experts of a 3-D parameter only with each other), up to a power-of-two
-count whose cost stays within :func:`unit_cost_cap` (no more than the costliest matrix, so units never raise
-the balance's lower bound, nor than 1/64 of all the matrices' cost). The units depend only on the model (names,
-shapes, splits, settings), never on the world size, so every placement computes the same batches as one
-process: the same bits.
+Matrices (see :mod:`dtensor_muon.views`) are grouped into **units**, computed as one batch: consecutive
+matrices of one parameter (its experts, or the equal blocks of a split), of a shape where batching pays
+(:mod:`..kernels.batching`), in groups of G, the largest power of two ≤ min(:data:`MAX_BATCH`, n /
+:data:`UNITS_PER_PARAMETER`) for a parameter of n such matrices (64 experts: units of 8; 4 experts: one by
+one). A unit never spans parameters and depends only on its parameter's shape and split, never on the world
+size or on which other parameters an optimizer holds (a pipeline stage, a param group), so every placement
+computes the same batches as one process: the same bits.
 
 A unit whose matrices every holder holds whole is :class:`~..placement.Local` (its cost is pinned load on
 each holder). The others get :class:`~..placement.GatherAll` when asked, else an :class:`~..placement.Owned`
@@ -19,7 +19,7 @@ every rank builds the same one; its digest is compared across ranks.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,13 +32,9 @@ from ..rules.muon import ns_iteration_flops
 from ..views import MatrixSplit, parameter_matrices
 from .balance import assign_owners, lower_bound, simple_lower_bound
 
-UNIT_SHARE = 64
-"""A batched unit costs at most 1/64 of all the matrices' cost (and at most the costliest matrix)."""
-
-
-def unit_cost_cap(costs: Sequence[int]) -> int:
-    """Most a batched unit may cost: min(costliest matrix, total / :data:`UNIT_SHARE`)."""
-    return min(max(costs, default=0), sum(costs) // UNIT_SHARE)
+UNITS_PER_PARAMETER = 8
+"""A parameter's batchable matrices form at least this many units (when it has that many), so that units stay
+small against a rank's share of the work and whole-expert shards of up to 1/8 of the experts hold whole units."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +104,6 @@ class Unit:
     members: tuple[int, ...]
     placement: Placement
     cost: int
-    owner_state_bytes: int = 0
 
 
 @dataclass
@@ -182,34 +177,23 @@ def _holder_boxes(spec: MatrixSpec, boxes: torch.Tensor) -> list[tuple[int, Box]
     return out
 
 
-def group_units(
-    specs: Sequence[MatrixSpec],
-    batch_keys: Sequence[Hashable],
-    costs: Sequence[int],
-    expert_params: set[int],
-    cost_cap: int,
-) -> list[list[int]]:
-    """Indices of ``specs`` grouped into units (see the module docstring), in order of their first member.
-
-    A group takes consecutive same-(shape, key) matrices until it holds ``2^k`` of them, the largest power
-    of two ≤ :data:`MAX_BATCH` whose total cost stays ≤ ``cost_cap``.
-    """
-    open_groups: dict[Hashable, list[int]] = {}
-    capacity: dict[Hashable, int] = {}
+def group_units(specs: Sequence[MatrixSpec], batchable: set[int]) -> list[list[int]]:
+    """Indices of ``specs`` (in parameter order) grouped into units (see the module docstring), in order;
+    only the matrices of parameters in ``batchable`` are stacked."""
+    count: dict[tuple[int, tuple[int, int]], int] = {}
+    for spec in specs:
+        if spec.param_index in batchable and batching_pays(spec.shape):
+            key = (spec.param_index, spec.shape)
+            count[key] = count.get(key, 0) + 1
+    open_groups: dict[tuple[int, tuple[int, int]], list[int]] = {}
     groups: list[list[int]] = []
     for i, spec in enumerate(specs):
-        if not batching_pays(spec.shape):
-            groups.append([i])
-            continue
-        scope = spec.param_index if spec.param_index in expert_params else None
-        key = (spec.shape, batch_keys[i], scope)
-        if key not in capacity:
-            count = 1
-            while count * 2 <= MAX_BATCH and count * 2 * costs[i] <= cost_cap:
-                count *= 2
-            capacity[key] = count
+        key = (spec.param_index, spec.shape)
+        size = 1
+        while key in count and size * 2 <= min(MAX_BATCH, count[key] // UNITS_PER_PARAMETER):
+            size *= 2
         group = open_groups.get(key)
-        if group is None or len(group) == capacity[key]:
+        if group is None or len(group) == size:
             group = open_groups[key] = []
             groups.append(group)
         group.append(i)
@@ -223,41 +207,32 @@ def build_plan(
     wire_itemsize: int,
     *,
     splits: Sequence[MatrixSplit | None] | None = None,
-    batch_keys: Sequence[Hashable] | None = None,
+    batchable: Sequence[bool] | None = None,
     cost_fn: Callable[[int, tuple[int, int]], tuple[int, int]] | None = None,
-    cost_cap: int | None = None,
     gather_all: bool = False,
 ) -> Plan:
     """Plan the matrices of ``layouts`` (all on one mesh of the same world size).
 
-    ``splits[k]`` cuts parameter k into views; ``batch_keys[k]`` is its rule's batch key; ``cost_fn(k, shape)``
-    gives (FLOPs, owner-state bytes) of one matrix of parameter k (default: one Newton–Schulz iteration, no
-    state); ``cost_cap`` bounds a batched unit's cost (default: :func:`unit_cost_cap` of the matrices here; the
-    engine passes the optimizer-wide value so that every mesh groups as one process would). ``gather_all``:
-    units that are not local are computed on every rank.
+    ``splits[k]`` cuts parameter k into views; ``batchable[k]``: whether its rule may stack its matrices
+    (default: yes); ``cost_fn(k, shape)`` gives (FLOPs, owner-state bytes) of one
+    matrix of parameter k (default: one Newton–Schulz iteration, no state). ``gather_all``: units that are not
+    local are computed on every rank.
     """
     world = layouts[0].world_size if layouts else 1
     splits = list(splits) if splits is not None else [None] * len(layouts)
-    keys = list(batch_keys) if batch_keys is not None else [None] * len(layouts)
+    batchable = list(batchable) if batchable is not None else [True] * len(layouts)
     specs: list[MatrixSpec] = []
-    spec_keys: list[Hashable] = []
     costs: list[int] = []
     state_bytes: list[int] = []
-    expert_params = set()
     for k, (index, layout) in enumerate(zip(param_indices, layouts)):
         if layout.world_size != world:
             raise ValueError(f"parameter {layout.name!r}: world size {layout.world_size} != {world}")
-        if len(layout.global_shape) == 3:
-            expert_params.add(index)
         for spec in matrices_of(index, layout, splits[k]):
             flops, nbytes = cost_fn(k, spec.shape) if cost_fn is not None else (spec.cost, 0)
             specs.append(spec)
-            spec_keys.append(keys[k])
             costs.append(flops)
             state_bytes.append(nbytes)
-    if cost_cap is None:
-        cost_cap = unit_cost_cap(costs)
-    groups = group_units(specs, spec_keys, costs, expert_params, cost_cap)
+    groups = group_units(specs, {index for index, ok in zip(param_indices, batchable) if ok})
 
     box_tensors = {i: torch.tensor(layout.boxes, dtype=torch.int64) for i, layout in zip(param_indices, layouts)}
     holders = [_holder_boxes(s, box_tensors[s.param_index]) for s in specs]
@@ -317,7 +292,7 @@ def build_plan(
                 rank_state[rank] += nbytes
         for i in group:
             unit_of_spec[i] = len(units)
-        units.append(Unit(tuple(group), placement, cost, nbytes))
+        units.append(Unit(tuple(group), placement, cost))
 
     routes: list[MatrixRoute] = []
     sent = [0] * world

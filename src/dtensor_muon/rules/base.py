@@ -10,8 +10,8 @@ A step of a matrix rule on one matrix W (a 2-D parameter, one expert, or one vie
 3. ``apply`` on each rank's shard, element-wise: θ ← θ·(1 − γλ) − γ'·O with the scalars captured at step
    time by ``scalars`` (γ' per matrix: a fused parameter's views may have different shapes).
 
-A rule also declares: its ``batch_key`` (matrices of one shape with equal keys may be stacked), its
-``cost`` (FLOPs of ``direction`` and owner-state bytes, which the plan balances), and ``input_dtype``
+A rule also declares: whether its ``direction`` may run on a batch (``can_batch``: same-shape matrices of
+one parameter, which share its group's settings, are then stacked where that pays), its ``cost`` (FLOPs of ``direction`` and owner-state bytes, which the plan balances), and ``input_dtype``
 (the dtype the owner's input must not be rounded below: the transport's wire dtype is checked against it).
 The engine calls only these methods and never names a rule.
 """
@@ -19,7 +19,7 @@ The engine calls only these methods and never names a rule.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,9 +69,9 @@ class MatrixRule(ABC):
         """Fresh owner state of one ``shape`` matrix (none by default)."""
         return {}
 
-    @abstractmethod
-    def batch_key(self, group: Group) -> Hashable:
-        """Settings under which same-shape matrices may be stacked into one ``direction`` call."""
+    def can_batch(self, group: Group) -> bool:
+        """Whether ``direction`` may take several same-shape matrices of a parameter as one [B, m, n] batch."""
+        return True
 
     @abstractmethod
     def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:

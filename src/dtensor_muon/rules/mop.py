@@ -14,8 +14,6 @@ A matrix with an inf or NaN gives a NaN O (the SVD would not converge); ``skip_n
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
@@ -50,9 +48,6 @@ class MOPRule(MatrixRule):
 
     name = "mop"
     shard_state_keys = ("momentum_buffer",)
-
-    def batch_key(self, group: Group) -> Hashable:
-        return ("mop", group["scale"])
 
     def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
         return MatrixCost(svd_flops(shape))

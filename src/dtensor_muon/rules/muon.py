@@ -13,7 +13,7 @@ These are exactly torch.optim.Muon's operations, so one device gives the same bi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -68,9 +68,6 @@ class MuonRule(MatrixRule):
 
     name = "muon"
     shard_state_keys = ("momentum_buffer",)
-
-    def batch_key(self, group: Group) -> Hashable:
-        return newton_schulz_settings(group)
 
     def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
         return MatrixCost(int(group["ns_steps"]) * ns_iteration_flops(shape))

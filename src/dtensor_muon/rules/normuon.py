@@ -15,13 +15,11 @@ Newton–Schulz dtype), as Muon's O is.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 import torch
 from torch import Tensor
 
 from .base import Group, MatrixCost, NewtonSchulzRunner
-from .muon import MuonRule, newton_schulz_settings
+from .muon import MuonRule
 
 
 class NorMuonRule(MuonRule):
@@ -32,9 +30,6 @@ class NorMuonRule(MuonRule):
 
     def init_owner_state(self, shape: tuple[int, int], group: Group, device: torch.device) -> dict[str, Tensor]:
         return {"v": torch.zeros(shape[0], dtype=torch.float32, device=device)}
-
-    def batch_key(self, group: Group) -> Hashable:
-        return (newton_schulz_settings(group), float(group["beta2"]), float(group["normuon_eps"]))
 
     def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
         return MatrixCost(super().cost(group, shape).flops + 6 * shape[0] * shape[1], 4 * shape[0])
