@@ -1,9 +1,11 @@
 """Results do not depend on the world size: the batches an owner computes are fixed by the model.
 
-Six 12×7 experts in float32 Newton–Schulz next to a dense matrix: batched matrix products are not batch-size
-invariant (on this CPU, Newton–Schulz of the six stacked differs from that of three stacked pairs by up to
-2.7e-7 with one thread), so an engine that batched whatever same-shape matrices a rank happened to hold
-(two experts per rank at 3 ranks, 2/2/2/0 at 4) differed from one process, which stacked all six.
+24 experts of 12×7 in float32 Newton–Schulz next to a dense matrix: batched matrix products are not
+batch-size invariant (on this CPU, Newton–Schulz of six such matrices stacked differs from that of three
+stacked pairs by up to 2.7e-7 with one thread), so an engine that batched whatever same-shape matrices a rank
+happened to hold (8 experts per rank at 3 ranks, 5/5/5/5/4 at 5) differed from one process, which stacked all
+24 (by 2.4e-7 at 5 ranks). Now the experts form fixed units of 2 (24 / 8 per unit, rounded down to a power of two): whole on each
+rank at 3 ranks, and straddling ranks 0 and 1 (experts 4 and 5), 1 and 2, … at 5, where they travel to owners.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dtensor_muon import Muon
 
-SHAPES = [("layers.0.moe.experts", (6, 12, 7)), ("layers.0.attention.wq", (64, 256))]
+SHAPES = [("layers.0.moe.experts", (24, 12, 7)), ("layers.0.attention.wq", (64, 256))]
 OPTIONS = dict(lr=0.02, ns_dtype=torch.float32, wire_dtype=torch.float32)
 STEPS = 3
 
@@ -54,8 +56,8 @@ def sharded(rank: int, world_size: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [3, 4])
-def test_experts_equal_one_process_bitwise_at_3_and_4_ranks(world_size):
+@pytest.mark.parametrize("world_size", [3, 5])
+def test_experts_equal_one_process_bitwise_at_3_and_5_ranks(world_size):
     want = one_process()
     got = run_distributed(sharded, world_size)[0]
     for (name, _), a, b in zip(SHAPES, got, want):
