@@ -38,7 +38,6 @@ from .layout import box_shape, intersect, relative_slices
 from .newton_schulz import newton_schulz
 from .ns_graphs import NewtonSchulzGraphs
 from .pending import PendingUpdates
-from .placement import GatherAll, Local, Owned
 from .plan import Plan, build_plan, matrices_of
 from .rules import adamw as adamw_rule
 from .rules.base import MatrixRule
@@ -176,14 +175,7 @@ class Engine:
             )
             comm = mesh_group(mesh, entries[0].layout.mesh_rank)
             _check_same_plan_everywhere(plan, comm)
-            not_local = {
-                plan.routes[i].spec.param_index
-                for u in plan.units
-                if not isinstance(u.placement, Local)
-                for i in u.members
-            }
-            fully_local = {e.index for e in entries} - not_local
-            self.meshes.append(MeshWork(mesh, entries, plan, comm, wire, fully_local))
+            self.meshes.append(MeshWork(mesh, entries, plan, comm, wire, plan.fully_local_params()))
         # the shape of this rank's local piece of each DTensor parameter (and of its gradient), by its layout
         self.local_shapes = {
             e.index: torch.Size(box_shape(e.layout.local_box)) for e in self.entries if isinstance(e.param, DTensor)
@@ -200,20 +192,6 @@ class Engine:
             if comm.world_size > 1:  # a one-rank mesh has nothing to agree on: no collective, no host sync
                 self.consensus_groups.append(ConsensusGroup(entries, comm))
 
-    def _computed_here(self, work: MeshWork) -> list[int]:
-        """Route indices of the matrices this rank computes (and so keeps the owner state of)."""
-        plan, me = work.plan, work.comm.mesh_rank
-        out = []
-        for unit in plan.units:
-            p = unit.placement
-            if (
-                isinstance(p, GatherAll)
-                or (isinstance(p, Owned) and p.rank == me)
-                or (isinstance(p, Local) and any(rank == me for rank, _ in plan.routes[unit.members[0]].holders))
-            ):
-                out.extend(unit.members)
-        return out
-
     def _sync_owner_state(self, loaded: set[int]) -> None:
         """Create the owner state of every matrix computed here, drop that of matrices computed elsewhere.
 
@@ -228,7 +206,7 @@ class Engine:
             for e in work.entries:
                 self.state[e.param].setdefault(OWNER_STATE_KEY, {})
             keep: dict[int, set[str]] = defaultdict(set)
-            for i in self._computed_here(work):
+            for i in work.plan.computed_by(work.comm.mesh_rank):
                 spec = work.plan.routes[i].spec
                 e = self.entries[spec.param_index]
                 keep[e.index].add(spec.key)
@@ -345,7 +323,7 @@ class Engine:
             self._warned_nonfinite = True
             others = f" and {len(names) - 1} other matrices" if len(names) > 1 else ""
             warnings.warn(
-                f"the Muon update of {names[0]!r}{others} is not finite (inf or NaN in the gradient or the momentum), "
+                f"the {self.rule.name} update of {names[0]!r}{others} is not finite (inf or NaN in the gradient or the momentum), "
                 "so the parameter becomes NaN; skip_nonfinite=True skips every step in which any rank's "
                 "gradients are not finite, and optimizer.metrics['muon/nonfinite_updates'] counts such matrices "
                 "per step (this warning is shown once)",

@@ -160,6 +160,28 @@ class Plan:
             if isinstance(self.units[r.unit].placement, Local) and any(h == rank for h, _ in r.holders)
         ]
 
+    def computed_by(self, rank: int) -> list[int]:
+        """Indices of the routes of the matrices ``rank`` computes: those it owns, the local ones it holds, and
+        every gather-all one (where it keeps their owner state)."""
+        out = []
+        for unit in self.units:
+            p = unit.placement
+            if (
+                isinstance(p, GatherAll)
+                or (isinstance(p, Owned) and p.rank == rank)
+                or (isinstance(p, Local) and any(r == rank for r, _ in self.routes[unit.members[0]].holders))
+            ):
+                out.extend(unit.members)
+        return out
+
+    def fully_local_params(self) -> set[int]:
+        """Parameter indices all of whose matrices are in local units (computed and applied in place)."""
+        params = {r.spec.param_index for r in self.routes}
+        for unit in self.units:
+            if not isinstance(unit.placement, Local):
+                params -= {self.routes[i].spec.param_index for i in unit.members}
+        return params
+
     def units_placed(self, kind: type) -> list[int]:
         """Indices of the units whose placement is of type ``kind``."""
         return [i for i, u in enumerate(self.units) if isinstance(u.placement, kind)]
