@@ -1,15 +1,19 @@
-"""dtensor_muon: exact owner-rank distributed matrix optimizers (Muon, MOP, NorMuon) for PyTorch FSDP2/DTensor."""
+"""dtensor_muon: exact owner-rank distributed matrix optimizers (Muon, MOP, NorMuon, SOAP) for PyTorch FSDP2/DTensor."""
 
 from .newton_schulz import NAMED_COEFFICIENTS, newton_schulz, polar_factor
 from .optim.mop import MOP
 from .optim.muon import Muon
 from .optim.normuon import NorMuon
+from .optim.soap import KLSOAP, REKLS, SOAP
 from .param_groups import muon_param_groups
 from .views import MatrixSplit
 
 __all__ = [
+    "KLSOAP",
     "MOP",
     "NAMED_COEFFICIENTS",
+    "REKLS",
+    "SOAP",
     "MatrixSplit",
     "Muon",
     "NorMuon",

@@ -1,0 +1,240 @@
+"""SOAP's rule (Adam in the eigenbasis of Shampoo's Kronecker factors), with KL-Shampoo's factors as an option.
+
+Everything runs on the matrix's owner, in float32, on the whole m×n gradient G (``prepare`` only casts the
+gradient and counts the parameter's steps in its one shard-state entry, a 0-d ``step`` as torch's AdamW keeps:
+the front end treats a parameter with empty state as frozen). Step t = 1, 2, … of one matrix, in Emerging-Optimizers' order (its
+``soap.py``: factors, then the basis, then Adam in the refreshed basis):
+
+1. Kronecker factors, β_t = 1 − (1 − β)/(1 − βᵗ) with ``correct_shampoo_beta_bias`` (so L₁ = G₁G₁ᵀ exactly:
+   the bias-corrected EMA), else β_t = β (an EMA from zero: L₁ = (1 − β)·G₁G₁ᵀ), β = ``shampoo_beta``::
+
+       SOAP:      L ← β_t·L + (1 − β_t)·G·Gᵀ                     R ← β_t·R + (1 − β_t)·Gᵀ·G
+       KL (kl):   L ← β_t·L + (1 − β_t)/n·G·Q_R·Λ_R⁻¹·Q_Rᵀ·Gᵀ     R ← β_t·R + (1 − β_t)/m·Gᵀ·Q_L·Λ_L⁻¹·Q_Lᵀ·G
+
+   with the bases Q of the previous step (the identity on step 1) and Λ = max(diag(Qᵀ·K·Q), ε) the
+   eigenvalue estimates of the factors K *before* this update, clamped below at ε = ``eps`` (Adam's ε, as
+   Emerging-Optimizers does; on step 1 the factors are 0, so Λ = ε).
+2. Basis refresh on steps t with (t − 1) mod ``precondition_frequency`` = 0 (step 1 always): M is taken back
+   to the parameter's basis with the old Q and into the new one, M ← Q_Lnewᵀ·Q_Lold·M·Q_Roldᵀ·Q_Rnew; V is not
+   rotated. The new Q, per side with factor K:
+
+       step 1, or basis="eigh":  Q = eigh(K), columns by decreasing eigenvalue (V kept as is)
+       basis="qr":               d = diag(Q_oldᵀ·K·Q_old); the columns of Q_old and V's matching axis are
+                                 sorted by decreasing d; Q = qr(K·Q_old) (one power iteration, Householder QR)
+
+3. Adam in the basis: G' = Q_Lᵀ·G·Q_R; M ← β₁M + (1 − β₁)G'; V ← β₂V + (1 − β₂)G'²;
+   N = (M/(1 − β₁ᵗ)) / (√(V/(1 − β₂ᵗ)) + ε) (without ``correct_bias``: N = M/(√V + ε)); O = Q_L·N·Q_Rᵀ,
+   scaled by min(1, ρ/(rms(O) + 1e-7)) when ``max_update_rms`` = ρ > 0 (rms over the matrix);
+   θ ← θ·(1 − γλ) − γ·O.
+
+A side longer than ``max_preconditioner_dim`` is not preconditioned: its Q is the identity and no factor, basis
+or Λ is kept for it (with ``kl``, the other side's factor then uses Λ = 1 on it: L ← … + (1 − β_t)/n·G·Gᵀ).
+
+Owner state per matrix (float32 unless said): ``exp_avg`` M and ``exp_avg_sq`` V [m, n]; per preconditioned
+side ``L``/``R``, ``Q_L``/``Q_R`` and ``eig_L``/``eig_R`` (the eigenvalue estimates last computed: eigh's
+eigenvalues, the QR path's sorted d, or KL's unclamped Λ); ``step`` (int64, the steps taken).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import _to_scalar
+
+from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
+
+SOAP_BASES = ("qr", "eigh")
+
+EIGH_FLOPS_PER_CUBE = 9
+"""FLOPs of a symmetric eigendecomposition with eigenvectors, per side³ (Golub–Van Loan's symmetric QR: 9k³)."""
+
+QR_FLOPS_PER_CUBE = 8 / 3
+"""Householder QR of a k×k matrix with Q formed: 4k³/3 for R and 4k³/3 to form Q."""
+
+UPDATE_RMS_EPS = 1e-7
+"""Added to the update's RMS before clipping it (Emerging-Optimizers' value)."""
+
+
+def preconditioned_sides(group: Group, shape: tuple[int, int]) -> tuple[bool, bool]:
+    """(left, right): whether each side of an m×n matrix is at most ``max_preconditioner_dim`` long."""
+    limit = group["max_preconditioner_dim"]
+    return shape[0] <= limit, shape[1] <= limit
+
+
+def rayleigh_diag(k: Tensor, q: Tensor) -> Tensor:
+    """diag(Qᵀ·K·Q) (the eigenvalue estimates of K in the basis Q)."""
+    return ((q.mT @ k) * q.mT).sum(-1)
+
+
+def eigh_descending(k: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigenvalues and eigenvectors of the symmetric K, by decreasing eigenvalue (float64 if float32 fails)."""
+    try:
+        values, vectors = torch.linalg.eigh(k)
+    except torch.linalg.LinAlgError:
+        values, vectors = torch.linalg.eigh(k.to(torch.float64))
+        values, vectors = values.to(k.dtype), vectors.to(k.dtype)
+    return values.flip(-1), vectors.flip(-1)
+
+
+def kl_inverse(k: Tensor, q: Tensor, eps: float, other_side: int) -> tuple[Tensor, Tensor]:
+    """(Q·diag(1/(other_side·max(d, ε)))·Qᵀ, d) with d = diag(Qᵀ·K·Q): KL-Shampoo's scaled inverse factor."""
+    d = rayleigh_diag(k, q)
+    scale = 1.0 / (other_side * d.clamp_min(eps))
+    return (q * scale) @ q.mT, d
+
+
+def shampoo_beta_at(group: Group, t: int) -> float:
+    """β_t of step t (see the module formula)."""
+    beta = group["shampoo_beta"]
+    if group["correct_shampoo_beta_bias"]:
+        return 1 - (1 - beta) / (1 - beta**t)
+    return beta
+
+
+class SOAPRule(MatrixRule):
+    """SOAP / KL-SOAP (see the module formula); shard state a step count, the rest on the owner."""
+
+    name = "soap"
+    shard_state_keys = ("step",)
+    has_owner_state = True
+
+    def init_shard_state(self, param: Tensor) -> dict[str, Tensor]:
+        return {"step": torch.tensor(0.0, dtype=torch.float32)}
+
+    def init_owner_state(self, shape: tuple[int, int], group: Group, device: torch.device) -> dict[str, Tensor]:
+        m, n = shape
+        left, right = preconditioned_sides(group, shape)
+        f32 = dict(dtype=torch.float32, device=device)
+        state = {
+            "step": torch.zeros((), dtype=torch.int64, device=device),
+            "exp_avg": torch.zeros(m, n, **f32),
+            "exp_avg_sq": torch.zeros(m, n, **f32),
+        }
+        for side, k, keep in (("L", m, left), ("R", n, right)):
+            if keep:
+                state[side] = torch.zeros(k, k, **f32)
+                state[f"Q_{side}"] = torch.eye(k, **f32)
+                state[f"eig_{side}"] = torch.zeros(k, **f32)
+        return state
+
+    def can_batch(self, group: Group) -> bool:
+        return False
+
+    def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
+        """FLOPs per step: the factor products (2m²n + 2mn² each side, KL adds 4k³ per side for Λ and
+        Q·Λ⁻¹·Qᵀ and 2mn·k for the extra product), the projections G' and O (4m²n + 4mn²) and, divided by
+        ``precondition_frequency``, the refresh: the rotation of M (4m²n + 4mn²) and per side eigh (9k³) or
+        d, K·Q and QR (2k³ + 2k³ + 8k³/3). Owner bytes: 4·(2mn + 2k² + k per preconditioned side k) + 8."""
+        m, n = shape
+        left, right = preconditioned_sides(group, shape)
+        sides = [k for k, keep in ((m, left), (n, right)) if keep]
+        mn = m * n
+        flops = 0.0
+        if left:
+            flops += 2 * m * mn
+        if right:
+            flops += 2 * n * mn
+        if group["kl"]:
+            flops += sum(4 * k**3 for k in sides) + 2 * mn * (m * left + n * right)
+        projections = 2 * mn * (m * left + n * right)
+        flops += 2 * projections
+        per_side = EIGH_FLOPS_PER_CUBE if group["basis"] == "eigh" else 4 + QR_FLOPS_PER_CUBE
+        refresh = 2 * projections + sum(per_side * k**3 for k in sides)
+        flops += refresh / group["precondition_frequency"]
+        state_bytes = 4 * (2 * mn + sum(2 * k * k + k for k in sides)) + 8
+        return MatrixCost(int(flops), state_bytes)
+
+    def input_dtype(self, group: Group) -> torch.dtype:
+        return torch.float32
+
+    def prepare(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
+        shard_state["step"].add_(1)
+        return grad.to(torch.float32)
+
+    def direction(
+        self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner
+    ) -> Tensor:
+        (s,) = owner_states
+        g = u.to(torch.float32)
+        m, n = g.shape
+        left, right = "L" in s, "R" in s
+        t = int(s["step"].item()) + 1
+        beta1, beta2 = group["betas"]
+        eps = group["eps"]
+
+        # 1. Kronecker factors (with this step's gradient, before the refresh)
+        weight = 1 - shampoo_beta_at(group, t)
+        if group["kl"]:
+            inv_l = inv_r = None
+            if left:
+                inv_l, s_eig = kl_inverse(s["L"], s["Q_L"], eps, m)
+                s["eig_L"].copy_(s_eig)
+            if right:
+                inv_r, s_eig = kl_inverse(s["R"], s["Q_R"], eps, n)
+                s["eig_R"].copy_(s_eig)
+            if left:
+                s["L"].lerp_(g @ inv_r @ g.mT if inv_r is not None else (g @ g.mT) / n, weight)
+            if right:
+                s["R"].lerp_(g.mT @ inv_l @ g if inv_l is not None else (g.mT @ g) / m, weight)
+        else:
+            if left:
+                s["L"].lerp_(g @ g.mT, weight)
+            if right:
+                s["R"].lerp_(g.mT @ g, weight)
+
+        # 2. basis refresh, M rotated into the new basis
+        if (t - 1) % group["precondition_frequency"] == 0:
+            momentum = self._to_parameter_basis(s["exp_avg"], s)
+            for side, axis, keep in (("L", 0, left), ("R", 1, right)):
+                if not keep:
+                    continue
+                k, q = s[side], s[f"Q_{side}"]
+                if t == 1 or group["basis"] == "eigh":
+                    values, q_new = eigh_descending(k)
+                else:
+                    d = rayleigh_diag(k, q)
+                    order = torch.argsort(d, descending=True)
+                    values = d[order]
+                    s["exp_avg_sq"].copy_(s["exp_avg_sq"].index_select(axis, order))
+                    q_new = torch.linalg.qr(k @ q[:, order]).Q
+                q.copy_(q_new)
+                s[f"eig_{side}"].copy_(values)
+            s["exp_avg"].copy_(self._to_eigenbasis(momentum, s))
+
+        # 3. Adam in the eigenbasis
+        projected = self._to_eigenbasis(g, s)
+        exp_avg, exp_avg_sq = s["exp_avg"], s["exp_avg_sq"]
+        exp_avg.lerp_(projected, 1 - beta1)
+        exp_avg_sq.lerp_(projected.square(), 1 - beta2)
+        if group["correct_bias"]:
+            normalized = (exp_avg / (1 - beta1**t)) / ((exp_avg_sq / (1 - beta2**t)).sqrt() + eps)
+        else:
+            normalized = exp_avg / (exp_avg_sq.sqrt() + eps)
+        update = self._to_parameter_basis(normalized, s)
+        max_rms = group["max_update_rms"]
+        if max_rms > 0:
+            rms = update.square().mean().sqrt()
+            update = update * (max_rms / (rms + UPDATE_RMS_EPS)).clamp(max=1.0)
+        s["step"].add_(1)
+        return update
+
+    @staticmethod
+    def _to_eigenbasis(x: Tensor, s: dict[str, Tensor]) -> Tensor:
+        """Q_Lᵀ·X·Q_R (a side without a basis: the identity)."""
+        if "Q_L" in s:
+            x = s["Q_L"].mT @ x
+        if "Q_R" in s:
+            x = x @ s["Q_R"]
+        return x
+
+    @staticmethod
+    def _to_parameter_basis(x: Tensor, s: dict[str, Tensor]) -> Tensor:
+        """Q_L·X·Q_Rᵀ (a side without a basis: the identity)."""
+        if "Q_L" in s:
+            x = s["Q_L"] @ x
+        if "Q_R" in s:
+            x = x @ s["Q_R"].mT
+        return x
+
+    def adjusted_lr(self, group: Group, shape: tuple[int, int]) -> float | Tensor:
+        return _to_scalar(group["lr"])
