@@ -67,22 +67,33 @@ def test_unknown_optimizer_name_lists_the_choices():
 
 
 def test_registry_names_are_the_optimizer_choices_and_its_sections_the_config_sections():
-    assert registry.OPTIMIZER_NAMES == ("Adam", "AdamW", "Muon", "MOP", "NorMuon")
+    assert registry.OPTIMIZER_NAMES == ("Adam", "AdamW", "Muon", "MOP", "NorMuon", "SOAP", "KLSOAP", "REKLS")
     for name in registry.OPTIMIZER_NAMES:
         check_optimizer_name(name)
     for bad in ("Lion", "muon", "Normuon", ""):
         with pytest.raises(ValueError) as info:
             check_optimizer_name(bad)
         assert str(info.value) == (
-            f"[optimizer] name = {bad!r} is not valid; choose one of: Adam, AdamW, Muon, MOP, NorMuon"
+            f"[optimizer] name = {bad!r} is not valid; choose one of: Adam, AdamW, Muon, MOP, NorMuon, SOAP, KLSOAP, "
+            "REKLS"
         )
     assert {name: (e.section, e.section_cls, e.optimizer_cls) for name, e in registry.REGISTRY.items()} == {
         "Muon": ("muon", sections.Muon, dtensor_muon.Muon),
         "MOP": ("mop", sections.MOP, dtensor_muon.MOP),
         "NorMuon": ("normuon", sections.NorMuon, dtensor_muon.NorMuon),
+        "SOAP": ("soap", sections.SOAP, dtensor_muon.SOAP),
+        "KLSOAP": ("klsoap", sections.KLSOAP, dtensor_muon.KLSOAP),
+        "REKLS": ("rekls", sections.REKLS, dtensor_muon.REKLS),
     }
     extension = {f.name: f.type for f in dataclasses.fields(job_config.JobConfig)}
-    assert extension == {"muon": sections.Muon, "mop": sections.MOP, "normuon": sections.NorMuon}
+    assert extension == {
+        "muon": sections.Muon,
+        "mop": sections.MOP,
+        "normuon": sections.NorMuon,
+        "soap": sections.SOAP,
+        "klsoap": sections.KLSOAP,
+        "rekls": sections.REKLS,
+    }
     config = ConfigManager().parse_args(
         EXT + ["--optimizer.name", "NorMuon", "--normuon.beta2", "0.9", "--mop.scale", "shape", "--muon.ns_steps", "3"]
     )
@@ -117,6 +128,14 @@ def test_normuon_and_mop_sections_defaults():
         (sections.MOP, "momentum", -0.5, "[0, 1)"),
         (sections.MOP, "bucket_size_mb", 0.0, "> 0"),
         (sections.MOP, "diagnostics_interval", -1, ">= 0"),
+        (sections.SOAP, "shampoo_beta", 1.0, "[0, 1)"),
+        (sections.SOAP, "basis", "svd", "choose one of: qr, eigh"),
+        (sections.SOAP, "precondition_frequency", 0, "an integer >= 1"),
+        (sections.SOAP, "max_preconditioner_dim", 0, "an integer >= 1"),
+        (sections.SOAP, "max_update_rms", -1.0, ">= 0"),
+        (sections.SOAP, "wire_dtype", "bfloat16", "SOAP's factors are float32"),
+        (sections.KLSOAP, "exchange", "everyone", "owner, gather_all"),
+        (sections.REKLS, "bucket_size_mb", 0.0, "> 0"),
     ],
 )
 def test_bad_section_value_names_its_section_and_the_valid_choices(section_cls, field, value, needle):
@@ -172,6 +191,21 @@ def _backward(model: torch.nn.Module, seed: int) -> None:
              "adjust_lr_fn": "match_rms_adamw", "ns_dtype": torch.float32, "ns_algorithm": "auto",
              "wire_dtype": torch.float32, "beta2": 0.9, "normuon_eps": 1e-6},
         ),
+        (
+            "SOAP",
+            ["--soap.shampoo_beta", "0.9", "--soap.precondition_frequency", "2", "--soap.max_preconditioner_dim",
+             "10"],
+            {"betas": (0.9, 0.99), "eps": 1e-8, "shampoo_beta": 0.9, "precondition_frequency": 2, "basis": "qr",
+             "kl": False, "max_preconditioner_dim": 10, "correct_bias": True, "correct_shampoo_beta_bias": True,
+             "max_update_rms": 0.0, "wire_dtype": torch.float32},
+        ),
+        (
+            "REKLS",
+            ["--rekls.max_update_rms", "0.5", "--rekls.no-correct_bias"],
+            {"betas": (0.9, 0.99), "eps": 1e-8, "shampoo_beta": 0.95, "precondition_frequency": 1, "basis": "eigh",
+             "kl": True, "max_preconditioner_dim": 8192, "correct_bias": False, "correct_shampoo_beta_bias": True,
+             "max_update_rms": 0.5, "wire_dtype": torch.float32},
+        ),
     ],
 )  # fmt: skip
 def test_container_builds_the_registry_class_and_steps_as_the_class_itself(name, cli, expected):
@@ -205,7 +239,7 @@ def test_container_builds_the_registry_class_and_steps_as_the_class_itself(name,
     assert "muon/update_rms/muon" in container.metrics
 
 
-@pytest.mark.parametrize("name", ["MOP", "NorMuon"])
+@pytest.mark.parametrize("name", ["MOP", "NorMuon", "KLSOAP"])
 def test_sections_default_where_none_is_attached(name):
     from torchtitan.config import Optimizer as OptimizerConfig
 
@@ -218,8 +252,10 @@ def test_sections_default_where_none_is_attached(name):
     group = opt.param_groups[0]
     if name == "MOP":
         assert group["scale"] == "nuclear" and group["nesterov"] is False
-    else:
+    elif name == "NorMuon":
         assert group["beta2"] == 0.95 and group["normuon_eps"] == 1e-8
+    else:
+        assert group["kl"] is True and group["basis"] == "qr" and group["shampoo_beta"] == 0.95
 
 
 def test_muon_kwargs_come_from_both_sections():

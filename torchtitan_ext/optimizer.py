@@ -1,5 +1,6 @@
 """``build_optimizers_fn`` for torchtitan 0.2.2 train specs that understands the matrix optimizers of
-:data:`torchtitan_ext.registry.REGISTRY`: ``[optimizer] name = "Muon"``, ``"MOP"`` or ``"NorMuon"``.
+:data:`torchtitan_ext.registry.REGISTRY`: ``[optimizer] name = "Muon"``, ``"MOP"``, ``"NorMuon"``, ``"SOAP"``,
+``"KLSOAP"`` or ``"REKLS"``.
 
 Adam and AdamW go to torchtitan's own builders unchanged. For a matrix optimizer, each model part gets
 one instance of its :mod:`dtensor_muon` class (:class:`dtensor_muon.Muon`, :class:`dtensor_muon.MOP`,

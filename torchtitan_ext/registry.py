@@ -38,7 +38,7 @@ def _shared_kwargs(optimizer_config: "OptimizerConfig") -> dict[str, Any]:
     }
 
 
-def _engine_kwargs(section: sections.Muon | sections.MOP) -> dict[str, Any]:
+def _engine_kwargs(section: sections.Muon | sections.MOP | sections.SOAP) -> dict[str, Any]:
     return {
         "wire_dtype": getattr(torch, section.wire_dtype),
         "bucket_size_mb": section.bucket_size_mb,
@@ -109,12 +109,34 @@ class MatrixOptimizerEntry:
         return self.section_cls.SECTION
 
 
+def soap_kwargs(optimizer_config: "OptimizerConfig", soap_config: sections.SOAP) -> dict[str, Any]:
+    """Keyword arguments of :class:`dtensor_muon.SOAP` (and KLSOAP, REKLS) from ``[optimizer]`` (lr,
+    weight_decay, and Adam's beta1, beta2, eps, for the eigenbasis Adam and AdamW alike) and the section."""
+    return {
+        **_shared_kwargs(optimizer_config),
+        "betas": (optimizer_config.beta1, optimizer_config.beta2),
+        "eps": optimizer_config.eps,
+        "shampoo_beta": soap_config.shampoo_beta,
+        "precondition_frequency": soap_config.precondition_frequency,
+        "basis": soap_config.basis,
+        "kl": soap_config.kl,
+        "max_preconditioner_dim": soap_config.max_preconditioner_dim,
+        "correct_bias": soap_config.correct_bias,
+        "correct_shampoo_beta_bias": soap_config.correct_shampoo_beta_bias,
+        "max_update_rms": soap_config.max_update_rms,
+        **_engine_kwargs(soap_config),
+    }
+
+
 REGISTRY: dict[str, MatrixOptimizerEntry] = {
     entry.name: entry
     for entry in (
         MatrixOptimizerEntry("Muon", sections.Muon, dtensor_muon.Muon, muon_kwargs),
         MatrixOptimizerEntry("MOP", sections.MOP, dtensor_muon.MOP, mop_kwargs),
         MatrixOptimizerEntry("NorMuon", sections.NorMuon, dtensor_muon.NorMuon, normuon_kwargs),
+        MatrixOptimizerEntry("SOAP", sections.SOAP, dtensor_muon.SOAP, soap_kwargs),
+        MatrixOptimizerEntry("KLSOAP", sections.KLSOAP, dtensor_muon.KLSOAP, soap_kwargs),
+        MatrixOptimizerEntry("REKLS", sections.REKLS, dtensor_muon.REKLS, soap_kwargs),
     )
 }
 """The matrix optimizers by ``[optimizer] name``, in the order the choices and the sections are listed."""

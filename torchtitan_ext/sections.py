@@ -1,4 +1,5 @@
-"""The config sections of the matrix optimizers: ``[muon]``, ``[mop]`` and ``[normuon]``.
+"""The config sections of the matrix optimizers: ``[muon]``, ``[mop]``, ``[normuon]``, ``[soap]``, ``[klsoap]``
+and ``[rekls]``.
 
 Each dataclass holds one optimizer's hyperparameters beyond the shared ``[optimizer]`` ones (lr,
 betas, eps, weight decay); :mod:`torchtitan_ext.registry` pairs it with its ``[optimizer] name``,
@@ -17,6 +18,7 @@ from typing import ClassVar, Literal
 from dtensor_muon.kernels import NS_ALGORITHMS
 from dtensor_muon.newton_schulz import NAMED_COEFFICIENTS, SUPPORTED_NS_DTYPES
 from dtensor_muon.rules.mop import MOP_SCALES
+from dtensor_muon.rules.soap import SOAP_BASES
 
 ADJUST_LR_CHOICES = ("match_rms_adamw", "original")
 EXCHANGE_CHOICES = ("owner", "gather_all")
@@ -193,3 +195,94 @@ class MOP:
             )
         check_choice(section, "wire_dtype", self.wire_dtype, MOP_WIRE_DTYPES)
         check_engine(section, self)
+
+
+@dataclass
+class SOAP:
+    """SOAP's hyperparameters beyond the shared ``[optimizer]`` ones (used when ``optimizer.name = "SOAP"``):
+    Adam (``[optimizer]`` beta1, beta2, eps) in the eigenbasis of Shampoo's factors, on each matrix's owner."""
+
+    SECTION: ClassVar[str] = "soap"
+
+    shampoo_beta: float = 0.95
+    """Decay β of the Kronecker factors L and R, in [0, 1)."""
+
+    precondition_frequency: int = 1
+    """Refresh the eigenbasis every N steps (an integer >= 1)."""
+
+    basis: Literal["qr", "eigh"] = "qr"
+    """Eigenbasis refresh: "qr" (one power iteration and QR per side; eigh on the first step) or "eigh"."""
+
+    kl: bool = False
+    """KL-Shampoo's factor update (each factor whitened by the other side's eigenvalue estimates)."""
+
+    max_preconditioner_dim: int = 8192
+    """A side longer than this is not preconditioned (identity basis, no factor kept for it)."""
+
+    correct_bias: bool = True
+    """Adam's bias corrections of the two moments."""
+
+    correct_shampoo_beta_bias: bool = True
+    """Bias-corrected factors (the first step's factor is G·Gᵀ itself)."""
+
+    max_update_rms: float = 0.0
+    """Clip each matrix's update to this RMS (0: no clip)."""
+
+    wire_dtype: Literal["bfloat16", "float32"] = "float32"
+    """Dtype of the gradient on the wire to its owner: "float32" only (SOAP's factors are float32)."""
+
+    bucket_size_mb: float = 64.0
+    """Size of one exchange bucket in MiB."""
+
+    exchange: Literal["owner", "gather_all"] = "owner"
+    """"owner": each matrix's SOAP state and eigendecompositions on one owner rank; "gather_all": every rank
+    computes every matrix (a baseline for tests and benchmarks)."""
+
+    skip_nonfinite: bool = False
+    """Skip the whole step (all ranks) when a gradient holds inf/NaN."""
+
+    diagnostics_interval: int = 0
+    """Every N steps also compute the costly diagnostics; 0 turns them off."""
+
+    overlap: bool = False
+    """Let ``step()`` return with the updates' return exchanges in flight; each module's update is applied
+    by a forward pre-hook just before FSDP all-gathers it (hooks attached to every model part)."""
+
+    def __post_init__(self) -> None:
+        """Reject bad values with the list of valid ones."""
+        section = self.SECTION
+        check_unit_interval(section, "shampoo_beta", self.shampoo_beta)
+        for name in ("precondition_frequency", "max_preconditioner_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"[{section}] {name} = {value!r} is not valid; it must be an integer >= 1")
+        check_choice(section, "basis", self.basis, SOAP_BASES)
+        check_positive(section, "max_update_rms", self.max_update_rms, allow_zero=True)
+        if self.wire_dtype == "bfloat16":
+            raise ValueError(
+                f"[{section}] wire_dtype = 'bfloat16' is not valid: SOAP's factors are float32 and a bfloat16 "
+                f"wire would round the gradient; choose one of: {', '.join(MOP_WIRE_DTYPES)}"
+            )
+        check_choice(section, "wire_dtype", self.wire_dtype, MOP_WIRE_DTYPES)
+        check_engine(section, self)
+
+
+@dataclass
+class KLSOAP(SOAP):
+    """``[soap]``'s keys with KL-Shampoo's factors on (used when ``optimizer.name = "KLSOAP"``)."""
+
+    SECTION: ClassVar[str] = "klsoap"
+
+    kl: bool = True
+    """KL-Shampoo's factor update (each factor whitened by the other side's eigenvalue estimates)."""
+
+
+@dataclass
+class REKLS(KLSOAP):
+    """``[soap]``'s keys with KL-Shampoo's factors and a full eigendecomposition every refresh (used when
+    ``optimizer.name = "REKLS"``)."""
+
+    SECTION: ClassVar[str] = "rekls"
+
+    basis: Literal["qr", "eigh"] = "eigh"
+    """Eigenbasis refresh: "eigh" (a full eigendecomposition) or "qr"."""

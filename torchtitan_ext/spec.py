@@ -1,5 +1,5 @@
 """Train specs for torchtitan's models whose optimizer builders understand the matrix optimizers
-(Muon, MOP, NorMuon: :data:`torchtitan_ext.registry.REGISTRY`).
+(Muon, MOP, NorMuon, SOAP, KLSOAP, REKLS: :data:`torchtitan_ext.registry.REGISTRY`).
 
 Each spec is torchtitan's own with three builders swapped:
 
