@@ -290,13 +290,15 @@ def soap_shard0(rank: int, world_size: int, steps: int) -> dict[str, list[Tensor
 
 
 @pytest.mark.slow
-def test_shard0_at_world_size_3_equals_one_process_bitwise():
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_shard0_equals_one_process_bitwise(world_size):
     """tests/scenarios.py's model (uneven 7/7/6 shards of the 20-row matrices, a 3×12 matrix, 5 experts, a
-    4-D conv seen as 6×18, a matrix without gradient) as Shard(0) DTensors on 3 gloo ranks, 4 steps of each
-    variant (with one side above max_preconditioner_dim = 16 for the 20×12 and 6×18 matrices): bit for bit
+    4-D conv seen as 6×18, a matrix without gradient; empty shards at 4 ranks) as Shard(0) DTensors on 2, 3
+    and 4 gloo ranks, 4 steps of each variant (with one side above max_preconditioner_dim = 16 for the 20×12
+    and 6×18 matrices): bit for bit
     the one-process run. The gradient travels in float32 (no rounding), each owner runs the same float32
     direction on the same whole matrix, and the apply is element-wise."""
-    results = run_distributed(soap_shard0, 3, DIST_STEPS)
+    results = run_distributed(soap_shard0, world_size, DIST_STEPS)
     names = [n for n, _ in scenarios.SHAPES]
     for key, (optimizer, options) in DIST_CONFIGS.items():
         want = one_process(optimizer, options, DIST_STEPS)
@@ -355,16 +357,22 @@ def soap_dcp_resume(rank: int, world_size: int, path: str, start: int, steps: in
     return [p.full_tensor() for _, p in named]
 
 
-@pytest.mark.slow
-def test_dcp_saved_on_4_ranks_resumed_on_2_continues_exactly():
-    """Every SOAP tensor is owner state (factors, bases, eigenvalue estimates, both moments, the step count):
-    saved by the owners of 4 ranks under each matrix's key, loaded by the owners the 2-rank plan gives them
-    (matrices change owner), the run continues bit for bit like the uninterrupted one-process run."""
+@pytest.fixture(scope="module")
+def soap_checkpoint() -> Iterator[str]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as path:
         run_distributed(soap_dcp_save, 4, path, SAVE_STEPS)
-        results = run_distributed(soap_dcp_resume, 2, path, SAVE_STEPS, RESUME_STEPS)
+        yield path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dcp_saved_on_4_ranks_resumed_on_fewer_continues_exactly(soap_checkpoint, world_size):
+    """Every SOAP tensor is owner state (factors, bases, eigenvalue estimates, both moments, the step count):
+    saved by the owners of 4 ranks under each matrix's key, loaded by the owners the 2- or 3-rank plan gives them
+    (matrices change owner), the run continues bit for bit like the uninterrupted one-process run."""
+    results = run_distributed(soap_dcp_resume, world_size, soap_checkpoint, SAVE_STEPS, RESUME_STEPS)
     want = one_process(SOAP, DCP_OPTIONS, SAVE_STEPS + RESUME_STEPS)
     names = [n for n, _ in scenarios.SHAPES]
     for rank, result in enumerate(results):
