@@ -637,3 +637,46 @@ def test_bad_split_raises_value_error_naming_the_parameter(split, how):
             Muon([{"params": [(name, param)], "matrix_split": split}])
         else:
             Muon([(name, param)], matrix_splits={"layers.*.attention.wqkv.weight": split})
+
+
+@pytest.mark.parametrize("optimizer_name", ["NorMuon", "SOAP"])
+@pytest.mark.parametrize("flatten", [False, True])
+def test_owner_state_round_trips_through_get_and_set_optimizer_state_dict(optimizer_name, flatten):
+    """torchtitan saves optimizers through get_optimizer_state_dict(flatten_optimizer_state_dict=True): owner
+    state (NorMuon's v, all of SOAP's state) comes back and the next step equals the uninterrupted one."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import dtensor_muon
+
+    cls = getattr(dtensor_muon, optimizer_name)
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+
+    def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4))
+        return model, cls(model.named_parameters(), lr=0.01)
+
+    model, opt = model_and_optimizer()
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = copy.deepcopy(get_optimizer_state_dict(model, opt, options=options))
+    assert any("owner_state" in str(key) for key in (saved if flatten else saved["state"]["0.weight"]))
+    resumed_model, resumed = model_and_optimizer()
+    resumed_model.load_state_dict(model.state_dict())
+    set_optimizer_state_dict(resumed_model, resumed, saved, options=options)
+    torch.manual_seed(20)
+    x = torch.randn(3, 8)
+    for m, o in ((model, opt), (resumed_model, resumed)):
+        m(x).sum().backward()
+        o.step()
+    for (name, a), b in zip(model.named_parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b), name
