@@ -10,7 +10,8 @@ The reference below uses no library code. Per m×n matrix G at step t = 1, 2, �
           t = 1 or basis "eigh": Q = eigenvectors of K by decreasing eigenvalue;
           "qr": d = diag(Q_oldᵀ·K·Q_old), Q_old's columns and V's axis sorted by decreasing d, Q = qr(K·Q_old)
     G' = Q_Lᵀ·G·Q_R; M ← β₁M + (1 − β₁)G'; V ← β₂V + (1 − β₂)G'²; N = M̂/(√V̂ + ε) (bias-corrected with t
-          or not); O = Q_L·N·Q_Rᵀ (clipped to RMS ρ when max_update_rms = ρ > 0); θ ← θ·(1 − γλ) − γ·O
+          or not); O = Q_L·N·Q_Rᵀ (scaled to RMS ρ' when match_update_rms = ρ' > 0, then clipped to RMS ρ when
+          max_update_rms = ρ > 0); θ ← θ·(1 − γλ) − γ·O
     a side longer than max_preconditioner_dim: Q = I, no factor (with KL the other side uses Λ = 1 there)
 
 The bases are compared only through θ, which does not depend on the signs of the basis columns (a flipped
@@ -87,6 +88,7 @@ def soap_reference(
     correct_bias: bool,
     correct_shampoo_beta_bias: bool,
     max_update_rms: float = 0.0,
+    match_update_rms: float = 0.0,
 ) -> Tensor:
     """θ after SOAP's steps on one matrix, in float64 (see the module docstring)."""
     f64 = torch.float64
@@ -139,6 +141,8 @@ def soap_reference(
         else:
             normalized = exp_avg / (exp_avg_sq.sqrt() + eps)
         update = bases[0] @ normalized @ bases[1].T
+        if match_update_rms > 0:
+            update = update * (match_update_rms / (update.square().mean().sqrt().item() + 1e-7))
         if max_update_rms > 0:
             rms = update.square().mean().sqrt().item()
             update = update * min(1.0, max_update_rms / (rms + 1e-7))
@@ -172,6 +176,32 @@ CASES = [
 
 @pytest.mark.parametrize("variant, precondition_frequency, bias, max_update_rms, eps", CASES)
 def test_one_process_equals_float64_reference(variant, precondition_frequency, bias, max_update_rms, eps):
+    check_against_reference(variant, precondition_frequency, bias, eps, max_update_rms=max_update_rms)
+
+
+@pytest.mark.parametrize("variant", ["soap", "klsoap"])
+def test_update_rms_matching_equals_the_reference_and_sets_each_update_s_rms(variant):
+    """match_update_rms = 0.2: against the float64 reference as above, and each step's update of each matrix,
+    recovered as (θ_{t−1}·(1 − γλ) − θ_t)/γ, has an RMS of 0.2 (within float32 rounding)."""
+    opt, named = check_against_reference(variant, 1, True, 1e-2, match_update_rms=0.2)
+    group = next(g for g in opt.param_groups if g["use_muon"])
+    lr, wd = group["lr"], group["weight_decay"]
+    _, grads = integer_ish_problem()
+    previous = [p.detach().clone() for _, p in named]
+    for row in grads[:2]:  # two more steps, each checked
+        for (_, p), g in zip(named, row):
+            p.grad = g.clone()
+        opt.step()
+        for (name, p), before in zip(named, previous):
+            update = (before * (1 - lr * wd) - p.detach()) / lr
+            rms = update.square().mean().sqrt().item()
+            assert abs(rms - 0.2) <= 1e-4, f"{variant} {name}: update RMS {rms}"
+        previous = [p.detach().clone() for _, p in named]
+
+
+def check_against_reference(
+    variant: str, precondition_frequency: int, bias: bool, eps: float, **rms: float
+) -> tuple[Any, list[tuple[str, Tensor]]]:
     """Five steps on a wide (5×9), a tall (8×5) and a 4×13 matrix whose 13 columns exceed
     max_preconditioner_dim = 10: the float32 library against the float64 reference, θ within 1e-5 of the
     change θ_T − θ₀ (measured ≤ 3.3e-6 for SOAP, ≤ 1.3e-6 for KL-SOAP, ≤ 2.6e-6 for REKLS).
@@ -196,7 +226,7 @@ def test_one_process_equals_float64_reference(variant, precondition_frequency, b
         max_preconditioner_dim=MAX_DIM,
         correct_bias=bias,
     )
-    extra = dict(correct_shampoo_beta_bias=bias, max_update_rms=max_update_rms)
+    extra = dict(correct_shampoo_beta_bias=bias, **rms)
     named = [(name, p.clone().requires_grad_()) for (name, _), p in zip(SHAPES, params)]
     opt = optimizer(named, **options, **extra)
     for row in grads:
@@ -211,6 +241,7 @@ def test_one_process_equals_float64_reference(variant, precondition_frequency, b
     (long_state,) = opt.state[named[2][1]]["owner_state"].values()
     assert set(long_state) == {"step", "exp_avg", "exp_avg_sq", "L", "Q_L", "eig_L"}
     assert int(long_state["step"]) == STEPS
+    return opt, named
 
 
 def test_variants_differ_and_the_first_step_is_sign_adam_in_the_eigenbasis():
@@ -247,6 +278,7 @@ def test_variants_differ_and_the_first_step_is_sign_adam_in_the_eigenbasis():
         (dict(max_preconditioner_dim=0), "max_preconditioner_dim"),
         (dict(basis="svd"), "basis"),
         (dict(max_update_rms=-1.0), "max_update_rms"),
+        (dict(match_update_rms=-0.2), "match_update_rms"),
         (dict(kl=1), "kl"),
         (dict(correct_bias=None), "correct_bias"),
     ],

@@ -228,6 +228,9 @@ class SOAP:
     max_update_rms: float = 0.0
     """Clip each matrix's update to this RMS (0: no clip)."""
 
+    match_update_rms: float = 0.0
+    """Scale each matrix's update to exactly this RMS (0: off; e.g. 0.2 to reuse an AdamW lr and schedule)."""
+
     wire_dtype: Literal["bfloat16", "float32"] = "float32"
     """Dtype of the gradient on the wire to its owner: "float32" only (SOAP's factors are float32)."""
 
@@ -258,6 +261,7 @@ class SOAP:
                 raise ValueError(f"[{section}] {name} = {value!r} is not valid; it must be an integer >= 1")
         check_choice(section, "basis", self.basis, SOAP_BASES)
         check_positive(section, "max_update_rms", self.max_update_rms, allow_zero=True)
+        check_positive(section, "match_update_rms", self.match_update_rms, allow_zero=True)
         if self.wire_dtype == "bfloat16":
             raise ValueError(
                 f"[{section}] wire_dtype = 'bfloat16' is not valid: SOAP's factors are float32 and a bfloat16 "

@@ -43,6 +43,8 @@ class SOAP(MatrixOptimizer):
     Keyword-only:
         correct_shampoo_beta_bias: bias-corrected factors (β_t = 1 − (1 − β)/(1 − βᵗ)); else an EMA from zero.
         max_update_rms: clip the update's RMS to this value (0: no clipping).
+        match_update_rms: scale every matrix's update to exactly this RMS (0: off; e.g. 0.2 to reuse an AdamW
+            learning rate and schedule).
         adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.
         wire_dtype: dtype of the exchange; float32 (the gradient travels and is used in float32; a 16-bit
             wire is refused for DTensor parameters).
@@ -68,6 +70,7 @@ class SOAP(MatrixOptimizer):
         *,
         correct_shampoo_beta_bias: bool = True,
         max_update_rms: float = 0.0,
+        match_update_rms: float = 0.0,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         adamw_lr: float | None = None,
@@ -95,6 +98,7 @@ class SOAP(MatrixOptimizer):
             correct_bias=correct_bias,
             correct_shampoo_beta_bias=correct_shampoo_beta_bias,
             max_update_rms=max_update_rms,
+            match_update_rms=match_update_rms,
             adamw_betas=adamw_betas,
             adamw_eps=adamw_eps,
             adamw_lr=adamw_lr,
@@ -121,12 +125,15 @@ class SOAP(MatrixOptimizer):
             and all(not isinstance(b, bool) and isinstance(b, (int, float)) and 0 <= b < 1 for b in betas),
             f"betas: expected two numbers in [0, 1), got {betas!r}",
         )
-        require_number(group, "shampoo_beta", "eps", "max_update_rms")
+        require_number(group, "shampoo_beta", "eps", "max_update_rms", "match_update_rms")
         require(
             0 <= group["shampoo_beta"] < 1, f"shampoo_beta: expected a number in [0, 1), got {group['shampoo_beta']}"
         )
         require(group["eps"] > 0, f"eps: expected a number > 0, got {group['eps']}")
         require(group["max_update_rms"] >= 0, f"max_update_rms: expected a number >= 0, got {group['max_update_rms']}")
+        require(
+            group["match_update_rms"] >= 0, f"match_update_rms: expected a number >= 0, got {group['match_update_rms']}"
+        )
         for key in ("precondition_frequency", "max_preconditioner_dim"):
             value = group[key]
             require(

@@ -24,7 +24,9 @@ the front end treats a parameter with empty state as frozen). Step t = 1, 2, …
 
 3. Adam in the basis: G' = Q_Lᵀ·G·Q_R; M ← β₁M + (1 − β₁)G'; V ← β₂V + (1 − β₂)G'²;
    N = (M/(1 − β₁ᵗ)) / (√(V/(1 − β₂ᵗ)) + ε) (without ``correct_bias``: N = M/(√V + ε)); O = Q_L·N·Q_Rᵀ,
-   scaled by min(1, ρ/(rms(O) + 1e-7)) when ``max_update_rms`` = ρ > 0 (rms over the matrix);
+   scaled by min(1, ρ/(rms(O) + 1e-7)) when ``max_update_rms`` = ρ > 0 (rms over the matrix), or to an
+   RMS of exactly ρ', O ← O·ρ'/(rms(O) + 1e-7), when ``match_update_rms`` = ρ' > 0 (so that AdamW's learning
+   rate and schedule carry over: AdamW's updates have an RMS of about 0.2–0.4);
    θ ← θ·(1 − γλ) − γ·O.
 
 A side longer than ``max_preconditioner_dim`` is not preconditioned: its Q is the identity and no factor, basis
@@ -211,6 +213,9 @@ class SOAPRule(MatrixRule):
         else:
             normalized = exp_avg / (exp_avg_sq.sqrt() + eps)
         update = self._to_parameter_basis(normalized, s)
+        target = group["match_update_rms"]
+        if target > 0:
+            update = update * (target / (update.square().mean().sqrt() + UPDATE_RMS_EPS))
         max_rms = group["max_update_rms"]
         if max_rms > 0:
             rms = update.square().mean().sqrt()
