@@ -165,14 +165,17 @@ def nonfinite_step(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
-def dcp_save(rank: int, world_size: int, path: str, steps: int) -> None:
+def dcp_save(
+    rank: int, world_size: int, path: str, steps: int, optimizer: type = Muon, options: dict[str, Any] | None = None
+) -> None:
+    """``steps`` steps of ``optimizer`` (Muon with OPTIONS by default) on Shard(0) parameters, then a DCP save."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     params = distributed_params("shard0", world_size)
     model = ParamHolder(params)
     named = [(n, getattr(model, n.replace(".", "__"))) for n, _ in params]
-    opt = Muon(named, **OPTIONS)
+    opt = optimizer(named, **(OPTIONS if options is None else options))
     for step in range(steps):
         set_gradients(named, step)
         opt.step()
@@ -180,7 +183,16 @@ def dcp_save(rank: int, world_size: int, path: str, steps: int) -> None:
     dist.barrier()
 
 
-def dcp_resume(rank: int, world_size: int, path: str, start: int, steps: int) -> list[torch.Tensor]:
+def dcp_resume(
+    rank: int,
+    world_size: int,
+    path: str,
+    start: int,
+    steps: int,
+    optimizer: type = Muon,
+    options: dict[str, Any] | None = None,
+) -> list[torch.Tensor]:
+    """Fresh parameters and ``optimizer``, DCP load of :func:`dcp_save`'s checkpoint, steps ``start`` onwards."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -193,7 +205,7 @@ def dcp_resume(rank: int, world_size: int, path: str, start: int, steps: int) ->
     params = [(n, nn.Parameter(distribute_tensor(torch.zeros_like(p), mesh, [Shard(0)]))) for n, p in initial_params()]
     model = ParamHolder(params)
     named = [(n, getattr(model, n.replace(".", "__"))) for n, _ in params]
-    opt = Muon(named, **OPTIONS)
+    opt = optimizer(named, **(OPTIONS if options is None else options))
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])

@@ -28,7 +28,6 @@ from typing import Any, NamedTuple
 import pytest
 import scenarios
 import torch
-import torch.distributed as dist
 from dist_harness import run_distributed
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -382,52 +381,10 @@ NORMUON_DCP = dict(lr=0.02, weight_decay=0.1, beta2=0.9, adjust_lr_fn="match_rms
 SAVE_STEPS, RESUME_STEPS = 2, 2
 
 
-def normuon_dcp_save(rank: int, world_size: int, path: str, steps: int) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    params = scenarios.distributed_params("shard0", world_size)
-    model = scenarios.ParamHolder(params)
-    named = [(n, getattr(model, n.replace(".", "__"))) for n, _ in params]
-    opt = NorMuon(named, **NORMUON_DCP)
-    for step in range(steps):
-        scenarios.set_gradients(named, step)
-        opt.step()
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
-    dist.barrier()
-
-
-def normuon_dcp_resume(rank: int, world_size: int, path: str, start: int, steps: int) -> list[Tensor]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    mesh = scenarios.make_mesh("shard0", world_size)
-    fresh = [
-        (n, nn.Parameter(distribute_tensor(torch.zeros_like(p), mesh, [Shard(0)])))
-        for n, p in scenarios.initial_params()
-    ]
-    model = scenarios.ParamHolder(fresh)
-    named = [(n, getattr(model, n.replace(".", "__"))) for n, _ in fresh]
-    opt = NorMuon(named, **NORMUON_DCP)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
-    for step in range(start, start + steps):
-        scenarios.set_gradients(named, step)
-        opt.step()
-    return [p.full_tensor() for _, p in named]
-
-
 @pytest.fixture(scope="module")
 def normuon_checkpoint() -> Iterator[str]:
     with tempfile.TemporaryDirectory() as path:
-        run_distributed(normuon_dcp_save, 4, path, SAVE_STEPS)
+        run_distributed(scenarios.dcp_save, 4, path, SAVE_STEPS, NorMuon, NORMUON_DCP)
         assert os.listdir(path)
         yield path
 
@@ -437,7 +394,9 @@ def normuon_checkpoint() -> Iterator[str]:
 def test_normuon_dcp_saved_on_4_resumed_on_fewer_ranks_continues_exactly(normuon_checkpoint, world_size):
     """Momentum and v (one entry per row, experts and the conv included) survive resharding: the resumed run
     equals the uninterrupted one-process run of SAVE_STEPS + RESUME_STEPS steps bit for bit."""
-    results = run_distributed(normuon_dcp_resume, world_size, normuon_checkpoint, SAVE_STEPS, RESUME_STEPS)
+    results = run_distributed(
+        scenarios.dcp_resume, world_size, normuon_checkpoint, SAVE_STEPS, RESUME_STEPS, NorMuon, NORMUON_DCP
+    )
     want = scenario_one_process(NorMuon, NORMUON_DCP, SAVE_STEPS + RESUME_STEPS)
     names = [n for n, _ in scenarios.SHAPES]
     for rank, result in enumerate(results):

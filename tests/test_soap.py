@@ -344,57 +344,12 @@ DCP_OPTIONS = dict(lr=0.01, max_preconditioner_dim=16, kl=True)
 SAVE_STEPS, RESUME_STEPS = 2, 2
 
 
-def soap_dcp_save(rank: int, world_size: int, path: str, steps: int) -> None:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    params = scenarios.distributed_params("shard0", world_size)
-    model = scenarios.ParamHolder(params)
-    named = [(n, getattr(model, n.replace(".", "__"))) for n, _ in params]
-    opt = SOAP(named, **DCP_OPTIONS)
-    for step in range(steps):
-        scenarios.set_gradients(named, step)
-        opt.step()
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
-    dist.barrier()
-
-
-def soap_dcp_resume(rank: int, world_size: int, path: str, start: int, steps: int) -> list[Tensor]:
-    import torch.distributed.checkpoint as dcp
-    from torch import nn
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = scenarios.make_mesh("shard0", world_size)
-    fresh = [
-        (n, nn.Parameter(distribute_tensor(torch.zeros_like(p), mesh, [Shard(0)])))
-        for n, p in scenarios.initial_params()
-    ]
-    model = scenarios.ParamHolder(fresh)
-    named = [(n, getattr(model, n.replace(".", "__"))) for n, _ in fresh]
-    opt = SOAP(named, **DCP_OPTIONS)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
-    for step in range(start, start + steps):
-        scenarios.set_gradients(named, step)
-        opt.step()
-    return [p.full_tensor() for _, p in named]
-
-
 @pytest.fixture(scope="module")
 def soap_checkpoint() -> Iterator[str]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as path:
-        run_distributed(soap_dcp_save, 4, path, SAVE_STEPS)
+        run_distributed(scenarios.dcp_save, 4, path, SAVE_STEPS, SOAP, DCP_OPTIONS)
         yield path
 
 
@@ -404,7 +359,9 @@ def test_dcp_saved_on_4_ranks_resumed_on_fewer_continues_exactly(soap_checkpoint
     """Every SOAP tensor is owner state (factors, bases, eigenvalue estimates, both moments, the step count):
     saved by the owners of 4 ranks under each matrix's key, loaded by the owners the 2- or 3-rank plan gives them
     (matrices change owner), the run continues bit for bit like the uninterrupted one-process run."""
-    results = run_distributed(soap_dcp_resume, world_size, soap_checkpoint, SAVE_STEPS, RESUME_STEPS)
+    results = run_distributed(
+        scenarios.dcp_resume, world_size, soap_checkpoint, SAVE_STEPS, RESUME_STEPS, SOAP, DCP_OPTIONS
+    )
     want = one_process(SOAP, DCP_OPTIONS, SAVE_STEPS + RESUME_STEPS)
     names = [n for n, _ in scenarios.SHAPES]
     for rank, result in enumerate(results):
