@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from . import metrics as metrics_lib
 from .exchange import MeshGroup, mesh_group
-from .layout import box_shape, intersect, relative_slices
+from .layout import box_shape, intersect, read_layout, relative_slices
 from .newton_schulz import newton_schulz
 from .ns_graphs import NewtonSchulzGraphs
 from .pending import PendingUpdates
@@ -278,6 +278,8 @@ class Engine:
             self._metrics = {"muon/skipped_steps": float(self.skipped_steps), "muon/step_skipped": 1.0}
             self._metrics_source = None
             return False
+        with timer.phase("redistribute"):
+            self._redistribute(self.entries, grads)
         self.steps_taken += 1
         diagnostics = self.diagnostics_interval > 0 and self.steps_taken % self.diagnostics_interval == 0
         stats = metrics_lib.StepStats(sample_orthogonality=diagnostics)
@@ -372,9 +374,13 @@ class Engine:
                 if g.shape != e.param.shape:
                     raise PreflightError(e, f"gradient shape {tuple(g.shape)} != {tuple(e.param.shape)}")
                 if isinstance(e.param, DTensor) != isinstance(g, DTensor) or (
-                    isinstance(g, DTensor) and tuple(g.placements) != tuple(e.param.placements)
+                    isinstance(g, DTensor) and g.device_mesh != e.param.device_mesh
                 ):
-                    raise PreflightError(e, "gradient layout differs from the parameter's")
+                    raise PreflightError(e, "gradient is not a DTensor on the parameter's device mesh")
+                if isinstance(g, DTensor) and tuple(g.placements) != tuple(e.param.placements):
+                    self._check_redistributable(e, g)
+                    grads[e.index] = g
+                    continue
             expected = self.local_shapes.get(e.index)
             if expected is not None:  # _local_tensor: what to_local() returns, without its 2-3 us of checks
                 if e.param._local_tensor.shape != expected:
@@ -383,6 +389,31 @@ class Engine:
                     raise _wrong_piece(e, "gradient", g)
             grads[e.index] = g
         return grads
+
+    @staticmethod
+    def _check_redistributable(e: Entry, g: DTensor) -> None:
+        """A gradient in other placements than its parameter's (tensor parallelism gives ``Partial`` gradients
+        for replicated norms and a ``Replicate`` one for a row-sharded embedding) must be one that DTensor can
+        redistribute, and its local piece must have the shape its own placements give this rank."""
+        try:
+            box = read_layout(e.name, g, partial_as_replicate=True).local_box
+        except ValueError as exc:
+            raise PreflightError(e, f"gradient placements {tuple(g.placements)}: {exc}") from None
+        if g._local_tensor.shape != torch.Size(box_shape(box)):
+            raise PreflightError(
+                e,
+                f"this rank's local piece of the gradient has shape {tuple(g._local_tensor.shape)}; its placements "
+                f"{tuple(g.placements)} give it the box {box}, shape {box_shape(box)}",
+            )
+
+    @staticmethod
+    def _redistribute(entries: list[Entry], grads: dict[int, Tensor | None]) -> None:
+        """Bring every gradient to its parameter's placements, in entry order on every rank (the same
+        collectives everywhere; a ``Partial`` gradient is summed, a ``Replicate`` one sliced)."""
+        for e in entries:
+            g = grads[e.index]
+            if isinstance(g, DTensor) and tuple(g.placements) != tuple(e.param.placements):
+                grads[e.index] = g.redistribute(e.param.device_mesh, e.param.placements)
 
     def _consensus(
         self, grads: dict[int, Tensor | None], failure: PreflightError | None

@@ -6,6 +6,11 @@ holds the box obtained by starting from the whole tensor and, for each mesh dim 
 keeping chunk cᵢ of the current range of dim d, chunked like ``torch.chunk``: chunk size
 ``s = ⌈L / nᵢ⌉``, chunk c = ``[min(c·s, L), min((c+1)·s, L))`` (so trailing chunks may be empty).
 ``Replicate`` keeps the range. Ranks are numbered by their flat index in ``mesh.mesh`` ("mesh rank").
+
+``_StridedShard(d, split_factor=f)`` (FSDP2 over tensor or expert parallelism: FSDP shards each rank's
+tensor-parallel piece) on mesh dim i is applied *after* the plain ``Shard(d)`` of the later mesh dims, whose
+sizes multiply to f: the rank keeps chunk cᵢ of the piece they left it. So every rank still holds one box,
+e.g. (_StridedShard(0, f=2), Shard(0)) over (dp 2, tp 2) gives mesh rank (d, t) rows chunk d of chunk t.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from math import prod
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 Range = tuple[int, int]
 Box = tuple[Range, ...]
@@ -75,34 +81,59 @@ def chunk_range(start: int, stop: int, num_chunks: int, index: int) -> Range:
     return (start + lo, start + hi)
 
 
-def _check_placements(name: str, tensor: DTensor) -> None:
-    spec: DTensorSpec = tensor._spec
-    for placement in tensor.placements:
-        if type(placement) not in (Shard, Replicate):
+def _shard_order(name: str, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...], ndim: int) -> list[int]:
+    """Mesh dims in the order their shards apply: per tensor dim, plain ``Shard`` in mesh order, then the
+    strided one (see the module docstring). Raises on a placement or combination this module cannot box."""
+    order: list[int] = []
+    for dim in range(ndim):
+        plain = [i for i, p in enumerate(placements) if type(p) is Shard and p.dim % ndim == dim]
+        strided = [i for i, p in enumerate(placements) if isinstance(p, _StridedShard) and p.dim % ndim == dim]
+        if strided:
+            i = strided[0]
+            split_factor = placements[i].split_factor
+            later = prod(mesh_shape[j] for j in plain if j > i)
+            if len(strided) > 1 or any(j < i for j in plain) or split_factor != later:
+                raise ValueError(
+                    f"parameter {name!r}: placements {placements} over mesh {mesh_shape}: a _StridedShard must "
+                    "come before the plain Shard placements of its dim, with split_factor equal to their mesh "
+                    "sizes' product"
+                )
+        order.extend(plain + strided)
+    return order
+
+
+def _check_placements(name: str, placements: tuple[Placement, ...], spec: DTensorSpec) -> None:
+    for placement in placements:
+        if type(placement) not in (Shard, Replicate, _StridedShard):
             raise ValueError(
                 f"parameter {name!r}: placement {placement} is not supported (supported: Shard(d), "
-                "Replicate(); tensor-parallel _StridedShard and Partial are not)"
+                "_StridedShard(d, split_factor), Replicate(); a parameter cannot be Partial)"
             )
     shard_order = getattr(spec, "shard_order", None)
     if shard_order is not None and not DTensorSpec.is_default_device_order(shard_order):
         raise ValueError(f"parameter {name!r}: a non-default shard order {shard_order} is not supported")
 
 
-def read_layout(name: str, tensor: Tensor) -> ParamLayout:
-    """The layout of ``tensor``: a plain tensor is one whole box on a world of one."""
+def read_layout(name: str, tensor: Tensor, *, partial_as_replicate: bool = False) -> ParamLayout:
+    """The layout of ``tensor``: a plain tensor is one whole box on a world of one.
+
+    ``partial_as_replicate``: read a ``Partial`` placement (a gradient's) as ``Replicate``: every rank of
+    that mesh dim holds a full-size piece of the box.
+    """
     full: Box = tuple((0, size) for size in tensor.shape)
     if not isinstance(tensor, DTensor):
         return ParamLayout(name, tuple(tensor.shape), (full,), 0)
-    _check_placements(name, tensor)
+    placements = tuple(Replicate() if partial_as_replicate and p.is_partial() else p for p in tensor.placements)
+    _check_placements(name, placements, tensor._spec)
     mesh = tensor.device_mesh
     mesh_shape = tuple(mesh.mesh.shape)
+    order = _shard_order(name, placements, mesh_shape, tensor.ndim)
     boxes: list[Box] = []
     for coordinate in product(*(range(n) for n in mesh_shape)):
         box = list(full)
-        for mesh_dim, placement in enumerate(tensor.placements):
-            if isinstance(placement, Shard):
-                dim = placement.dim % tensor.ndim
-                box[dim] = chunk_range(*box[dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
+        for mesh_dim in order:
+            dim = placements[mesh_dim].dim % tensor.ndim
+            box[dim] = chunk_range(*box[dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
         boxes.append(tuple(box))
     my_coordinate = mesh.get_coordinate()
     if my_coordinate is None:

@@ -1,0 +1,53 @@
+"""Tensor and expert parallelism as torchtitan lays them out (``parallelize_module`` styles, FSDP2 over TP
+giving ``_StridedShard``, experts over an ``ep`` mesh dim): the optimizer equals one process fed the same
+gathered gradients, bit for bit, in the default owned mode."""
+
+import pytest
+import tp_scenarios
+from dist_harness import run_distributed
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from dtensor_muon.layout import _shard_order
+
+pytestmark = pytest.mark.slow
+STEPS = 3
+
+
+def assert_bitwise(results: list[dict]) -> None:
+    for rank, result in enumerate(results):
+        for step, diffs in enumerate(result["history"]):
+            bad = {name: d for name, d in diffs.items() if d != 0.0}
+            assert not bad, f"rank {rank}, step {step}: differs from one process: {bad}"
+
+
+@pytest.mark.parametrize(
+    "kind, world_size, strided",
+    [("tp", 2, False), ("fsdp_tp", 4, True), ("fsdp_tp", 8, True), ("hsdp_tp", 8, True)],
+)
+def test_dense_tensor_parallel_equals_one_process(kind, world_size, strided):
+    results = run_distributed(tp_scenarios.dense_training, world_size, kind, STEPS, {})
+    assert_bitwise(results)
+    placements = results[0]["placements"]
+    # the layouts the test means to cover: TP's Replicate norms (Partial gradients), FSDP over TP's strided rows
+    assert "Replicate()" in placements["norm.weight"]
+    assert ("_StridedShard(dim=0" in placements["layers.0.w1.weight"]) == strided
+
+
+@pytest.mark.parametrize(
+    "expert_shard_dim, expected", [(0, "_StridedShard(dim=0, sf=2), Shard(dim=0)"), (1, "Shard(dim=1), Shard(dim=0)")]
+)
+def test_experts_over_ep_and_fsdp_equal_one_process(expert_shard_dim, expected):
+    results = run_distributed(tp_scenarios.expert_training, 4, expert_shard_dim, STEPS, {})
+    assert_bitwise(results)
+    assert results[0]["placements"]["layers.0.moe.experts.w"] == f"({expected})"
+
+
+def test_strided_shard_order_and_refusals():
+    # FSDP over TP: the TP shard (mesh dim 1) applies first, then FSDP's strided one
+    assert _shard_order("w", (_StridedShard(0, split_factor=4), Shard(0)), (2, 4), 2) == [1, 0]
+    assert _shard_order("w", (Replicate(), _StridedShard(0, split_factor=2), Shard(0)), (2, 2, 2), 2) == [2, 1]
+    with pytest.raises(ValueError, match=r"parameter 'w'.*split_factor equal to their mesh sizes' product"):
+        _shard_order("w", (_StridedShard(0, split_factor=3), Shard(0)), (2, 4), 2)
+    with pytest.raises(ValueError, match="parameter 'w'"):
+        _shard_order("w", (Shard(0), _StridedShard(0, split_factor=1)), (2, 4), 2)

@@ -1,0 +1,186 @@
+"""Tensor- and expert-parallel models as torchtitan lays them out, trained in gloo processes next to a
+single-process reference fed the same (gathered) gradients.
+
+The dense model is a one-block transformer with every torchtitan tensor-parallel style: a row-parallel
+embedding, sequence-parallel norms, column- and row-parallel projections and a column-parallel head. The
+vocabulary (23) is uneven over any TP degree, and FSDP's shards of the TP pieces are uneven at TP 4 (hidden
+20: TP pieces of 5 rows, FSDP halves of 3 and 2); activations stay even, as DTensor's tensor-parallel styles
+need. FSDP (``fully_shard``) or HSDP goes over the
+data-parallel mesh dims; the expert model has 3-D experts sharded over an ``ep`` mesh dim and FSDP over the
+others, next to a dense matrix sharded over every rank, as torchtitan meshes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from dtensor_muon import Muon
+
+VOCAB, DIM, HIDDEN, EXPERTS = 23, 12, 20, 4
+OPTIONS: dict[str, Any] = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(DIM)
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attention_norm(x)
+        return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([Block()])
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def apply_tensor_parallel(model: TinyTransformer, tp_mesh: DeviceMesh) -> None:
+    """torchtitan's Llama plan: sequence parallel between the blocks, Colwise/Rowwise inside."""
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    for block in model.layers:
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "w1": ColwiseParallel(input_layouts=Shard(1)),
+                "w3": ColwiseParallel(input_layouts=Shard(1)),
+                "w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
+
+
+def build_dense(kind: str, world_size: int) -> TinyTransformer:
+    """``kind``: "tp" (every rank one TP group), "fsdp_tp" (dp × tp = 2 × world/2), "hsdp_tp" (2 × 2 × 2)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    if kind == "tp":
+        apply_tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
+    elif kind == "fsdp_tp":
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+        apply_tensor_parallel(model, mesh["tp"])
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    elif kind == "hsdp_tp":
+        mesh = init_device_mesh("cpu", (2, 2, world_size // 4), mesh_dim_names=("replicate", "shard", "tp"))
+        apply_tensor_parallel(model, mesh["tp"])
+        fully_shard(model, mesh=mesh["replicate", "shard"])
+    else:
+        raise ValueError(kind)
+    return model
+
+
+def tokens(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(100 + step))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _reference(params: dict[str, torch.Tensor], options: dict[str, Any]) -> tuple[dict[str, nn.Parameter], Muon]:
+    ref = {name: nn.Parameter(full(p).detach().clone()) for name, p in params.items()}
+    return ref, Muon(list(ref.items()), **{**OPTIONS, **options})
+
+
+def _step_both(params: dict[str, nn.Parameter], opt: Muon, ref: dict[str, nn.Parameter], ref_opt: Muon) -> None:
+    for name, p in params.items():
+        ref[name].grad = full(p.grad) if p.grad is not None else None
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad()
+
+
+def _differences(params: dict[str, nn.Parameter], ref: dict[str, nn.Parameter]) -> dict[str, float]:
+    """Max |distributed − reference| per parameter (0.0 everywhere when bitwise equal)."""
+    return {name: (full(p).detach() - ref[name].detach()).abs().max().item() for name, p in params.items()}
+
+
+def dense_training(rank: int, world_size: int, kind: str, steps: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Train the dense model ``steps`` steps; per step, the max difference of each parameter to the reference,
+    and each parameter's placements."""
+    model = build_dense(kind, world_size)
+    params = dict(model.named_parameters())
+    ref, ref_opt = _reference(params, options)
+    opt = Muon(list(params.items()), **{**OPTIONS, **options})
+    history = []
+    for step in range(steps):
+        logits = model(tokens(step))
+        full(logits).float().logsumexp(-1).mean().backward()
+        _step_both(params, opt, ref, ref_opt)
+        history.append(_differences(params, ref))
+    return {"history": history, "placements": {n: str(p.placements) for n, p in params.items()}}
+
+
+class Experts(nn.Module):
+    """3-D experts ``w[e]`` (DIM × HIDDEN) applied to every token and summed (no routing: every expert gets a
+    gradient)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.w = nn.Parameter(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x.unsqueeze(0).expand(self.w.shape[0], -1, -1), self.w)
+
+
+def expert_training(
+    rank: int, world_size: int, expert_shard_dim: int, steps: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    """Mesh (dp 2, ep world/2): experts Shard(0) over ep, FSDP over dp on ``expert_shard_dim`` (0 gives
+    torchtitan's _StridedShard, 1 its Shard(1)); a dense matrix FSDP-sharded over all ranks."""
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "ep"))
+    experts_full = torch.randn(EXPERTS, DIM, HIDDEN)
+    dense = nn.Linear(HIDDEN, DIM, bias=False)
+    experts = Experts(distribute_tensor(experts_full, mesh["ep"], [Shard(0)]))
+    fully_shard(experts, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(expert_shard_dim))
+    fully_shard(dense, mesh=mesh["dp", "ep"]._flatten("dp_ep"))
+    params = {"layers.0.moe.experts.w": experts.w, "layers.0.w_dense.weight": dense.weight}
+    ref, ref_opt = _reference(params, options)
+    opt = Muon(list(params.items()), **{**OPTIONS, **options})
+    ep_mesh = mesh["ep"]
+    history = []
+    for step in range(steps):
+        x = torch.randn(6, DIM, generator=torch.Generator().manual_seed(200 + step))
+        h = experts(DTensor.from_local(x, ep_mesh, [Replicate()]))  # (E, tokens, HIDDEN), Shard(0) over ep
+        h = h.full_tensor().sum(0)
+        dense(torch.tanh(h)).square().mean().backward()
+        _step_both(params, opt, ref, ref_opt)
+        history.append(_differences(params, ref))
+    return {"history": history, "placements": {n: str(p.placements) for n, p in params.items()}}
