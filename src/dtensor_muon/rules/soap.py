@@ -156,17 +156,30 @@ class SOAPRule(MatrixRule):
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner
     ) -> Tensor:
+        """The module formula's steps 1–3 on one matrix: :meth:`update_factors`, :meth:`refresh_basis` on the
+        steps :meth:`refreshes_at` names, :meth:`adam_in_basis`; then the matrix's step count advances."""
         (s,) = owner_states
         g = u.to(torch.float32)
+        t = int(s["step"].item()) + 1
+        self.update_factors(g, s, group, t)
+        if self.refreshes_at(group, t):
+            self.refresh_basis(s, group, t)
+        update = self.adam_in_basis(g, s, group, t)
+        s["step"].add_(1)
+        return update
+
+    @staticmethod
+    def refreshes_at(group: Group, t: int) -> bool:
+        """Whether step t refreshes the basis: (t − 1) mod ``precondition_frequency`` = 0 (step 1 always)."""
+        return (t - 1) % group["precondition_frequency"] == 0
+
+    def update_factors(self, g: Tensor, s: dict[str, Tensor], group: Group, t: int) -> None:
+        """Step 1: the factors L, R (KL-Shampoo's with ``kl``) take step t's float32 gradient ``g``, in place."""
         m, n = g.shape
         left, right = "L" in s, "R" in s
-        t = int(s["step"].item()) + 1
-        beta1, beta2 = group["betas"]
-        eps = group["eps"]
-
-        # 1. Kronecker factors (with this step's gradient, before the refresh)
         weight = 1 - shampoo_beta_at(group, t)
         if group["kl"]:
+            eps = group["eps"]
             inv_l = inv_r = None
             if left:
                 inv_l, s_eig = kl_inverse(s["L"], s["Q_L"], eps, m)
@@ -184,26 +197,31 @@ class SOAPRule(MatrixRule):
             if right:
                 s["R"].lerp_(g.mT @ g, weight)
 
-        # 2. basis refresh, M rotated into the new basis
-        if (t - 1) % group["precondition_frequency"] == 0:
-            momentum = self._to_parameter_basis(s["exp_avg"], s)
-            for side, axis, keep in (("L", 0, left), ("R", 1, right)):
-                if not keep:
-                    continue
-                k, q = s[side], s[f"Q_{side}"]
-                if t == 1 or group["basis"] == "eigh":
-                    values, q_new = eigh_descending(k)
-                else:
-                    d = rayleigh_diag(k, q)
-                    order = torch.argsort(d, descending=True)
-                    values = d[order]
-                    s["exp_avg_sq"].copy_(s["exp_avg_sq"].index_select(axis, order))
-                    q_new = torch.linalg.qr(k @ q[:, order]).Q
-                q.copy_(q_new)
-                s[f"eig_{side}"].copy_(values)
-            s["exp_avg"].copy_(self._to_eigenbasis(momentum, s))
+    def refresh_basis(self, s: dict[str, Tensor], group: Group, t: int) -> None:
+        """Step 2 at step t: new bases Q_L, Q_R from the factors (eigh, or one power iteration and QR), the
+        eigenvalue estimates, and M rotated into the new basis, in place."""
+        momentum = self._to_parameter_basis(s["exp_avg"], s)
+        for side, axis in (("L", 0), ("R", 1)):
+            if side not in s:
+                continue
+            k, q = s[side], s[f"Q_{side}"]
+            if t == 1 or group["basis"] == "eigh":
+                values, q_new = eigh_descending(k)
+            else:
+                d = rayleigh_diag(k, q)
+                order = torch.argsort(d, descending=True)
+                values = d[order]
+                s["exp_avg_sq"].copy_(s["exp_avg_sq"].index_select(axis, order))
+                q_new = torch.linalg.qr(k @ q[:, order]).Q
+            q.copy_(q_new)
+            s[f"eig_{side}"].copy_(values)
+        s["exp_avg"].copy_(self._to_eigenbasis(momentum, s))
 
-        # 3. Adam in the eigenbasis
+    def adam_in_basis(self, g: Tensor, s: dict[str, Tensor], group: Group, t: int) -> Tensor:
+        """Step 3 at step t: Adam's moments take G' = Q_Lᵀ·g·Q_R (in place); returns the update O in the
+        parameter's basis, its RMS matched or clipped as the group says (the step count is not advanced)."""
+        beta1, beta2 = group["betas"]
+        eps = group["eps"]
         projected = self._to_eigenbasis(g, s)
         exp_avg, exp_avg_sq = s["exp_avg"], s["exp_avg_sq"]
         exp_avg.lerp_(projected, 1 - beta1)
@@ -220,7 +238,6 @@ class SOAPRule(MatrixRule):
         if max_rms > 0:
             rms = update.square().mean().sqrt()
             update = update * (max_rms / (rms + UPDATE_RMS_EPS)).clamp(max=1.0)
-        s["step"].add_(1)
         return update
 
     @staticmethod
