@@ -2,7 +2,7 @@
 of one rank computing every matrix, and of the busiest rank of the plan at 8 and at 64 ranks.
 
     PYTHONPATH=src python bench/soap_step.py                         # Llama3-8B, 16 layers: 112 matrices
-    PYTHONPATH=src python bench/soap_step.py --variants SOAP KLSOAP REKLS --world-sizes 8 64 512
+    PYTHONPATH=src python bench/soap_step.py --variants SOAP KLSOAP REKLS --world-sizes 1 8 64 512
     PYTHONPATH=src python bench/soap_step.py --quick                 # tiny shapes on CPU, under a minute
 
 Matrices: the Muon-routed parameters of the torchtitan Llama3 8B model's first ``--layers`` layers (per layer
@@ -12,9 +12,9 @@ every step). ``--quick`` takes torchtitan's debugmodel flavor shrunk to width 64
 layers, and ``max_preconditioner_dim`` 128, so that its 192-long MLP side is left unpreconditioned as the
 8B model's 14336-long one is by the default 8192.
 
-Matrix sets. Case "all" is one rank computing every matrix. For a world size W, every matrix is laid out as
-FSDP2 lays it (``Shard(0)`` over W ranks, ``dtensor_muon.simulate.fsdp_layout``) and planned by
-``dtensor_muon.plan.build_plan`` with the variant's own rule cost (``SOAPRule.cost``: FLOPs and owner-state
+Matrix sets (``--world-sizes``, default 1 8 64). At world size 1 one rank computes every matrix. At W > 1,
+every matrix is laid out as FSDP2 lays it (``Shard(0)`` over W ranks, ``dtensor_muon.simulate.fsdp_layout``)
+and planned by ``dtensor_muon.plan.build_plan`` with the variant's own rule cost (``SOAPRule.cost``: FLOPs and owner-state
 bytes, as the optimizer's engine plans it; SOAP matrices are never batched); the busiest rank is the one with
 the largest planned cost, and its set is the matrices it computes (``Plan.computed_by``). Only that set is
 allocated and timed, on one device with no process group: what the busiest rank computes per step, without
@@ -262,7 +262,9 @@ def case_label(world_size: int, n_matrices: int) -> str:
 def main() -> None:
     parser = benchmark_parser(__doc__, "soap_step")
     parser.add_argument("--layers", type=int, default=None, help="first N Llama3 8B layers (default 16; quick: 2)")
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64], help="plans whose busiest rank runs")
+    parser.add_argument(
+        "--world-sizes", type=int, nargs="+", default=[1, 8, 64], help="plans whose busiest rank runs (1: every matrix)"
+    )
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(DEFAULT_VARIANTS))
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (step 1 is SOAP's eigh)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps, medians (default 5; quick: 3)")
@@ -286,8 +288,8 @@ def main() -> None:
         args.max_preconditioner_dim = QUICK_MAX_PRECONDITIONER_DIM if args.quick else 8192
     if args.warmup < 1 or args.repeats < 1:
         parser.error("--warmup and --repeats must be >= 1")
-    if any(w < 2 for w in args.world_sizes):
-        parser.error("--world-sizes must be >= 2 (the 1-rank case always runs)")
+    if any(w < 1 for w in args.world_sizes):
+        parser.error("--world-sizes must be >= 1")
     if args.quick:
         torch.set_num_threads(1)  # tiny matrices: more threads only wait on each other on a shared CPU
     args.variants = [v for v in VARIANTS if v in args.variants]
@@ -301,7 +303,7 @@ def main() -> None:
     muon_options = {"lr": MUON_LR, "weight_decay": WEIGHT_DECAY}
     groups = {v: optimizer_group(VARIANTS[v], **soap_options[v]) for v in args.variants}
     muon_group = optimizer_group(dtensor_muon.Muon, **muon_options)
-    world_sizes = [1, *sorted(set(args.world_sizes))]
+    world_sizes = sorted(set(args.world_sizes))
     sets = [busiest_set(v, matrices, groups[v], w) for w in world_sizes for v in args.variants]
     n_values = sum(torch.Size(s).numel() for _, s in matrices)
     print(
