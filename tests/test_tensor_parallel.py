@@ -2,7 +2,11 @@
 giving ``_StridedShard``, experts over an ``ep`` mesh dim): the optimizer equals one process fed the same
 gathered gradients, bit for bit, in the default owned mode."""
 
+import os
+import tempfile
+
 import pytest
+import torch
 import tp_scenarios
 from dist_harness import run_distributed
 from torch.distributed.tensor import Replicate, Shard
@@ -51,3 +55,14 @@ def test_strided_shard_order_and_refusals():
         _shard_order("w", (_StridedShard(0, split_factor=3), Shard(0)), (2, 4), 2)
     with pytest.raises(ValueError, match="parameter 'w'"):
         _shard_order("w", (Shard(0), _StridedShard(0, split_factor=1)), (2, 4), 2)
+
+
+def test_dcp_saved_under_fsdp_x_tp_on_4_loaded_under_fsdp_on_2_continues_exactly():
+    want = tp_scenarios.synthetic_reference(4)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        run_distributed(tp_scenarios.dense_dcp_save, 4, "fsdp_tp", path, 2)
+        results = run_distributed(tp_scenarios.dense_dcp_resume, 2, "fsdp", path, 2, 2)
+    for got in results:
+        for name, value in want.items():
+            assert torch.equal(got[name], value), f"{name}: max diff {(got[name] - value).abs().max().item()}"

@@ -124,6 +124,35 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "config, nproc, parallelism",
+    [
+        ("llama3_tiny.toml", 2, ["--parallelism.tensor_parallel_degree", "2"]),
+        (
+            "llama3_tiny.toml",
+            4,
+            ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+        ),
+        ("moe_tiny.toml", 2, ["--parallelism.expert_parallel_degree", "2"]),
+    ],
+    ids=["tp2", "tp2_fsdp2", "ep2"],
+)
+def test_tensor_and_expert_parallel_train_and_resume_exactly(tmp_path, config, nproc, parallelism):
+    common = [*SMALL, *parallelism, "--training.steps", "6", "--lr_scheduler.warmup_steps", "2",
+              "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.last_save_model_only"]  # fmt: skip
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    code, output, uninterrupted = torchrun(config, full, *common, nproc=nproc, timeout=400)
+    assert code == 0, output[-3000:]
+    assert sorted(uninterrupted) == list(range(1, 7))
+    assert falls(uninterrupted, 0.2), uninterrupted
+    shutil.copytree(full / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
+    code, output, after_resume = torchrun(config, resumed, *common, nproc=nproc, timeout=400)
+    assert code == 0, output[-3000:]
+    assert "Training starts at step 4" in output
+    assert {s: after_resume[s] for s in (4, 5, 6)} == {s: uninterrupted[s] for s in (4, 5, 6)}
+
+
+@pytest.mark.slow
 def test_overlap_gives_the_same_losses_and_checkpoints_applied_updates(tmp_path):
     common = [*SMALL, "--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "3",
               "--checkpoint.last_save_model_only"]  # fmt: skip

@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -27,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtensor_muon import Muon
+from dtensor_muon.layout import box_slices, read_layout
 
 VOCAB, DIM, HIDDEN, EXPERTS = 23, 12, 20, 4
 OPTIONS: dict[str, Any] = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
@@ -85,10 +88,16 @@ def apply_tensor_parallel(model: TinyTransformer, tp_mesh: DeviceMesh) -> None:
 
 
 def build_dense(kind: str, world_size: int) -> TinyTransformer:
-    """``kind``: "tp" (every rank one TP group), "fsdp_tp" (dp × tp = 2 × world/2), "hsdp_tp" (2 × 2 × 2)."""
+    """``kind``: "tp" (every rank one TP group), "fsdp_tp" (dp × tp = 2 × world/2), "hsdp_tp" (2 × 2 × 2),
+    "fsdp" (FSDP alone over every rank)."""
     torch.manual_seed(0)
     model = TinyTransformer()
-    if kind == "tp":
+    if kind == "fsdp":
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind == "tp":
         apply_tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
     elif kind == "fsdp_tp":
         mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
@@ -184,3 +193,70 @@ def expert_training(
         _step_both(params, opt, ref, ref_opt)
         history.append(_differences(params, ref))
     return {"history": history, "placements": {n: str(p.placements) for n, p in params.items()}}
+
+
+def synthetic_gradients(params: dict[str, nn.Parameter], step: int) -> dict[str, torch.Tensor]:
+    """Whole gradients that depend on the name and step only, the same in every layout."""
+    out = {}
+    for k, (name, p) in enumerate(sorted(params.items())):
+        out[name] = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 * step + k))
+    return out
+
+
+def set_synthetic_gradients(params: dict[str, nn.Parameter], step: int) -> None:
+    """Each rank's piece of :func:`synthetic_gradients`, in its parameter's placements."""
+    for name, g in synthetic_gradients(params, step).items():
+        p = params[name]
+        piece = g[box_slices(read_layout(name, p).local_box)]
+        p.grad = DTensor.from_local(piece, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+
+def synthetic_reference(steps: int) -> dict[str, torch.Tensor]:
+    """One process, plain tensors: the dense model's parameters after ``steps`` synthetic steps."""
+    torch.manual_seed(0)
+    params = {name: nn.Parameter(p.detach().clone()) for name, p in TinyTransformer().named_parameters()}
+    opt = Muon(list(params.items()), **OPTIONS)
+    for step in range(steps):
+        for name, g in synthetic_gradients(params, step).items():
+            params[name].grad = g
+        opt.step()
+    return {name: p.detach() for name, p in params.items()}
+
+
+def dense_dcp_save(rank: int, world_size: int, kind: str, path: str, steps: int) -> None:
+    """``steps`` synthetic steps of the dense model laid out as ``kind``, then a DCP save of model and optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = build_dense(kind, world_size)
+    params = dict(model.named_parameters())
+    opt = Muon(list(params.items()), **OPTIONS)
+    for step in range(steps):
+        set_synthetic_gradients(params, step)
+        opt.step()
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    dist.barrier()
+
+
+def dense_dcp_resume(
+    rank: int, world_size: int, kind: str, path: str, start: int, steps: int
+) -> dict[str, torch.Tensor]:
+    """A fresh dense model laid out as ``kind`` loads :func:`dense_dcp_save`'s checkpoint and runs steps
+    ``start`` onwards; returns the whole parameters."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = build_dense(kind, world_size)
+    params = dict(model.named_parameters())
+    opt = Muon(list(params.items()), **OPTIONS)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    for step in range(start, start + steps):
+        set_synthetic_gradients(params, step)
+        opt.step()
+    return {name: full(p).detach() for name, p in params.items()}

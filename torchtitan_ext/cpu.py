@@ -11,7 +11,9 @@ hold the device, before the trainer is built:
 - ``set_pg_timeouts`` (run after step 1; its barrier passes CUDA device ids) is skipped, so the
   process groups keep their start-up timeout;
 - ``torch.histc``, which MoE routers call on integer expert indices (CUDA counts integers, the CPU
-  kernel does not), counts integer CPU tensors through a float32 copy (exact below 2**24).
+  kernel does not), counts integer CPU tensors through a float32 copy (exact below 2**24);
+- expert parallelism's token permutation (``generate_permute_indices``, a Triton kernel) takes
+  torchtitan's own CPU implementation (its ``use_cpu=True`` path) for CPU tensors.
 
 gloo also lacks the AVG and PREMUL_SUM reductions that FSDP2 uses for gradients:
 :func:`use_sum_reduction` makes FSDP2 reduce with SUM and divide afterwards (called by the train
@@ -73,11 +75,24 @@ def histc_any_dtype(input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return _float_histc(input, *args, **kwargs)
 
 
+def _permute_indices_on_cpu(original):
+    """``generate_permute_indices`` that passes ``use_cpu=True`` for CPU tensors."""
+
+    def generate_permute_indices(tokens_per_expert_group: torch.Tensor, *args, **kwargs):
+        if tokens_per_expert_group.device.type == "cpu":
+            kwargs["use_cpu"] = True
+        return original(tokens_per_expert_group, *args, **kwargs)
+
+    generate_permute_indices.wraps_cpu = True
+    return generate_permute_indices
+
+
 def use_cpu_gloo() -> None:
     """Point torchtitan's device globals at the CPU (see the module docstring). Idempotent."""
     from torchtitan.components import metrics
     from torchtitan.distributed import parallel_dims
     from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.moe import utils as moe_utils
     from torchtitan.tools import utils
 
     for module in (utils, dist_utils, metrics):
@@ -86,6 +101,8 @@ def use_cpu_gloo() -> None:
     metrics.build_device_memory_monitor = _build_cpu_memory_monitor
     dist_utils.set_pg_timeouts = _keep_start_up_timeouts
     torch.histc = histc_any_dtype
+    if not getattr(moe_utils.generate_permute_indices, "wraps_cpu", False):
+        moe_utils.generate_permute_indices = _permute_indices_on_cpu(moe_utils.generate_permute_indices)
 
 
 def use_sum_reduction(model: nn.Module) -> None:
