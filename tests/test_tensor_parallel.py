@@ -47,6 +47,19 @@ def test_experts_over_ep_and_fsdp_equal_one_process(expert_shard_dim, expected):
     assert results[0]["placements"]["layers.0.moe.experts.w"] == f"({expected})"
 
 
+@pytest.mark.parametrize("kind, world_size", [("tp", 2), ("fsdp_tp", 4)])
+def test_blockwise_equals_one_process_per_tp_block(kind, world_size):
+    results = run_distributed(tp_scenarios.dense_training, world_size, kind, STEPS, {}, "blockwise")
+    assert_bitwise(results)
+
+
+def test_blockwise_differs_from_the_whole_matrix_polar_factor():
+    """The approximation is real: per-block updates are not the owned (whole-matrix) ones."""
+    owned = run_distributed(tp_scenarios.dense_training, 2, "tp", 1, {}, "owned")
+    blockwise = run_distributed(tp_scenarios.dense_training, 2, "tp", 1, {}, "blockwise")
+    assert owned[0]["params"]["layers.0.w1.weight"].ne(blockwise[0]["params"]["layers.0.w1.weight"]).any()
+
+
 def test_strided_shard_order_and_refusals():
     # FSDP over TP: the TP shard (mesh dim 1) applies first, then FSDP's strided one
     assert _shard_order("w", (_StridedShard(0, split_factor=4), Shard(0)), (2, 4), 2) == [1, 0]

@@ -28,8 +28,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dtensor_muon import Muon
-from dtensor_muon.layout import box_slices, read_layout
+from dtensor_muon import MatrixSplit, Muon
+from dtensor_muon.layout import box_slices, read_layout, tensor_parallel_blocks
 
 VOCAB, DIM, HIDDEN, EXPERTS = 23, 12, 20, 4
 OPTIONS: dict[str, Any] = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
@@ -122,9 +122,21 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _reference(params: dict[str, torch.Tensor], options: dict[str, Any]) -> tuple[dict[str, nn.Parameter], Muon]:
+def _reference(
+    params: dict[str, torch.Tensor], options: dict[str, Any], splits: dict[str, MatrixSplit] | None = None
+) -> tuple[dict[str, nn.Parameter], Muon]:
     ref = {name: nn.Parameter(full(p).detach().clone()) for name, p in params.items()}
-    return ref, Muon(list(ref.items()), **{**OPTIONS, **options})
+    return ref, Muon(list(ref.items()), **{**OPTIONS, **options}, matrix_splits=splits)
+
+
+def tp_block_splits(params: dict[str, torch.Tensor]) -> dict[str, MatrixSplit]:
+    """Each tensor-parallel matrix cut into its TP blocks: the per-block reference of ``tp_mode="blockwise"``."""
+    out = {}
+    for name, p in params.items():
+        blocks = tensor_parallel_blocks(p)
+        if blocks is not None and p.ndim == 2:
+            out[name] = MatrixSplit(blocks[0], sizes=blocks[1])
+    return out
 
 
 def _step_both(params: dict[str, nn.Parameter], opt: Muon, ref: dict[str, nn.Parameter], ref_opt: Muon) -> None:
@@ -140,20 +152,26 @@ def _differences(params: dict[str, nn.Parameter], ref: dict[str, nn.Parameter]) 
     return {name: (full(p).detach() - ref[name].detach()).abs().max().item() for name, p in params.items()}
 
 
-def dense_training(rank: int, world_size: int, kind: str, steps: int, options: dict[str, Any]) -> dict[str, Any]:
-    """Train the dense model ``steps`` steps; per step, the max difference of each parameter to the reference,
-    and each parameter's placements."""
+def dense_training(
+    rank: int, world_size: int, kind: str, steps: int, options: dict[str, Any], tp_mode: str = "owned"
+) -> dict[str, Any]:
+    """Train the dense model ``steps`` steps with ``tp_mode``; per step, the max difference of each parameter
+    to the one-process reference (per TP block for "blockwise"), and each parameter's placements."""
     model = build_dense(kind, world_size)
     params = dict(model.named_parameters())
-    ref, ref_opt = _reference(params, options)
-    opt = Muon(list(params.items()), **{**OPTIONS, **options})
+    ref, ref_opt = _reference(params, options, tp_block_splits(params) if tp_mode == "blockwise" else None)
+    opt = Muon([{"params": list(params.items()), "tp_mode": tp_mode}], **{**OPTIONS, **options})
     history = []
     for step in range(steps):
         logits = model(tokens(step))
         full(logits).float().logsumexp(-1).mean().backward()
         _step_both(params, opt, ref, ref_opt)
         history.append(_differences(params, ref))
-    return {"history": history, "placements": {n: str(p.placements) for n, p in params.items()}}
+    return {
+        "history": history,
+        "placements": {n: str(p.placements) for n, p in params.items()},
+        "params": {n: full(p).detach() for n, p in params.items()},
+    }
 
 
 class Experts(nn.Module):

@@ -142,3 +142,23 @@ def read_layout(name: str, tensor: Tensor, *, partial_as_replicate: bool = False
     for c, n in zip(my_coordinate, mesh_shape):
         mesh_rank = mesh_rank * n + c
     return ParamLayout(name, tuple(tensor.shape), tuple(boxes), mesh_rank)
+
+
+TENSOR_PARALLEL_DIM = "tp"
+"""The mesh-dim name that marks tensor parallelism (torchtitan's)."""
+
+
+def tensor_parallel_blocks(tensor: Tensor) -> tuple[int, tuple[int, ...]] | None:
+    """(tensor dim, block lengths) of ``tensor``'s tensor-parallel split: the ``Shard(d)`` on its mesh dim
+    named :data:`TENSOR_PARALLEL_DIM`, chunked as ``torch.chunk`` does (empty blocks dropped); None when it
+    has no such mesh dim or is replicated over it."""
+    if not isinstance(tensor, DTensor) or TENSOR_PARALLEL_DIM not in (tensor.device_mesh.mesh_dim_names or ()):
+        return None
+    mesh_dim = tensor.device_mesh.mesh_dim_names.index(TENSOR_PARALLEL_DIM)
+    placement = tensor.placements[mesh_dim]
+    if type(placement) is not Shard:
+        return None
+    dim = placement.dim % tensor.ndim
+    n = tensor.device_mesh.mesh.shape[mesh_dim]
+    lengths = [stop - start for start, stop in (chunk_range(0, tensor.shape[dim], n, c) for c in range(n))]
+    return dim, tuple(length for length in lengths if length > 0)

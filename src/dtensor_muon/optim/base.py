@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..engine import EXCHANGE_MODES, Engine
-from ..layout import read_layout
+from ..layout import read_layout, tensor_parallel_blocks
 from ..overlap import attach_hooks
 from ..routing import unnamed_lookalikes, uses_muon
 from ..rules import adamw as adamw_rule
@@ -42,6 +42,11 @@ from ..step_context import OWNER_STATE_KEY, Entry, local
 from ..views import MatrixSplit
 
 logger = logging.getLogger("dtensor_muon")
+
+TP_MODES = ("owned", "blockwise")
+"""How a param group's tensor-parallel matrices are computed: ``"owned"`` (default, exact: each matrix whole
+on one owner of the whole mesh) or ``"blockwise"`` (each tensor-parallel block orthogonalized as a matrix of
+its own: no gather across TP ranks, not the whole matrix's polar factor)."""
 
 
 def require(condition: bool, message: str) -> None:
@@ -90,6 +95,7 @@ def validate_common(group: dict[str, Any]) -> None:
         split is None or isinstance(split, MatrixSplit),
         f"matrix_split must be None or a dtensor_muon.MatrixSplit, got {split!r}",
     )
+    require(group["tp_mode"] in TP_MODES, f"tp_mode must be one of {TP_MODES}, got {group['tp_mode']!r}")
 
 
 def _name_patterns(members: list[tuple[str, Tensor]]) -> str:
@@ -156,7 +162,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._hook_handles: list = []
         self._unnamed_default: set[int] = set()  # ids of unnamed matrices routed to the rule by default
         self._stateless: list[Tensor] = []  # parameters without state (frozen at construction)
-        super().__init__(params, {**defaults, "use_muon": None, "matrix_split": None})
+        super().__init__(params, {**defaults, "use_muon": None, "matrix_split": None, "tp_mode": "owned"})
         self._engine = self._build_engine()
         self._register_hooks()
         self._report_routing([p for g in self.param_groups for p in g["params"]])
@@ -252,7 +258,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             if not self.state.get(p):
                 self._stateless.append(p)
                 continue
-            split = self._split_of(label, group) if group["use_muon"] else None
+            split = self._split_of(label, p, group) if group["use_muon"] else None
             entries.append(Entry(len(entries), label, p, group, group["use_muon"], read_layout(label, p), split))
         self._index_of_param = {id(e.param): e.index for e in entries}
         return Engine(
@@ -269,14 +275,26 @@ class MatrixOptimizer(torch.optim.Optimizer):
                     created = True
         return created
 
-    def _split_of(self, label: str, group: dict[str, Any]) -> MatrixSplit | None:
-        """The group's ``matrix_split``, else the first ``matrix_splits`` pattern matching ``label``."""
-        if group.get("matrix_split") is not None:
-            return group["matrix_split"]
-        for pattern, split in self._matrix_splits.items():
-            if fnmatch.fnmatchcase(label, pattern):
-                return split
-        return None
+    def _split_of(self, label: str, p: Tensor, group: dict[str, Any]) -> MatrixSplit | None:
+        """The group's ``matrix_split``, else the first ``matrix_splits`` pattern matching ``label``; with
+        ``tp_mode="blockwise"``, the tensor-parallel blocks (:func:`~dtensor_muon.layout.tensor_parallel_blocks`)."""
+        split = group.get("matrix_split")
+        if split is None:
+            split = next((s for pattern, s in self._matrix_splits.items() if fnmatch.fnmatchcase(label, pattern)), None)
+        if group["tp_mode"] != "blockwise":
+            return split
+        blocks = tensor_parallel_blocks(p)
+        if blocks is None:
+            return split
+        if split is not None:
+            raise ValueError(
+                f"parameter {label!r}: tp_mode='blockwise' cuts it into its tensor-parallel blocks; it also has "
+                f"the matrix split {split}: use one of the two"
+            )
+        dim, lengths = blocks
+        if p.ndim == 3 and dim == 0:
+            return None  # experts split over TP ranks: each rank's experts are whole matrices already
+        return MatrixSplit(dim, sizes=lengths)
 
     @staticmethod
     def _keep_owner_state_uncast(optimizer: MatrixOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
