@@ -26,3 +26,32 @@ def test_cli_prints_table_and_rejects_bad_input(capsys, tmp_path):
         main(["--model", "llama3:nope", "--world-size", "2"])
     with pytest.raises(SystemExit):
         main(["--model", "llama3:debugmodel", "--world-size", "0"])
+
+
+def test_tensor_and_expert_parallel_layouts_follow_torchtitan():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from dtensor_muon.simulate import dense_placements, expert_placements, mesh_layout
+
+    assert dense_placements("layers.0.attention.wq.weight", (8, 4), 2) == (_StridedShard(0, split_factor=2), Shard(0))
+    assert dense_placements("layers.0.feed_forward.w2.weight", (4, 8), 2) == (Shard(0), Shard(1))
+    assert dense_placements("layers.0.attention.wkv_a.weight", (6, 4), 2) == (Shard(0), Replicate())
+    assert expert_placements((8, 4, 4), 4, 2) == (_StridedShard(0, split_factor=2), Shard(0))
+    assert expert_placements((8, 4, 4), 16, 2) == (Shard(1), Shard(0))
+    # FSDP 2 over TP 2 of a column-parallel 10-row weight: mesh rank (d, t) holds chunk d of TP chunk t
+    boxes = mesh_layout("w", (10, 4), (2, 2), dense_placements("x.wq.weight", (10, 4), 2)).boxes
+    assert [b[0] for b in boxes] == [(0, 3), (5, 8), (3, 5), (8, 10)]
+
+
+@pytest.mark.parametrize("model, tp, ep", [("llama3:debugmodel", 2, 1), ("deepseek_v3:debugmodel", 2, 2)])
+def test_tensor_and_expert_parallel_plans_keep_the_total_work(model, tp, ep):
+    """Owned mode computes every matrix once whatever the layout: the same total as FSDP alone."""
+    (plain,) = simulate(model, [8])
+    (parallel,) = simulate(model, [8], tp=tp, ep=ep)
+    assert (parallel.tp, parallel.ep) == (tp, ep)
+    assert parallel.matrices == plain.matrices
+    assert parallel.ns_gflop_mean == pytest.approx(plain.ns_gflop_mean)
+    assert parallel.max_over_bound >= 1.0 - 1e-9
+    with pytest.raises(ValueError, match="multiple of --tp"):
+        simulate(model, [6], tp=4)

@@ -102,6 +102,23 @@ def _shard_order(name: str, placements: tuple[Placement, ...], mesh_shape: tuple
     return order
 
 
+def layout_boxes(
+    name: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]
+) -> tuple[Box, ...]:
+    """The box of every mesh rank (flat index in row-major mesh order) of a tensor of ``shape`` laid out with
+    ``placements`` over a mesh of ``mesh_shape`` (see the module docstring)."""
+    order = _shard_order(name, placements, mesh_shape, len(shape))
+    full: Box = tuple((0, size) for size in shape)
+    boxes: list[Box] = []
+    for coordinate in product(*(range(n) for n in mesh_shape)):
+        box = list(full)
+        for mesh_dim in order:
+            dim = placements[mesh_dim].dim % len(shape)
+            box[dim] = chunk_range(*box[dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
+        boxes.append(tuple(box))
+    return tuple(boxes)
+
+
 def _check_placements(name: str, placements: tuple[Placement, ...], spec: DTensorSpec) -> None:
     for placement in placements:
         if type(placement) not in (Shard, Replicate, _StridedShard):
@@ -126,20 +143,12 @@ def read_layout(name: str, tensor: Tensor, *, partial_as_replicate: bool = False
     placements = tuple(Replicate() if partial_as_replicate and p.is_partial() else p for p in tensor.placements)
     _check_placements(name, placements, tensor._spec)
     mesh = tensor.device_mesh
-    mesh_shape = tuple(mesh.mesh.shape)
-    order = _shard_order(name, placements, mesh_shape, tensor.ndim)
-    boxes: list[Box] = []
-    for coordinate in product(*(range(n) for n in mesh_shape)):
-        box = list(full)
-        for mesh_dim in order:
-            dim = placements[mesh_dim].dim % tensor.ndim
-            box[dim] = chunk_range(*box[dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
-        boxes.append(tuple(box))
+    boxes = layout_boxes(name, tuple(tensor.shape), tuple(mesh.mesh.shape), placements)
     my_coordinate = mesh.get_coordinate()
     if my_coordinate is None:
         raise ValueError(f"parameter {name!r}: this rank is not in its device mesh")
     mesh_rank = 0
-    for c, n in zip(my_coordinate, mesh_shape):
+    for c, n in zip(my_coordinate, mesh.mesh.shape):
         mesh_rank = mesh_rank * n + c
     return ParamLayout(name, tuple(tensor.shape), tuple(boxes), mesh_rank)
 

@@ -1,10 +1,20 @@
-"""Plan simulator: the Muon plan of a torchtitan model under FSDP ``Shard(0)`` at any world size, on CPU.
+"""Plan simulator: the Muon plan of a torchtitan model under FSDP, TP and EP at any world size, on CPU.
 
     python -m dtensor_muon.plan --model llama3:8B --world-size 8 64 512
+    python -m dtensor_muon.plan --model llama3:70B --world-size 512 --tp 8
+    python -m dtensor_muon.plan --model deepseek_v3:16B --world-size 64 --ep 8
 
 Builds the model on the meta device (no memory), routes its parameters as :class:`dtensor_muon.Muon`
-would, lays every parameter out as FSDP2 does (``Shard(0)`` over all ranks, chunked like ``torch.chunk``),
-and prints per world size: per-rank Newton–Schulz GFLOP per step (max and mean, ``ns_steps`` iterations),
+would, lays every parameter out as torchtitan 0.2.2 does (chunked like ``torch.chunk``), and plans it:
+
+- dense parameters on the mesh (dp = W/tp, tp): FSDP ``Shard(0)`` over dp, and with ``--tp`` torchtitan's
+  tensor-parallel plan (:func:`tensor_parallel_dim`: column-parallel ``Shard(0)``, row-parallel ``wo``/``w2``
+  ``Shard(1)``, the MLA down-projections and the router replicated), FSDP's shard then strided over TP's;
+- with ``--ep``, 3-D experts on their own mesh (W/ep, ep): ``Shard(0)`` over ep, FSDP over the rest on dim 0
+  (strided) or, when W exceeds the expert count, on dim 1, as torchtitan chooses (experts stay replicated
+  over tp: the simulator models no expert tensor parallelism).
+
+Each mesh gets its own plan, as in the optimizer, and the per-rank loads add up. It prints per world size: per-rank Newton–Schulz GFLOP per step (max and mean, ``ns_steps`` iterations),
 the imbalance max/mean, the busiest rank over the plan's lower bound (:attr:`..plan.Plan.lower_bound`, 1.000:
 no assignment of these units does better) and over max(mean load, costliest unit), bytes sent and received per rank per step (max), and the estimated time of the
 busiest rank at the given TFLOP/s and GB/s.
@@ -19,8 +29,10 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .layout import ParamLayout, chunk_range
+from .layout import ParamLayout, chunk_range, layout_boxes
 from .plan import Plan, build_plan
 from .routing import uses_muon
 
@@ -60,12 +72,54 @@ def fsdp_layout(name: str, shape: tuple[int, ...], world_size: int) -> ParamLayo
     return ParamLayout(name, shape, tuple(boxes), 0)
 
 
+ROW_PARALLEL = ("wo", "w2")
+"""Modules torchtitan's plans make ``RowwiseParallel`` (weight ``Shard(1)``)."""
+NOT_TENSOR_PARALLEL = ("wq_a", "wkv_a", "gate")
+"""Modules torchtitan's plans leave replicated over tp (MLA down-projections, the MoE router)."""
+
+
+def tensor_parallel_dim(name: str, shape: tuple[int, ...]) -> int | None:
+    """The dim torchtitan's tensor-parallel plan shards a 2-D weight on (None: replicated over tp)."""
+    if len(shape) != 2:
+        return None
+    module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+    if module in NOT_TENSOR_PARALLEL:
+        return None
+    return 1 if module in ROW_PARALLEL else 0
+
+
+def dense_placements(name: str, shape: tuple[int, ...], tp: int) -> tuple[Placement, ...]:
+    """FSDP over dp, then (with tp > 1) TP, as torchtitan lays out a dense parameter on (dp, tp)."""
+    if tp == 1:
+        return (Shard(0),)
+    dim = tensor_parallel_dim(name, shape)
+    if dim is None:
+        return (Shard(0), Replicate())
+    if dim == 0:
+        return (_StridedShard(0, split_factor=tp), Shard(0))
+    return (Shard(0), Shard(dim))
+
+
+def expert_placements(shape: tuple[int, ...], world_size: int, ep: int) -> tuple[Placement, ...]:
+    """3-D experts on (W/ep, ep): ``Shard(0)`` over ep; FSDP on dim 1 when W exceeds the experts, else dim 0."""
+    if world_size > shape[0]:
+        return (Shard(1), Shard(0))
+    return (_StridedShard(0, split_factor=ep), Shard(0))
+
+
+def mesh_layout(name: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements) -> ParamLayout:
+    """A parameter's layout over a mesh of ``mesh_shape`` (mesh ranks = global ranks, row-major)."""
+    return ParamLayout(name, shape, layout_boxes(name, shape, mesh_shape, tuple(placements)), 0)
+
+
 @dataclass
 class Summary:
-    """What one simulated plan costs per step."""
+    """What one simulated configuration costs per step (loads of every mesh's plan added per rank)."""
 
     model: str
     world_size: int
+    tp: int
+    ep: int
     matrices: int
     local_matrices: int
     ns_gflop_max: float
@@ -80,20 +134,34 @@ class Summary:
     plan_seconds: float
 
 
-def summarize_plan(model: str, plan: Plan, ns_steps: int, tflops: float, gbps: float, seconds: float) -> Summary:
-    gflop = [f * ns_steps / 1e9 for f in plan.rank_flops]
-    sent_max = max(plan.rank_bytes_sent)
-    received_max = max(plan.rank_bytes_received)
+def _add(per_plan: list[list[int]]) -> list[int]:
+    return [sum(values) for values in zip(*per_plan)]
+
+
+def summarize_plans(
+    model: str, plans: list[Plan], tp: int, ep: int, ns_steps: int, tflops: float, gbps: float, seconds: float
+) -> Summary:
+    """One row for the plans of one configuration; the bounds are the plans' bounds added (each plan's
+    busiest rank may be a different rank, so the sum bounds the combined busiest rank from below)."""
+    flops = _add([plan.rank_flops for plan in plans])
+    gflop = [f * ns_steps / 1e9 for f in flops]
+    sent_max = max(_add([plan.rank_bytes_sent for plan in plans]))
+    received_max = max(_add([plan.rank_bytes_received for plan in plans]))
+    mean = sum(flops) / len(flops)
+    bound = max(sum(plan.lower_bound for plan in plans), mean)
+    simple = max(sum(plan.simple_lower_bound for plan in plans), mean)
     return Summary(
         model=model,
-        world_size=plan.world_size,
-        matrices=len(plan.routes),
-        local_matrices=sum(r.is_local for r in plan.routes),
+        world_size=plans[0].world_size,
+        tp=tp,
+        ep=ep,
+        matrices=sum(len(plan.routes) for plan in plans),
+        local_matrices=sum(r.is_local for plan in plans for r in plan.routes),
         ns_gflop_max=max(gflop),
         ns_gflop_mean=sum(gflop) / len(gflop),
-        imbalance=plan.imbalance,
-        max_over_bound=max(plan.rank_flops) / plan.lower_bound,
-        max_over_simple_bound=max(plan.rank_flops) / plan.simple_lower_bound,
+        imbalance=max(flops) / mean if mean > 0 else 1.0,
+        max_over_bound=max(flops) / bound if bound > 0 else 1.0,
+        max_over_simple_bound=max(flops) / simple if simple > 0 else 1.0,
         bytes_sent_max=sent_max,
         bytes_received_max=received_max,
         est_ns_ms=max(gflop) / tflops,  # GFLOP / (TFLOP/s) = ms
@@ -110,27 +178,42 @@ def simulate(
     bucket_mb: float = 64.0,
     tflops: float = 800.0,
     gbps: float = 50.0,
+    tp: int = 1,
+    ep: int = 1,
 ) -> list[Summary]:
-    """Plan ``model`` at each world size; see the module docstring."""
+    """Plan ``model`` at each world size with tensor-parallel degree ``tp`` and expert-parallel degree ``ep``;
+    see the module docstring."""
     shapes = model_matrix_shapes(model)
     out = []
     for world in world_sizes:
+        if world % tp or world % ep:
+            raise ValueError(f"world size {world} is not a multiple of --tp {tp} and --ep {ep}")
         start = time.perf_counter()
-        layouts = [fsdp_layout(n, s, world) for n, s in shapes]
-        plan = build_plan(layouts, list(range(len(layouts))), int(bucket_mb * 2**20), wire_bytes)
-        out.append(summarize_plan(model, plan, ns_steps, tflops, gbps, time.perf_counter() - start))
+        dense_mesh = (world // tp, tp) if tp > 1 else (world,)
+        groups: dict[tuple, list[ParamLayout]] = {}
+        for name, shape in shapes:
+            if ep > 1 and len(shape) == 3:
+                mesh_shape, placements = (world // ep, ep), expert_placements(shape, world, ep)
+            else:
+                mesh_shape, placements = dense_mesh, dense_placements(name, shape, tp)
+            groups.setdefault(mesh_shape, []).append(mesh_layout(name, shape, mesh_shape, placements))
+        plans = [
+            build_plan(layouts, list(range(len(layouts))), int(bucket_mb * 2**20), wire_bytes)
+            for layouts in groups.values()
+        ]
+        out.append(summarize_plans(model, plans, tp, ep, ns_steps, tflops, gbps, time.perf_counter() - start))
     return out
 
 
 def format_table(rows: list[Summary]) -> str:
     header = (
-        f"{'model':<18}{'ranks':>6}{'matrices':>9}{'local':>7}{'NS GFLOP max':>14}{'mean':>11}"
+        f"{'model':<18}{'ranks':>6}{'tp':>4}{'ep':>4}{'matrices':>9}{'local':>7}{'NS GFLOP max':>14}{'mean':>11}"
         f"{'imbal':>7}{'/bound':>8}{'/max(mean,largest)':>19}{'MB sent max':>12}{'MB recv max':>12}{'NS ms':>8}{'comm ms':>9}{'plan s':>8}"
     )
     lines = [header]
     for r in rows:
         lines.append(
-            f"{r.model:<18}{r.world_size:>6}{r.matrices:>9}{r.local_matrices:>7}{r.ns_gflop_max:>14.1f}"
+            f"{r.model:<18}{r.world_size:>6}{r.tp:>4}{r.ep:>4}{r.matrices:>9}{r.local_matrices:>7}{r.ns_gflop_max:>14.1f}"
             f"{r.ns_gflop_mean:>11.1f}{r.imbalance:>7.3f}{r.max_over_bound:>8.3f}{r.max_over_simple_bound:>19.3f}"
             f"{r.bytes_sent_max / 1e6:>12.1f}"
             f"{r.bytes_received_max / 1e6:>12.1f}{r.est_ns_ms:>8.2f}{r.est_comm_ms:>9.2f}{r.plan_seconds:>8.2f}"
@@ -154,16 +237,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--tflops", type=float, default=800.0, help="Newton–Schulz TFLOP/s per rank")
     parser.add_argument("--gbps", type=float, default=50.0, help="all-to-all GB/s per rank")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchtitan's TP plan)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree (3-D experts over ep ranks)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     for size in args.world_size:
         if size < 1:
             parser.error(f"--world-size must be >= 1, got {size}")
+        if size % args.tp or size % args.ep:
+            parser.error(f"--world-size {size} must be a multiple of --tp {args.tp} and --ep {args.ep}")
     rows = [
         row
         for model in args.model
         for row in simulate(
-            model, args.world_size, args.ns_steps, args.wire_bytes, args.bucket_mb, args.tflops, args.gbps
+            model,
+            args.world_size,
+            args.ns_steps,
+            args.wire_bytes,
+            args.bucket_mb,
+            args.tflops,
+            args.gbps,
+            args.tp,
+            args.ep,
         )
     ]
     print(format_table(rows))
