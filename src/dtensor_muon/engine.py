@@ -34,7 +34,14 @@ from torch.distributed.tensor import DTensor
 
 from . import metrics as metrics_lib
 from .exchange import MeshGroup, mesh_group
-from .layout import box_shape, intersect, read_layout, relative_slices
+from .layout import (
+    TensorParallelLayout,
+    box_shape,
+    intersect,
+    read_layout,
+    read_tensor_parallel_layout,
+    relative_slices,
+)
 from .newton_schulz import newton_schulz
 from .ns_graphs import NewtonSchulzGraphs
 from .pending import PendingUpdates
@@ -172,6 +179,7 @@ class Engine:
                 batchable=[self.rule.can_batch(e.group) for e in entries],
                 cost_fn=cost,
                 gather_all=self.exchange == "gather_all" and mesh is not None,
+                tensor_parallel=[self._tensor_parallel(e) for e in entries],
             )
             comm = mesh_group(mesh, entries[0].layout.mesh_rank)
             _check_same_plan_everywhere(plan, comm)
@@ -191,6 +199,19 @@ class Engine:
             comm = mesh_group(entries[0].param.device_mesh, entries[0].layout.mesh_rank)
             if comm.world_size > 1:  # a one-rank mesh has nothing to agree on: no collective, no host sync
                 self.consensus_groups.append(ConsensusGroup(entries, comm))
+
+    def _tensor_parallel(self, e: Entry) -> tuple[str, TensorParallelLayout] | None:
+        """(tp_mode, TP layout) of a parameter whose group computes it on a TP group, else None."""
+        mode = e.group.get("tp_mode", "owned")
+        if mode not in ("duplicated", "distributed", "auto"):
+            return None
+        if mode != "duplicated" and not hasattr(self.rule, "distributed_direction"):
+            raise ValueError(
+                f"parameter {e.name!r}: tp_mode={mode!r} runs Newton–Schulz across a tensor-parallel group; "
+                f"{self.rule.name} has no distributed form (use 'owned' or 'duplicated')"
+            )
+        tpl = read_tensor_parallel_layout(e.param)
+        return (mode, tpl) if tpl is not None else None
 
     def _sync_owner_state(self, loaded: set[int]) -> None:
         """Create the owner state of every matrix computed here, drop that of matrices computed elsewhere.

@@ -171,3 +171,41 @@ def tensor_parallel_blocks(tensor: Tensor) -> tuple[int, tuple[int, ...]] | None
     n = tensor.device_mesh.mesh.shape[mesh_dim]
     lengths = [stop - start for start, stop in (chunk_range(0, tensor.shape[dim], n, c) for c in range(n))]
     return dim, tuple(length for length in lengths if length > 0)
+
+
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """How a parameter is split over its mesh's TP dim: ``groups[g]`` are the mesh ranks of TP group g (one
+    data-parallel coordinate), in TP-coordinate order; ``coordinate[r]`` is mesh rank r's TP coordinate;
+    ``dim`` the tensor dim TP shards, ``blocks[t]`` its range in TP block t."""
+
+    dim: int
+    groups: tuple[tuple[int, ...], ...]
+    coordinate: tuple[int, ...]
+    blocks: tuple[Range, ...]
+
+
+def tensor_parallel_layout(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], mesh_dim: int, dim: int
+) -> TensorParallelLayout:
+    """The :class:`TensorParallelLayout` of a tensor sharded on ``dim`` over mesh dim ``mesh_dim``."""
+    n = mesh_shape[mesh_dim]
+    coordinates = list(product(*(range(k) for k in mesh_shape)))
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank, c in enumerate(coordinates):
+        groups.setdefault(c[:mesh_dim] + c[mesh_dim + 1 :], []).append(rank)
+    blocks = tuple(chunk_range(0, shape[dim], n, t) for t in range(n))
+    return TensorParallelLayout(
+        dim, tuple(tuple(g) for g in groups.values()), tuple(c[mesh_dim] for c in coordinates), blocks
+    )
+
+
+def read_tensor_parallel_layout(tensor: Tensor) -> TensorParallelLayout | None:
+    """``tensor``'s :class:`TensorParallelLayout` (None without a ``Shard`` on a mesh dim named
+    :data:`TENSOR_PARALLEL_DIM`)."""
+    blocks = tensor_parallel_blocks(tensor)
+    if blocks is None:
+        return None
+    mesh = tensor.device_mesh
+    mesh_dim = mesh.mesh_dim_names.index(TENSOR_PARALLEL_DIM)
+    return tensor_parallel_layout(tuple(tensor.shape), tuple(mesh.mesh.shape), mesh_dim, blocks[0])

@@ -9,6 +9,11 @@ placement; one strategy module in :mod:`dtensor_muon.strategies` carries out eac
   back (the all_gatherv-equivalent); exact.
 - :class:`GatherAll`: every rank of the mesh gathers the whole parameter and computes the unit (the baseline
   other libraries use; exact, duplicated work).
+- :class:`TensorParallelGroup`: one tensor-parallel group (the TP ranks at one data-parallel coordinate,
+  chosen by the plan) computes the unit: each member gathers the whole matrix and runs the rule on it
+  (``distributed=False``, Megatron's "duplicated"; exact), or its own TP block of it, the members running
+  Newton–Schulz together through all-reduced Gram matrices (``distributed=True``). Either way each member
+  sends the holders of its TP block their pieces back.
 """
 
 from __future__ import annotations
@@ -33,4 +38,14 @@ class GatherAll:
     """Computed on every rank of the mesh from gathered whole parameters."""
 
 
-Placement = Local | Owned | GatherAll
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """Computed by the mesh ranks ``ranks`` (one TP group, in TP-coordinate order) together; ``dim``: the
+    parameter dim that TP splits."""
+
+    ranks: tuple[int, ...]
+    distributed: bool
+    dim: int
+
+
+Placement = Local | Owned | GatherAll | TensorParallelGroup

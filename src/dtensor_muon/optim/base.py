@@ -43,10 +43,14 @@ from ..views import MatrixSplit
 
 logger = logging.getLogger("dtensor_muon")
 
-TP_MODES = ("owned", "blockwise")
-"""How a param group's tensor-parallel matrices are computed: ``"owned"`` (default, exact: each matrix whole
-on one owner of the whole mesh) or ``"blockwise"`` (each tensor-parallel block orthogonalized as a matrix of
-its own: no gather across TP ranks, not the whole matrix's polar factor)."""
+TP_MODES = ("owned", "duplicated", "distributed", "auto", "blockwise")
+"""How a param group's tensor-parallel matrices (a ``Shard`` on a mesh dim named ``"tp"``) are computed:
+``"owned"`` (default, exact: each matrix whole on one owner of the whole mesh); ``"duplicated"`` (every rank
+of one TP group gathers it and computes it; exact); ``"distributed"`` (one TP group runs Newton–Schulz on
+its blocks together, all-reducing the Gram matrices; Muon only; equal up to the all-reduce's summation
+order); ``"auto"`` (distributed where the cost model of :func:`dtensor_muon.plan.distributed_pays` says so,
+else owned); ``"blockwise"`` (each TP block orthogonalized as a matrix of its own: no gather across TP
+ranks, not the whole matrix's polar factor)."""
 
 
 def require(condition: bool, message: str) -> None:

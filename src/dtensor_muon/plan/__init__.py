@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from ..kernels.batching import MAX_BATCH, batching_pays
-from ..layout import Box, ParamLayout, box_numel
-from ..placement import GatherAll, Local, Owned, Placement
+from ..layout import Box, ParamLayout, TensorParallelLayout, box_numel, intersect
+from ..placement import GatherAll, Local, Owned, Placement, TensorParallelGroup
 from ..rules.muon import ns_iteration_flops
 from ..views import MatrixSplit, parameter_matrices
 from .balance import assign_owners, lower_bound, simple_lower_bound
@@ -84,6 +84,9 @@ class MatrixRoute:
     """How one matrix travels: pieces (box, source rank) out to ``owner``, and each holder's box back.
 
     ``owner`` is None unless the matrix's unit is :class:`~..placement.Owned`; ``unit`` indexes ``Plan.units``.
+    For a :class:`~..placement.TensorParallelGroup` unit, ``targets`` lists each member, the box it computes
+    on (the whole matrix, or its TP block) and the pieces (box, source) it receives, and ``back_from[i]`` is the
+    member that sends holder i its box back (the member of the holder's TP coordinate).
     """
 
     spec: MatrixSpec
@@ -91,10 +94,12 @@ class MatrixRoute:
     pieces: tuple[tuple[Box, int], ...]
     holders: tuple[tuple[int, Box], ...]
     unit: int = 0
+    targets: tuple[tuple[int, Box, tuple[tuple[Box, int], ...]], ...] = ()
+    back_from: tuple[int, ...] = ()
 
     @property
     def is_local(self) -> bool:
-        return self.owner is None
+        return self.owner is None and not self.targets
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,8 @@ class Plan:
     rank_bytes_sent: list[int]
     rank_bytes_received: list[int]
     rank_owner_state_bytes: list[int] = field(default_factory=list)
+    tensor_parallel_buckets: list[list[int]] = field(default_factory=list)
+    """Route indices of the :class:`~..placement.TensorParallelGroup` units, grouped like ``buckets``."""
     digest: str = field(default="")
 
     @property
@@ -134,6 +141,9 @@ class Plan:
                     pinned[rank] += unit.cost
             elif isinstance(unit.placement, GatherAll):
                 pinned = [x + unit.cost for x in pinned]
+            elif isinstance(unit.placement, TensorParallelGroup):
+                for rank in unit.placement.ranks:
+                    pinned[rank] += unit.cost
         return pinned, [u.cost for u in self.units if isinstance(u.placement, Owned)]
 
     @property
@@ -169,6 +179,7 @@ class Plan:
             if (
                 isinstance(p, GatherAll)
                 or (isinstance(p, Owned) and p.rank == rank)
+                or (isinstance(p, TensorParallelGroup) and rank in p.ranks)
                 or (isinstance(p, Local) and any(r == rank for r, _ in self.routes[unit.members[0]].holders))
             ):
                 out.extend(unit.members)
@@ -232,13 +243,16 @@ def build_plan(
     batchable: Sequence[bool] | None = None,
     cost_fn: Callable[[int, tuple[int, int]], tuple[int, int]] | None = None,
     gather_all: bool = False,
+    tensor_parallel: Sequence[tuple[str, TensorParallelLayout] | None] | None = None,
 ) -> Plan:
     """Plan the matrices of ``layouts`` (all on one mesh of the same world size).
 
     ``splits[k]`` cuts parameter k into views; ``batchable[k]``: whether its rule may stack its matrices
     (default: yes); ``cost_fn(k, shape)`` gives (FLOPs, owner-state bytes) of one
     matrix of parameter k (default: one Newton–Schulz iteration, no state). ``gather_all``: units that are not
-    local are computed on every rank.
+    local are computed on every rank. ``tensor_parallel[k]``: (``"duplicated"`` or ``"distributed"``, TP
+    layout) to compute parameter k's units on one TP group (:func:`tensor_parallel_mode`), the group chosen
+    per unit by least busiest-member load, before the owned units are balanced around them.
     """
     world = layouts[0].world_size if layouts else 1
     splits = list(splits) if splits is not None else [None] * len(layouts)
@@ -270,7 +284,28 @@ def build_plan(
         if whole:
             for rank in ranks:
                 load[rank] += sum(costs[i] for i in group)
-    routed = [g for g, is_local in enumerate(unit_local) if not is_local]
+    param_position = {index: k for k, index in enumerate(param_indices)}
+    tp_of_group: dict[int, TensorParallelGroup] = {}
+    member_cost: dict[int, dict[int, int]] = {}
+    if tensor_parallel is not None and not gather_all:
+        candidates = []
+        for g, group in enumerate(groups):
+            choice = tensor_parallel[param_position[specs[group[0]].param_index]]
+            if not unit_local[g] and choice is not None:
+                mode = tensor_parallel_mode(choice[0], specs[group[0]], choice[1])
+                if mode != "owned":
+                    candidates.append((sum(costs[i] for i in group), g, choice[1], mode == "distributed"))
+        for cost, g, tpl, distributed in sorted(candidates, key=lambda c: (-c[0], c[1])):
+            share = [
+                cost * _block_fraction(specs[groups[g][0]], tpl, t) if distributed else cost
+                for t in range(len(tpl.groups[0]))
+            ]
+            best = min(tpl.groups, key=lambda ranks: max(load[r] + share[t] for t, r in enumerate(ranks)))
+            tp_of_group[g] = TensorParallelGroup(best, distributed, tpl.dim)
+            member_cost[g] = {r: int(share[t]) for t, r in enumerate(best)}
+            for r, c in member_cost[g].items():
+                load[r] += c
+    routed = [g for g, is_local in enumerate(unit_local) if not is_local and g not in tp_of_group]
     owner_of_group: dict[int, int] = {}
     if routed and not gather_all:
         held = []
@@ -297,6 +332,8 @@ def build_plan(
         placement: Placement
         if unit_local[g]:
             placement = Local()
+        elif g in tp_of_group:
+            placement = tp_of_group[g]
         elif gather_all:
             placement = GatherAll()
         else:
@@ -309,6 +346,9 @@ def build_plan(
         elif isinstance(placement, GatherAll):
             load = [x + cost for x in load]
             rank_state = [x + nbytes for x in rank_state]
+        elif isinstance(placement, TensorParallelGroup):  # load added when the group was chosen
+            for rank in placement.ranks:
+                rank_state[rank] += nbytes
         else:
             for rank, _ in holders[group[0]]:
                 rank_state[rank] += nbytes
@@ -321,6 +361,20 @@ def build_plan(
     received = [0] * world
     for i, (s, h) in enumerate(zip(specs, holders)):
         placement = units[unit_of_spec[i]].placement
+        if isinstance(placement, TensorParallelGroup):
+            k = param_position[s.param_index]
+            route = _tensor_parallel_route(s, h, placement, tensor_parallel[k][1], unit_of_spec[i])  # type: ignore[index]
+            for member, _, pieces in route.targets:
+                for box, source in pieces:
+                    if source != member:
+                        sent[source] += box_numel(box) * wire_itemsize
+                        received[member] += box_numel(box) * wire_itemsize
+            for (rank, box), member in zip(route.holders, route.back_from):
+                if rank != member:
+                    sent[member] += box_numel(box) * wire_itemsize
+                    received[rank] += box_numel(box) * wire_itemsize
+            routes.append(route)
+            continue
         if not isinstance(placement, Owned):
             routes.append(MatrixRoute(s, None, (), tuple(h), unit_of_spec[i]))
             continue
@@ -348,9 +402,90 @@ def build_plan(
     )
     buckets = [[i for u in chunk for i in u.members] for chunk in unit_chunks]
 
-    plan = Plan(world, routes, units, buckets, load, sent, received, rank_state)
+    tp_units = [u for u in units if isinstance(u.placement, TensorParallelGroup)]
+    tp_chunks = chunk_by_budget(
+        tp_units, bucket_bytes, lambda u: sum(routes[i].spec.numel for i in u.members) * wire_itemsize
+    )
+    tp_buckets = [[i for u in chunk for i in u.members] for chunk in tp_chunks]
+
+    plan = Plan(world, routes, units, buckets, load, sent, received, rank_state, tp_buckets)
     plan.digest = _digest(plan)
     return plan
+
+
+def _matrix_dim(spec: MatrixSpec, tensor_dim: int, ndim: int) -> int | None:
+    """Which dim of the matrix view a tensor dim is (None for the expert dim or a ≥4-D weight's merged dims)."""
+    if ndim == 2:
+        return tensor_dim
+    if ndim == 3:
+        return tensor_dim - 1 if tensor_dim > 0 else None
+    return 0 if tensor_dim == 0 else None
+
+
+AUTO_FLOPS_PER_SECOND = 700e12
+"""``tp_mode="auto"``'s Newton–Schulz speed per rank (bf16 on an H200, BENCHMARKS.md)."""
+AUTO_ALL_REDUCE_BYTES_PER_SECOND = 100e9
+"""``tp_mode="auto"``'s all-reduce bus bandwidth within a TP group."""
+AUTO_ALL_REDUCE_LATENCY_SECONDS = 30e-6
+"""``tp_mode="auto"``'s latency of one all-reduce."""
+AUTO_ITERATIONS = 5
+
+
+def distributed_pays(shape: tuple[int, int], degree: int) -> bool:
+    """``tp_mode="auto"``'s cost model: for an m×n matrix (m ≤ n after orientation) over ``degree`` TP ranks,
+    distributed Newton–Schulz costs each rank k·((4m²n/T + 2m³)/P + α + 2·m²·2 bytes/B) (its share of the
+    products, the whole m×m A·A, one bf16 all-reduce of the Gram matrix per iteration) against k·(4m²n +
+    2m³)/P on one owner; distributed when that is less (P, B, α, k: the ``AUTO_*`` constants)."""
+    m, n = min(shape), max(shape)
+    owned = (4 * m * m * n + 2 * m**3) / AUTO_FLOPS_PER_SECOND
+    compute = (4 * m * m * n / degree + 2 * m**3) / AUTO_FLOPS_PER_SECOND
+    communicate = AUTO_ALL_REDUCE_LATENCY_SECONDS + 2 * m * m * 2 / AUTO_ALL_REDUCE_BYTES_PER_SECOND
+    return AUTO_ITERATIONS * (compute + communicate) < AUTO_ITERATIONS * owned
+
+
+def tensor_parallel_mode(requested: str, spec: MatrixSpec, tpl: TensorParallelLayout) -> str:
+    """How one matrix of a ``tp_mode`` group is computed: ``"duplicated"`` as requested; ``"distributed"``
+    when requested and TP splits the matrix's long side (so the Gram matrix is the short side squared), else
+    ``"duplicated"``; for ``"auto"``, ``"distributed"`` where it splits the long side and
+    :func:`distributed_pays`, else ``"owned"``."""
+    dim = _matrix_dim(spec, tpl.dim, len(spec.box))
+    long_side = dim is not None and spec.shape[dim] >= spec.shape[1 - dim]
+    if requested == "auto":
+        return "distributed" if long_side and distributed_pays(spec.shape, len(tpl.groups[0])) else "owned"
+    if requested == "distributed" and long_side:
+        return "distributed"
+    return "duplicated"
+
+
+def _block_fraction(spec: MatrixSpec, tpl: TensorParallelLayout, t: int) -> float:
+    """The share of the matrix inside TP block t."""
+    lo, hi = spec.box[tpl.dim]
+    b_lo, b_hi = tpl.blocks[t]
+    return max(0, min(hi, b_hi) - max(lo, b_lo)) / max(1, hi - lo)
+
+
+def _tensor_parallel_route(
+    spec: MatrixSpec,
+    holders: list[tuple[int, Box]],
+    placement: TensorParallelGroup,
+    tpl: TensorParallelLayout,
+    unit: int,
+) -> MatrixRoute:
+    """Targets (member, box computed on, pieces received) and the member answering each holder."""
+    targets = []
+    for t, member in enumerate(placement.ranks):
+        target = spec.box
+        if placement.distributed:
+            target = spec.box[: tpl.dim] + (tpl.blocks[t],) + spec.box[tpl.dim + 1 :]
+            target = intersect(target, spec.box) or tuple((lo, lo) for lo, _ in spec.box)
+        pieces: dict[Box, int] = {}
+        for rank, box in holders:
+            part = intersect(box, target)
+            if part is not None and (part not in pieces or rank == member):
+                pieces[part] = rank
+        targets.append((member, target, tuple(pieces.items())))
+    back_from = tuple(placement.ranks[tpl.coordinate[rank]] for rank, _ in holders)
+    return MatrixRoute(spec, None, (), tuple(holders), unit, tuple(targets), back_from)
 
 
 def chunk_by_budget(items: list, budget: int, size: Callable[[Any], int]) -> list[list]:
@@ -374,7 +509,7 @@ def _digest(plan: Plan) -> str:
     text = repr(
         (
             plan.world_size,
-            [(r.spec, r.owner, r.pieces, r.holders, r.unit) for r in plan.routes],
+            [(r.spec, r.owner, r.pieces, r.holders, r.unit, r.targets, r.back_from) for r in plan.routes],
             [(u.members, u.placement) for u in plan.units],
             plan.buckets,
         )

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
+from ..distributed_newton_schulz import distributed_newton_schulz
 from ..kernels import resolve_ns_algorithm
 from ..newton_schulz import resolve_coefficients, resolve_ns_dtype
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
@@ -85,3 +86,19 @@ class MuonRule(MatrixRule):
 
     def adjusted_lr(self, group: Group, shape: tuple[int, int]) -> float | Tensor:
         return adjusted_lr(group["lr"], group["adjust_lr_fn"], shape)
+
+    def distributed_direction(
+        self, block: Tensor, long_dim: int, all_reduce: Callable[[Tensor], None], group: Group
+    ) -> Tensor:
+        """This rank's block of O = NS(U), U's long side split over a tensor-parallel group (``tp_mode=
+        "distributed"``; the standard iteration, whatever ``ns_algorithm`` says)."""
+        coefficients, steps, eps, dtype, _ = newton_schulz_settings(group)
+        return distributed_newton_schulz(
+            block,
+            long_dim=long_dim,
+            all_reduce=all_reduce,
+            coefficients=coefficients,
+            steps=steps,
+            eps=eps,
+            dtype=dtype,
+        )

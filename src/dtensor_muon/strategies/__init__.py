@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 from ..pending import BackExchange
 from ..step_context import MeshWork, StepContext
-from . import gather_all, local, owned
+from . import gather_all, local, owned, tensor_parallel
 
 Strategy = Callable[[StepContext, MeshWork], list[BackExchange]]
 
-STRATEGIES: tuple[Strategy, ...] = (local.run, gather_all.run, owned.run)
-"""Local first (no communication), then the baseline, then owned units with their exchanges."""
+STRATEGIES: tuple[Strategy, ...] = (local.run, gather_all.run, owned.run, tensor_parallel.run)
+"""Local first (no communication), then the baseline, then owned units with their exchanges, then the units
+of tensor-parallel groups."""
