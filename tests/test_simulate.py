@@ -55,3 +55,17 @@ def test_tensor_and_expert_parallel_plans_keep_the_total_work(model, tp, ep):
     assert parallel.max_over_bound >= 1.0 - 1e-9
     with pytest.raises(ValueError, match="multiple of --tp"):
         simulate(model, [6], tp=4)
+
+
+def test_tp_modes_in_the_simulator():
+    """Duplicated computes each TP matrix on every member of one TP group (twice the work at TP 2);
+    distributed splits it, so the busiest rank does no more than with one owner per matrix."""
+    (owned,) = simulate("llama3:debugmodel", [8], tp=2)
+    (duplicated,) = simulate("llama3:debugmodel", [8], tp=2, tp_mode="duplicated")
+    (distributed,) = simulate("llama3:debugmodel", [8], tp=2, tp_mode="distributed")
+    assert duplicated.duplicated_matrices == duplicated.matrices and duplicated.distributed_matrices == 0
+    assert duplicated.ns_gflop_mean == pytest.approx(2 * owned.ns_gflop_mean)
+    assert distributed.distributed_matrices > 0
+    assert distributed.distributed_matrices + distributed.duplicated_matrices == distributed.matrices
+    assert distributed.ns_gflop_max <= owned.ns_gflop_max * 1.01
+    assert "distributed" in format_table([distributed])

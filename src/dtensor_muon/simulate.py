@@ -32,7 +32,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .layout import ParamLayout, chunk_range, layout_boxes
+from .layout import ParamLayout, TensorParallelLayout, chunk_range, layout_boxes, tensor_parallel_layout
+from .placement import TensorParallelGroup
 from .plan import Plan, build_plan
 from .routing import uses_muon
 
@@ -120,8 +121,11 @@ class Summary:
     world_size: int
     tp: int
     ep: int
+    tp_mode: str
     matrices: int
     local_matrices: int
+    distributed_matrices: int
+    duplicated_matrices: int
     ns_gflop_max: float
     ns_gflop_mean: float
     imbalance: float
@@ -138,8 +142,25 @@ def _add(per_plan: list[list[int]]) -> list[int]:
     return [sum(values) for values in zip(*per_plan)]
 
 
+def _tensor_parallel_matrices(plans: list[Plan], distributed: bool) -> int:
+    return sum(
+        len(u.members)
+        for plan in plans
+        for u in plan.units
+        if isinstance(u.placement, TensorParallelGroup) and u.placement.distributed == distributed
+    )
+
+
 def summarize_plans(
-    model: str, plans: list[Plan], tp: int, ep: int, ns_steps: int, tflops: float, gbps: float, seconds: float
+    model: str,
+    plans: list[Plan],
+    tp: int,
+    ep: int,
+    tp_mode: str,
+    ns_steps: int,
+    tflops: float,
+    gbps: float,
+    seconds: float,
 ) -> Summary:
     """One row for the plans of one configuration; the bounds are the plans' bounds added (each plan's
     busiest rank may be a different rank, so the sum bounds the combined busiest rank from below)."""
@@ -155,8 +176,11 @@ def summarize_plans(
         world_size=plans[0].world_size,
         tp=tp,
         ep=ep,
+        tp_mode=tp_mode,
         matrices=sum(len(plan.routes) for plan in plans),
         local_matrices=sum(r.is_local for plan in plans for r in plan.routes),
+        distributed_matrices=_tensor_parallel_matrices(plans, True),
+        duplicated_matrices=_tensor_parallel_matrices(plans, False),
         ns_gflop_max=max(gflop),
         ns_gflop_mean=sum(gflop) / len(gflop),
         imbalance=max(flops) / mean if mean > 0 else 1.0,
@@ -180,9 +204,10 @@ def simulate(
     gbps: float = 50.0,
     tp: int = 1,
     ep: int = 1,
+    tp_mode: str = "owned",
 ) -> list[Summary]:
-    """Plan ``model`` at each world size with tensor-parallel degree ``tp`` and expert-parallel degree ``ep``;
-    see the module docstring."""
+    """Plan ``model`` at each world size with tensor-parallel degree ``tp``, expert-parallel degree ``ep`` and
+    the dense matrices' ``tp_mode`` (owned, duplicated, distributed or auto); see the module docstring."""
     shapes = model_matrix_shapes(model)
     out = []
     for world in world_sizes:
@@ -190,30 +215,42 @@ def simulate(
             raise ValueError(f"world size {world} is not a multiple of --tp {tp} and --ep {ep}")
         start = time.perf_counter()
         dense_mesh = (world // tp, tp) if tp > 1 else (world,)
-        groups: dict[tuple, list[ParamLayout]] = {}
+        groups: dict[tuple, list[tuple[ParamLayout, tuple[str, TensorParallelLayout] | None]]] = {}
         for name, shape in shapes:
+            choice = None
             if ep > 1 and len(shape) == 3:
                 mesh_shape, placements = (world // ep, ep), expert_placements(shape, world, ep)
             else:
                 mesh_shape, placements = dense_mesh, dense_placements(name, shape, tp)
-            groups.setdefault(mesh_shape, []).append(mesh_layout(name, shape, mesh_shape, placements))
+                dim = tensor_parallel_dim(name, shape)
+                if tp > 1 and dim is not None and tp_mode != "owned":
+                    choice = (tp_mode, tensor_parallel_layout(shape, mesh_shape, 1, dim))
+            groups.setdefault(mesh_shape, []).append((mesh_layout(name, shape, mesh_shape, placements), choice))
         plans = [
-            build_plan(layouts, list(range(len(layouts))), int(bucket_mb * 2**20), wire_bytes)
-            for layouts in groups.values()
+            build_plan(
+                [layout for layout, _ in members],
+                list(range(len(members))),
+                int(bucket_mb * 2**20),
+                wire_bytes,
+                tensor_parallel=[choice for _, choice in members],
+            )
+            for members in groups.values()
         ]
-        out.append(summarize_plans(model, plans, tp, ep, ns_steps, tflops, gbps, time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        out.append(summarize_plans(model, plans, tp, ep, tp_mode, ns_steps, tflops, gbps, seconds))
     return out
 
 
 def format_table(rows: list[Summary]) -> str:
     header = (
-        f"{'model':<18}{'ranks':>6}{'tp':>4}{'ep':>4}{'matrices':>9}{'local':>7}{'NS GFLOP max':>14}{'mean':>11}"
+        f"{'model':<18}{'ranks':>6}{'tp':>4}{'ep':>4}{'tp_mode':>12}{'matrices':>9}{'local':>7}{'dist':>6}{'dup':>5}{'NS GFLOP max':>14}{'mean':>11}"
         f"{'imbal':>7}{'/bound':>8}{'/max(mean,largest)':>19}{'MB sent max':>12}{'MB recv max':>12}{'NS ms':>8}{'comm ms':>9}{'plan s':>8}"
     )
     lines = [header]
     for r in rows:
         lines.append(
-            f"{r.model:<18}{r.world_size:>6}{r.tp:>4}{r.ep:>4}{r.matrices:>9}{r.local_matrices:>7}{r.ns_gflop_max:>14.1f}"
+            f"{r.model:<18}{r.world_size:>6}{r.tp:>4}{r.ep:>4}{r.tp_mode:>12}{r.matrices:>9}{r.local_matrices:>7}"
+            f"{r.distributed_matrices:>6}{r.duplicated_matrices:>5}{r.ns_gflop_max:>14.1f}"
             f"{r.ns_gflop_mean:>11.1f}{r.imbalance:>7.3f}{r.max_over_bound:>8.3f}{r.max_over_simple_bound:>19.3f}"
             f"{r.bytes_sent_max / 1e6:>12.1f}"
             f"{r.bytes_received_max / 1e6:>12.1f}{r.est_ns_ms:>8.2f}{r.est_comm_ms:>9.2f}{r.plan_seconds:>8.2f}"
@@ -239,6 +276,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gbps", type=float, default=50.0, help="all-to-all GB/s per rank")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchtitan's TP plan)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree (3-D experts over ep ranks)")
+    parser.add_argument(
+        "--tp-mode",
+        default="owned",
+        choices=("owned", "duplicated", "distributed", "auto"),
+        help="how the TP-sharded matrices are computed (Muon's tp_mode)",
+    )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     for size in args.world_size:
@@ -259,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
             args.gbps,
             args.tp,
             args.ep,
+            args.tp_mode,
         )
     ]
     print(format_table(rows))

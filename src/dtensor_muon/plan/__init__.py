@@ -142,8 +142,9 @@ class Plan:
             elif isinstance(unit.placement, GatherAll):
                 pinned = [x + unit.cost for x in pinned]
             elif isinstance(unit.placement, TensorParallelGroup):
-                for rank in unit.placement.ranks:
-                    pinned[rank] += unit.cost
+                ranks = unit.placement.ranks
+                for rank in ranks:  # distributed: about an even share each (the bound stays a bound)
+                    pinned[rank] += unit.cost // len(ranks) if unit.placement.distributed else unit.cost
         return pinned, [u.cost for u in self.units if isinstance(u.placement, Owned)]
 
     @property
