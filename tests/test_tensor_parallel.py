@@ -112,3 +112,16 @@ def test_dcp_saved_under_fsdp_x_tp_on_4_loaded_under_fsdp_on_2_continues_exactly
     for got in results:
         for name, value in want.items():
             assert torch.equal(got[name], value), f"{name}: max diff {(got[name] - value).abs().max().item()}"
+
+
+def test_distributed_tp_mode_is_refused_for_rules_without_a_distributed_form():
+    from torch import nn
+
+    from dtensor_muon import SOAP, Muon
+
+    w = nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(ValueError, match=r"parameter 'layers.0.w'.*tp_mode='distributed'.*use 'owned' or 'duplicated'"):
+        SOAP([("layers.0.w", w)], tp_mode="distributed")
+    with pytest.raises(ValueError, match="tp_mode must be one of"):
+        Muon([("layers.0.w", w)], tp_mode="sharded")
+    Muon([("layers.0.w", w)], tp_mode="auto")  # no TP mesh: every matrix is computed as without tp_mode

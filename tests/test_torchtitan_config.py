@@ -47,6 +47,7 @@ def test_muon_section_reads_the_toml_of_a_config(tmp_path):
         ("momentum", 1.0, "[0, 1)"),
         ("ns_steps", 0, ">= 1"),
         ("bucket_size_mb", 0.0, "> 0"),
+        ("tp_mode", "sharded", "owned, duplicated, distributed, auto, blockwise"),
     ],
 )
 def test_bad_value_lists_the_valid_choices(field, value, needle):
@@ -108,7 +109,7 @@ def test_normuon_and_mop_sections_defaults():
     assert dataclasses.asdict(mop) == {
         "momentum": 0.95, "nesterov": False, "scale": "nuclear", "adjust_lr_fn": "match_rms_adamw",
         "wire_dtype": "float32", "bucket_size_mb": 64.0, "exchange": "owner", "skip_nonfinite": False,
-        "diagnostics_interval": 0, "overlap": False,
+        "diagnostics_interval": 0, "overlap": False, "tp_mode": "owned",
     }  # fmt: skip
 
 
@@ -219,7 +220,7 @@ def test_container_builds_the_registry_class_and_steps_as_the_class_itself(name,
     (opt,) = container.optimizers
     assert type(opt) is registry.REGISTRY[name].optimizer_cls
     engine = {"bucket_size_mb": 64.0, "exchange": "owner", "skip_nonfinite": False, "diagnostics_interval": 0,
-              "overlap": False}  # fmt: skip
+              "overlap": False, "tp_mode": "owned"}  # fmt: skip
     kwargs = {"lr": 0.02, "weight_decay": 0.05, "adamw_betas": (0.9, 0.99), "adamw_eps": 1e-8, **engine, **expected}
     assert optimizer.optimizer_kwargs(config.optimizer) == kwargs
     matrices = next(g for g in opt.param_groups if g["use_muon"])
@@ -268,6 +269,9 @@ def test_muon_kwargs_come_from_both_sections():
     assert kwargs["overlap"] is False and kwargs["ns_algorithm"] == "auto"
     with_overlap = ConfigManager().parse_args(EXT + ["--muon.overlap"])
     assert optimizer.muon_kwargs(with_overlap.optimizer, with_overlap.muon)["overlap"] is True
+    assert kwargs["tp_mode"] == "owned"
+    distributed = ConfigManager().parse_args(EXT + ["--muon.tp_mode", "distributed"])
+    assert optimizer.muon_kwargs(distributed.optimizer, distributed.muon)["tp_mode"] == "distributed"
 
 
 def test_specs_are_registered_with_muon_builders():

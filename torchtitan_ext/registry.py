@@ -46,6 +46,7 @@ def _engine_kwargs(section: sections.Muon | sections.MOP | sections.SOAP) -> dic
         "skip_nonfinite": section.skip_nonfinite,
         "diagnostics_interval": section.diagnostics_interval,
         "overlap": section.overlap,
+        "tp_mode": section.tp_mode,
     }
 
 

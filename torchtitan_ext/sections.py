@@ -17,6 +17,7 @@ from typing import ClassVar, Literal
 
 from dtensor_muon.kernels import NS_ALGORITHMS
 from dtensor_muon.newton_schulz import NAMED_COEFFICIENTS, SUPPORTED_NS_DTYPES
+from dtensor_muon.optim.base import TP_MODES
 from dtensor_muon.rules.mop import MOP_SCALES
 from dtensor_muon.rules.soap import SOAP_BASES
 
@@ -48,6 +49,7 @@ def check_unit_interval(section: str, name: str, value: float) -> None:
 def check_engine(section: str, config: object) -> None:
     """Check the exchange settings every matrix optimizer shares (wire_dtype is checked by each section)."""
     check_choice(section, "exchange", config.exchange, EXCHANGE_CHOICES)
+    check_choice(section, "tp_mode", config.tp_mode, TP_MODES)
     check_positive(section, "bucket_size_mb", config.bucket_size_mb)
     check_positive(section, "diagnostics_interval", config.diagnostics_interval, allow_zero=True)
 
@@ -86,6 +88,11 @@ class Muon:
 
     bucket_size_mb: float = 64.0
     """Size of one exchange bucket in MiB."""
+
+    tp_mode: Literal["owned", "duplicated", "distributed", "auto", "blockwise"] = "owned"
+    """How tensor-parallel matrices are computed: "owned" (each whole on one owner; exact), "duplicated" (on every
+    rank of one TP group; exact), "distributed" (Newton–Schulz across the TP group; Muon family only), "auto"
+    (distributed where the cost model says so, else owned), "blockwise" (each TP block on its own: approximate)."""
 
     exchange: Literal["owner", "gather_all"] = "owner"
     """"owner": each matrix orthogonalized once, on its owner rank; "gather_all": every rank gathers
@@ -168,6 +175,11 @@ class MOP:
     bucket_size_mb: float = 64.0
     """Size of one exchange bucket in MiB."""
 
+    tp_mode: Literal["owned", "duplicated", "distributed", "auto", "blockwise"] = "owned"
+    """How tensor-parallel matrices are computed: "owned" (each whole on one owner; exact), "duplicated" (on every
+    rank of one TP group; exact), "distributed" (Newton–Schulz across the TP group; Muon family only), "auto"
+    (distributed where the cost model says so, else owned), "blockwise" (each TP block on its own: approximate)."""
+
     exchange: Literal["owner", "gather_all"] = "owner"
     """"owner": each matrix's SVD computed once, on its owner rank; "gather_all": every rank gathers
     every matrix (a baseline for tests and benchmarks)."""
@@ -236,6 +248,11 @@ class SOAP:
 
     bucket_size_mb: float = 64.0
     """Size of one exchange bucket in MiB."""
+
+    tp_mode: Literal["owned", "duplicated", "distributed", "auto", "blockwise"] = "owned"
+    """How tensor-parallel matrices are computed: "owned" (each whole on one owner; exact), "duplicated" (on every
+    rank of one TP group; exact), "distributed" (Newton–Schulz across the TP group; Muon family only), "auto"
+    (distributed where the cost model says so, else owned), "blockwise" (each TP block on its own: approximate)."""
 
     exchange: Literal["owner", "gather_all"] = "owner"
     """"owner": each matrix's SOAP state and eigendecompositions on one owner rank; "gather_all": every rank

@@ -131,6 +131,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         overlap: bool,
         ns_cuda_graphs: bool,
         matrix_splits: dict[str, MatrixSplit] | None,
+        tp_mode: str = "owned",
     ) -> None:
         lr = defaults["lr"]
         if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -166,7 +167,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._hook_handles: list = []
         self._unnamed_default: set[int] = set()  # ids of unnamed matrices routed to the rule by default
         self._stateless: list[Tensor] = []  # parameters without state (frozen at construction)
-        super().__init__(params, {**defaults, "use_muon": None, "matrix_split": None, "tp_mode": "owned"})
+        super().__init__(params, {**defaults, "use_muon": None, "matrix_split": None, "tp_mode": tp_mode})
         self._engine = self._build_engine()
         self._register_hooks()
         self._report_routing([p for g in self.param_groups for p in g["params"]])

@@ -36,8 +36,9 @@ class MOP(MatrixOptimizer):
         adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.
         wire_dtype: dtype of the exchange; float32 by default, since the SVD runs in float32 (a 16-bit wire
             is refused for DTensor parameters: it would round the SVD's input).
-        bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, matrix_splits: as in
-            :class:`dtensor_muon.Muon`.
+        bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, matrix_splits, tp_mode: as in
+            :class:`dtensor_muon.Muon` (tp_mode "owned", "duplicated" or "blockwise": the distributed forms are
+            Newton–Schulz's).
     """
 
     rule = MOPRule()
@@ -63,6 +64,7 @@ class MOP(MatrixOptimizer):
         diagnostics_interval: int = 0,
         overlap: bool = False,
         matrix_splits: dict[str, MatrixSplit] | None = None,
+        tp_mode: str = "owned",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -87,6 +89,7 @@ class MOP(MatrixOptimizer):
             overlap=overlap,
             ns_cuda_graphs=False,
             matrix_splits=matrix_splits,
+            tp_mode=tp_mode,
         )
 
     def validate_group(self, group: dict[str, Any]) -> None:

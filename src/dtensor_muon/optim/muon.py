@@ -82,6 +82,12 @@ class Muon(MatrixOptimizer):
             everything is flushed before the next step, any ``state_dict()`` and by :meth:`flush`.
         matrix_splits: ``{parameter-name pattern: MatrixSplit}`` (fnmatch patterns) cutting fused parameters into
             their matrices (fused QKV, SwiGLU w13, per-head blocks); a group's ``"matrix_split"`` wins.
+        tp_mode: how tensor-parallel matrices (a ``Shard`` on a mesh dim named "tp") are computed, the default of
+            every param group (a group's ``"tp_mode"`` wins): "owned" (each whole on one owner of the whole mesh;
+            exact), "duplicated" (on every rank of one TP group; exact), "distributed" (one TP group runs
+            Newton–Schulz on its blocks, all-reducing the Gram matrices in float32), "auto" (distributed where
+            :func:`dtensor_muon.plan.distributed_pays`, else owned) or "blockwise" (each TP block as a matrix
+            of its own: an approximation, no communication under TP alone).
         ns_cuda_graphs: on CUDA, replay each owner's Newton–Schulz from a CUDA graph per matrix shape (same
             bits; for matrices of up to 2³⁴ multiply-adds per Gram matrix, e.g. 2048×4096, whose eager
             launches cost the host longer than the GPU work, see :mod:`dtensor_muon.ns_graphs`). Each graph
@@ -116,6 +122,7 @@ class Muon(MatrixOptimizer):
         overlap: bool = False,
         ns_cuda_graphs: bool = True,
         matrix_splits: dict[str, MatrixSplit] | None = None,
+        tp_mode: str = "owned",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -144,6 +151,7 @@ class Muon(MatrixOptimizer):
             overlap=overlap,
             ns_cuda_graphs=ns_cuda_graphs,
             matrix_splits=matrix_splits,
+            tp_mode=tp_mode,
         )
 
     def validate_group(self, group: dict[str, Any]) -> None:

@@ -56,6 +56,7 @@ class NorMuon(MatrixOptimizer):
         overlap: bool = False,
         ns_cuda_graphs: bool = True,
         matrix_splits: dict[str, MatrixSplit] | None = None,
+        tp_mode: str = "owned",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -86,6 +87,7 @@ class NorMuon(MatrixOptimizer):
             overlap=overlap,
             ns_cuda_graphs=ns_cuda_graphs,
             matrix_splits=matrix_splits,
+            tp_mode=tp_mode,
         )
 
     def validate_group(self, group: dict[str, Any]) -> None:

@@ -48,8 +48,9 @@ class SOAP(MatrixOptimizer):
         adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.
         wire_dtype: dtype of the exchange; float32 (the gradient travels and is used in float32; a 16-bit
             wire is refused for DTensor parameters).
-        bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, matrix_splits: as in
-            :class:`dtensor_muon.Muon`.
+        bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, matrix_splits, tp_mode: as in
+            :class:`dtensor_muon.Muon` (tp_mode "owned", "duplicated" or "blockwise": the distributed forms are
+            Newton–Schulz's).
     """
 
     rule = SOAPRule()
@@ -82,6 +83,7 @@ class SOAP(MatrixOptimizer):
         diagnostics_interval: int = 0,
         overlap: bool = False,
         matrix_splits: dict[str, MatrixSplit] | None = None,
+        tp_mode: str = "owned",
     ) -> None:
         beta1 = betas[0] if isinstance(betas, (tuple, list)) and len(betas) == 2 else 0.0
         defaults = dict(
@@ -115,6 +117,7 @@ class SOAP(MatrixOptimizer):
             overlap=overlap,
             ns_cuda_graphs=False,
             matrix_splits=matrix_splits,
+            tp_mode=tp_mode,
         )
 
     def validate_group(self, group: dict[str, Any]) -> None:
