@@ -153,6 +153,20 @@ def test_tensor_and_expert_parallel_train_and_resume_exactly(tmp_path, config, n
 
 
 @pytest.mark.slow
+def test_moe_with_expert_tensor_and_data_parallel_together_trains(tmp_path):
+    """DeepSeek-V3's debug MoE on 4 ranks: FSDP 2 × TP 2 for the dense part, EP 2 for the experts."""
+    parallelism = ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+                   "--parallelism.data_parallel_shard_degree", "2"]  # fmt: skip
+    code, output, losses = torchrun(
+        "moe_tiny.toml", tmp_path, *SMALL, *parallelism, "--training.steps", "5", "--lr_scheduler.warmup_steps", "2",
+        nproc=4, timeout=400,
+    )  # fmt: skip
+    assert code == 0, output[-3000:]
+    assert sorted(losses) == list(range(1, 6))
+    assert falls(losses, 0.2), losses
+
+
+@pytest.mark.slow
 def test_overlap_gives_the_same_losses_and_checkpoints_applied_updates(tmp_path):
     common = [*SMALL, "--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "3",
               "--checkpoint.last_save_model_only"]  # fmt: skip
