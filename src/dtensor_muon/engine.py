@@ -6,6 +6,10 @@ a :class:`~dtensor_muon.plan.Plan`. Plain tensors form a world of one: all their
 engine runs the strategies of :mod:`dtensor_muon.strategies` on each plan and never names a rule or a
 strategy.
 
+Gradients in other placements than their parameter's (tensor parallelism's ``Partial`` gradients of replicated
+norms, a ``Replicate`` gradient of a row-sharded embedding) are checked in preflight and redistributed to the
+parameter's placements after the consensus, in entry order on every rank.
+
 Exactness: prepare and apply are element-wise on shards; transports only move values (in a wire dtype that
 does not round the rule's input, checked at construction), and every unit is computed on the same whole
 matrices, in the same batches, as in one process.
