@@ -11,7 +11,9 @@ computes the same batches as one process: the same bits.
 A unit whose matrices every holder holds whole is :class:`~..placement.Local` (its cost is pinned load on
 each holder). The others get :class:`~..placement.GatherAll` when asked, else an :class:`~..placement.Owned`
 rank from :func:`.balance.assign_owners` (longest-processing-time, refined toward the lower bound, with
-owner-state bytes as a second constraint). Buckets group the owned units in parameter (forward-execution)
+owner-state bytes as a second constraint); before them, the units of parameters whose ``tp_mode`` computes
+them on a tensor-parallel group get a :class:`~..placement.TensorParallelGroup`, the group whose busiest member
+is least loaded (:func:`tensor_parallel_mode` says which form each matrix takes). Buckets group the owned units in parameter (forward-execution)
 order up to a byte budget. The plan is a pure function of names, shapes, boxes, options and world size, so
 every rank builds the same one; its digest is compared across ranks.
 """
