@@ -27,6 +27,7 @@ layout at each save: no collective at save or load, and nothing but the owner's 
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -150,6 +151,7 @@ class Engine:
         self._metrics_source: tuple | None = None
         self._unchecked_stats: metrics_lib.StepStats | None = None  # last step's, until its norms are read
         self._warned_nonfinite = False
+        self._redistributed: dict[int, str] = {}  # this step's gradients in other placements: index → placements
         self.meshes: list[MeshWork] = []
         self.consensus_groups: list[ConsensusGroup] = []
         self.rebuild_plans()
@@ -391,6 +393,7 @@ class Engine:
         :class:`PreflightError` naming the first parameter that fails.
         """
         grads: dict[int, Tensor | None] = {}
+        self._redistributed = {}
         for e in self.entries:
             g = e.param.grad
             if g is not None:
@@ -404,6 +407,7 @@ class Engine:
                     raise PreflightError(e, "gradient is not a DTensor on the parameter's device mesh")
                 if isinstance(g, DTensor) and tuple(g.placements) != tuple(e.param.placements):
                     self._check_redistributable(e, g)
+                    self._redistributed[e.index] = str(tuple(g.placements))
                     grads[e.index] = g
                     continue
             expected = self.local_shapes.get(e.index)
@@ -446,8 +450,10 @@ class Engine:
         """Which parameters got a gradient on any rank, whether any rank saw inf/NaN, and which parameter
         (index, global rank) failed the local checks on some rank (None when none did).
 
-        One small all-reduce (MAX) per mesh of [has-grad flags…, non-finite flag, failure code], meshes in
-        increasing size so the last (largest) carries every flag to every rank. The failure code is
+        One small all-reduce (MAX) per mesh of [has-grad flags…, s, −s, mismatch flag, non-finite flag, failure
+        code], meshes in increasing size so the last (largest) carries every flag to every rank; s digests which
+        gradients this rank redistributes from which placements, and max(s) ≠ min(s) means the ranks differ
+        (they would run different collectives): every rank then raises instead. The failure code is
         ``(index + 1)·2³² + global rank`` of a failing rank's parameter (0: none), so every rank can name it.
         A rank whose local checks failed still joins, so the others learn of it instead of waiting in the
         exchange.
@@ -462,18 +468,41 @@ class Engine:
         if failure is not None:
             code = ((failure.index + 1) << 32) + (dist.get_rank() if dist.is_initialized() else 0)
         active = {i for i, g in grads.items() if g is not None}
+        mismatch = 0
         for group in self.consensus_groups:
             entries = group.entries
-            flags = torch.tensor([int(e.index in active) for e in entries] + [int(nonfinite), code], dtype=torch.int64)
+            signature = self._redistribution_signature(entries) if failure is None else 0
+            flags = torch.tensor(
+                [int(e.index in active) for e in entries] + [signature, -signature, mismatch, int(nonfinite), code],
+                dtype=torch.int64,
+            )
             flags = flags.to(local(entries[0].param).device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.comm.group)
             flags = flags.cpu()
-            for e, flag in zip(entries, flags[:-2].tolist()):
+            for e, flag in zip(entries, flags[:-5].tolist()):
                 if flag:
                     active.add(e.index)
+            highest, negated_lowest = int(flags[-5]), int(flags[-4])
+            mismatch = int(bool(flags[-3]) or highest != -negated_lowest)
             nonfinite, code = bool(flags[-2]), int(flags[-1])
         failed = ((code >> 32) - 1, code & 0xFFFFFFFF) if code else None
+        if mismatch and failed is None:
+            mine = [self.entries[i].name for i in self._redistributed]
+            raise RuntimeError(
+                "gradient placements differ across ranks: every rank must give a parameter's gradient the same "
+                f"placements (this rank's gradients in other placements than their parameter's: "
+                f"{', '.join(repr(n) for n in mine[:3]) or 'none'}{', …' if len(mine) > 3 else ''}); no rank "
+                "changed anything"
+            )
         return active, nonfinite, failed
+
+    def _redistribution_signature(self, entries: list[Entry]) -> int:
+        """A 62-bit digest of which of ``entries`` have gradients to redistribute, and from which placements
+        (0: none); the consensus compares its maximum and minimum across ranks."""
+        items = [(e.index, self._redistributed[e.index]) for e in entries if e.index in self._redistributed]
+        if not items:
+            return 0
+        return int(hashlib.sha256(repr(items).encode()).hexdigest()[:15], 16) + 1
 
     def _adamw_step(self, grads, active, stats, diagnostics: bool) -> None:
         by_group: dict[int, list[Entry]] = defaultdict(list)
