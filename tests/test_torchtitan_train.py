@@ -167,6 +167,20 @@ def test_moe_with_expert_tensor_and_data_parallel_together_trains(tmp_path):
 
 
 @pytest.mark.slow
+def test_pipeline_and_tensor_parallel_together_train(tmp_path):
+    """Llama3 debug model on 4 ranks: 2 pipeline stages, each tensor-parallel over 2 ranks."""
+    parallelism = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+                   "--parallelism.data_parallel_shard_degree", "1"]  # fmt: skip
+    code, output, losses = torchrun(
+        "llama3_tiny.toml", tmp_path, *SMALL, *parallelism, "--training.steps", "6", "--lr_scheduler.warmup_steps", "2",
+        nproc=4, timeout=400,
+    )  # fmt: skip
+    assert code == 0, output[-3000:]
+    assert sorted(losses) == list(range(1, 7))
+    assert falls(losses, 0.2), losses
+
+
+@pytest.mark.slow
 def test_overlap_gives_the_same_losses_and_checkpoints_applied_updates(tmp_path):
     common = [*SMALL, "--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "3",
               "--checkpoint.last_save_model_only"]  # fmt: skip
