@@ -12,9 +12,9 @@ A unit whose matrices every holder holds whole is :class:`~..placement.Local` (i
 each holder). The others get :class:`~..placement.GatherAll` when asked, else an :class:`~..placement.Owned`
 rank from :func:`.balance.assign_owners` (longest-processing-time, refined toward the lower bound, with
 owner-state bytes as a second constraint); before them, the units of parameters whose ``tp_mode`` computes
-them on a tensor-parallel group get a :class:`~..placement.TensorParallelGroup`, the group whose busiest member
-is least loaded (:func:`tensor_parallel_mode` says which form each matrix takes). Buckets group the owned units in parameter (forward-execution)
-order up to a byte budget. The plan is a pure function of names, shapes, boxes, options and world size, so
+them on a tensor-parallel group get a :class:`~..placement.TensorParallelGroup`, the group whose busiest
+member is least loaded (:func:`tensor_parallel_mode` says which form each matrix takes). Buckets group the
+owned units in parameter (forward-execution) order up to a byte budget. The plan is a pure function of names, shapes, boxes, options and world size, so
 every rank builds the same one; its digest is compared across ranks.
 """
 
@@ -253,9 +253,10 @@ def build_plan(
     ``splits[k]`` cuts parameter k into views; ``batchable[k]``: whether its rule may stack its matrices
     (default: yes); ``cost_fn(k, shape)`` gives (FLOPs, owner-state bytes) of one
     matrix of parameter k (default: one Newton–Schulz iteration, no state). ``gather_all``: units that are not
-    local are computed on every rank. ``tensor_parallel[k]``: (``"duplicated"`` or ``"distributed"``, TP
-    layout) to compute parameter k's units on one TP group (:func:`tensor_parallel_mode`), the group chosen
-    per unit by least busiest-member load, before the owned units are balanced around them.
+    local are computed on every rank. ``tensor_parallel[k]``: (``tp_mode``: "duplicated", "distributed" or
+    "auto"; TP layout) to compute parameter k's units on one TP group where :func:`tensor_parallel_mode` says
+    so, the group chosen per unit by least busiest-member load, before the owned units are balanced around
+    them.
     """
     world = layouts[0].world_size if layouts else 1
     splits = list(splits) if splits is not None else [None] * len(layouts)
@@ -289,7 +290,6 @@ def build_plan(
                 load[rank] += sum(costs[i] for i in group)
     param_position = {index: k for k, index in enumerate(param_indices)}
     tp_of_group: dict[int, TensorParallelGroup] = {}
-    member_cost: dict[int, dict[int, int]] = {}
     if tensor_parallel is not None and not gather_all:
         candidates = []
         for g, group in enumerate(groups):
@@ -305,9 +305,8 @@ def build_plan(
             ]
             best = min(tpl.groups, key=lambda ranks: max(load[r] + share[t] for t, r in enumerate(ranks)))
             tp_of_group[g] = TensorParallelGroup(best, distributed, tpl.dim)
-            member_cost[g] = {r: int(share[t]) for t, r in enumerate(best)}
-            for r, c in member_cost[g].items():
-                load[r] += c
+            for t, r in enumerate(best):
+                load[r] += int(share[t])
     routed = [g for g, is_local in enumerate(unit_local) if not is_local and g not in tp_of_group]
     owner_of_group: dict[int, int] = {}
     if routed and not gather_all:
