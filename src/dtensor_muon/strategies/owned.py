@@ -9,6 +9,7 @@ pending updates unpack and apply them (at once, or in the next forward with over
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -22,31 +23,47 @@ from ..step_context import MeshWork, StepContext, local
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
     """Exchange out, compute owned units, launch the return exchanges (see the module docstring)."""
-    plan = work.plan
-    if not plan.buckets:
+    return exchange_buckets(ctx, work, work.plan.buckets, _launch_out, _compute_owned, _launch_back, _unpack_back)
+
+
+def exchange_buckets(
+    ctx: StepContext,
+    work: MeshWork,
+    buckets: list[list[int]],
+    launch_out: Callable[[StepContext, MeshWork, list[int], torch.device], PendingExchange],
+    compute: Callable[[StepContext, MeshWork, list[int], dict[int, Tensor], torch.device], dict[int, Tensor]],
+    launch_back: Callable[[StepContext, MeshWork, list[MatrixRoute], dict[int, Tensor], torch.device], PendingExchange],
+    unpack_back: Callable[[StepContext, MeshWork, list[MatrixRoute], dict[int, Tensor]], None],
+) -> list[BackExchange]:
+    """Every bucket's exchange out launched at once, then per bucket: wait, compute, launch the exchange back
+    (left in flight as a :class:`BackExchange` that ``unpack_back`` completes). Shared by the owned and the
+    tensor-parallel strategies, which differ in what they send, compute and send back."""
+    if not buckets:
         return []
     device = local(work.entries[0].param).device
     with ctx.timer.phase("exchange_out_launch"):
-        pending_out = [_launch_out(ctx, work, bucket, device) for bucket in plan.buckets]
+        pending_out = [launch_out(ctx, work, bucket, device) for bucket in buckets]
     backs: list[BackExchange] = []
-    for bucket, pending in zip(plan.buckets, pending_out):
+    for bucket, pending in zip(buckets, pending_out):
         with ctx.timer.phase("exchange_out_wait"):
             received = pending.wait()
         with ctx.timer.phase("owner_compute"):
-            updates = _compute_owned(ctx, work, bucket, received, device)
+            outputs = compute(ctx, work, bucket, received, device)
         with ctx.timer.phase("exchange_back_launch"):
-            routes = _active_routes(ctx, work, bucket)
-            back = _launch_back(ctx, work, routes, updates, device)
+            routes = active_routes(ctx, work, bucket)
+            back = launch_back(ctx, work, routes, outputs, device)
             indices = tuple(dict.fromkeys(r.spec.param_index for r in routes))
-            backs.append(BackExchange(back, indices, lambda got, routes=routes: _unpack_back(ctx, work, routes, got)))
+            backs.append(BackExchange(back, indices, lambda got, routes=routes: unpack_back(ctx, work, routes, got)))
     return backs
 
 
-def _active_routes(ctx: StepContext, work: MeshWork, bucket: list[int]) -> list[MatrixRoute]:
+def active_routes(ctx: StepContext, work: MeshWork, bucket: list[int]) -> list[MatrixRoute]:
+    """The routes of ``bucket`` whose parameter takes part in this step."""
     return [work.plan.routes[i] for i in bucket if work.plan.routes[i].spec.param_index in ctx.active]
 
 
-def _sent_bytes(send: dict[int, list[Tensor]], me: int, itemsize: int) -> int:
+def sent_bytes(send: dict[int, list[Tensor]], me: int, itemsize: int) -> int:
+    """Bytes of ``send`` that leave this rank (pieces to itself excluded)."""
     return sum(p.numel() for rank, parts in send.items() if rank != me for p in parts) * itemsize
 
 
@@ -54,14 +71,14 @@ def _launch_out(ctx: StepContext, work: MeshWork, bucket: list[int], device: tor
     me = work.comm.mesh_rank
     send: dict[int, list[Tensor]] = defaultdict(list)
     recv: dict[int, int] = defaultdict(int)
-    for route in _active_routes(ctx, work, bucket):
+    for route in active_routes(ctx, work, bucket):
         e = ctx.entries[route.spec.param_index]
         for box, source in route.pieces:
             if source == me:
                 send[route.owner].append(ctx.inputs[e.index][relative_slices(box, e.layout.local_box)])
             if route.owner == me:
                 recv[source] += box_numel(box)
-    ctx.stats.bytes_sent += _sent_bytes(send, me, work.wire_dtype.itemsize)
+    ctx.stats.bytes_sent += sent_bytes(send, me, work.wire_dtype.itemsize)
     return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
 
 
@@ -105,7 +122,7 @@ def _launch_back(
                 send[holder].append(updates[id(route)][relative_slices(box, route.spec.box)])
             if holder == me:
                 recv[route.owner] += box_numel(box)
-    ctx.stats.bytes_sent += _sent_bytes(send, me, work.wire_dtype.itemsize)
+    ctx.stats.bytes_sent += sent_bytes(send, me, work.wire_dtype.itemsize)
     return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
 
 

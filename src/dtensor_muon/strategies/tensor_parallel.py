@@ -22,41 +22,23 @@ from ..layout import TENSOR_PARALLEL_DIM, box_numel, box_shape, relative_slices
 from ..pending import BackExchange
 from ..placement import TensorParallelGroup
 from ..plan import MatrixRoute
-from ..step_context import MeshWork, StepContext, local
+from ..step_context import MeshWork, StepContext
 from ..views import matrix_shape_of_box
+from .owned import active_routes, exchange_buckets, sent_bytes
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
     """Exchange out, compute this rank's share of each TP unit, launch the return exchanges."""
-    plan = work.plan
-    if not plan.tensor_parallel_buckets:
-        return []
-    device = local(work.entries[0].param).device
-    with ctx.timer.phase("exchange_out_launch"):
-        pending_out = [_launch_out(ctx, work, b, device) for b in plan.tensor_parallel_buckets]
-    backs: list[BackExchange] = []
-    for bucket, pending in zip(plan.tensor_parallel_buckets, pending_out):
-        with ctx.timer.phase("exchange_out_wait"):
-            received = pending.wait()
-        with ctx.timer.phase("owner_compute"):
-            outputs = _compute(ctx, work, bucket, received, device)
-        with ctx.timer.phase("exchange_back_launch"):
-            routes = _active_routes(ctx, work, bucket)
-            back = _launch_back(ctx, work, routes, outputs, device)
-            indices = tuple(dict.fromkeys(r.spec.param_index for r in routes))
-            backs.append(BackExchange(back, indices, lambda got, routes=routes: _unpack_back(ctx, work, routes, got)))
-    return backs
-
-
-def _active_routes(ctx: StepContext, work: MeshWork, bucket: list[int]) -> list[MatrixRoute]:
-    return [work.plan.routes[i] for i in bucket if work.plan.routes[i].spec.param_index in ctx.active]
+    return exchange_buckets(
+        ctx, work, work.plan.tensor_parallel_buckets, _launch_out, _compute, _launch_back, _unpack_back
+    )
 
 
 def _launch_out(ctx: StepContext, work: MeshWork, bucket: list[int], device: torch.device) -> PendingExchange:
     me = work.comm.mesh_rank
     send: dict[int, list[Tensor]] = defaultdict(list)
     recv: dict[int, int] = defaultdict(int)
-    for route in _active_routes(ctx, work, bucket):
+    for route in active_routes(ctx, work, bucket):
         e = ctx.entries[route.spec.param_index]
         for member, _, pieces in route.targets:
             for box, source in pieces:
@@ -64,12 +46,8 @@ def _launch_out(ctx: StepContext, work: MeshWork, bucket: list[int], device: tor
                     send[member].append(ctx.inputs[e.index][relative_slices(box, e.layout.local_box)])
                 if member == me:
                     recv[source] += box_numel(box)
-    ctx.stats.bytes_sent += _bytes(send, me, work.wire_dtype.itemsize)
+    ctx.stats.bytes_sent += sent_bytes(send, me, work.wire_dtype.itemsize)
     return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
-
-
-def _bytes(send: dict[int, list[Tensor]], me: int, itemsize: int) -> int:
-    return sum(p.numel() for rank, parts in send.items() if rank != me for p in parts) * itemsize
 
 
 def _compute(
@@ -79,7 +57,7 @@ def _compute(
     me = work.comm.mesh_rank
     offsets: dict[int, int] = defaultdict(int)
     by_unit: dict[int, list[tuple[MatrixRoute, Tensor]]] = defaultdict(list)
-    for route in _active_routes(ctx, work, bucket):
+    for route in active_routes(ctx, work, bucket):
         for member, target, pieces in route.targets:
             if member != me:
                 continue
@@ -145,7 +123,7 @@ def _launch_back(
                 send[holder].append(outputs[id(route)][relative_slices(box, target)])
             if holder == me:
                 recv[member] += box_numel(box)
-    ctx.stats.bytes_sent += _bytes(send, me, work.wire_dtype.itemsize)
+    ctx.stats.bytes_sent += sent_bytes(send, me, work.wire_dtype.itemsize)
     return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
 
 
