@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dtensor_muon import Muon
+from dtensor_muon import Muon, exit_without_finalization
 
 VOCAB, DIM, HEADS, HIDDEN, LAYERS, SEQ, BATCH = 53, 36, 3, 77, 2, 32, 16
 PERM = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))  # the rule the model has to learn
@@ -177,6 +177,7 @@ def forked_worker(local_rank: int, world: int, port: int) -> None:
 if __name__ == "__main__":
     if "LOCAL_RANK" in os.environ:  # started by torchrun
         main()
+        exit_without_finalization()  # gloo can abort during finalization: README, Limits
     else:  # plain `python`: fork 2 workers (no second import of torch) and give them torchrun's environment
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

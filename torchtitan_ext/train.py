@@ -9,40 +9,24 @@ every option), and
 torchtitan's warning that rank 0 shows no pipeline-parallel loss is dropped where the metrics
 processor of :mod:`torchtitan_ext.metrics` shows the last stage's loss on every rank.
 
-After a successful run the process leaves through :func:`exit_without_finalization`: torchtitan has
-closed its checkpointer and metrics writers and destroyed the process groups. Left to finalize, the
-process sometimes aborts ("terminate called without an active exception", SIGABRT, after "Process
-group destroyed" was logged). Seen on rank 1 in CI and in 1 of 74 local runs of the tiny Llama3 job;
-torchrun then reports the whole job failed. The likely cause (inferred, not traced): torch keeps the
-gloo process groups alive past ``destroy_process_group()`` (measured in torch 2.13 with Muon and with
-torch.optim.AdamW, even after deleting the model and the optimizer and collecting garbage), so gloo's
-worker threads are torn down during interpreter finalization; one that then takes the GIL (to drop a
-Python-owned tensor) is ended by CPython with a forced unwind, and the C++ runtime aborts. Not traced
-to dtensor_muon: it keeps no collective in flight after ``step()`` (or ``flush()`` with overlap), and
-without this exit none of 15 runs of the 12-step job with Muon and 15 with AdamW aborted, nor 128 and 68
-smaller FSDP2 scripts with Muon and with AdamW. A run that raises leaves through the normal path, with
-its traceback.
+After a successful run the process leaves through :func:`dtensor_muon.exit_without_finalization`:
+torchtitan has closed its checkpointer and metrics writers and destroyed the process groups, the exit
+handlers run, the output is flushed, and interpreter finalization is skipped. Left to finalize, a run
+sometimes aborted after "Process group destroyed" ("terminate called without an active exception",
+SIGABRT; seen on rank 1 in CI and in 1 of 74 local runs of the tiny Llama3 job). That is the signature
+of a gloo worker thread freeing a tensor during finalization, a torch/CPython interaction that
+``tests/gloo_exit_abort.py`` reproduces without this library (the mechanism is in
+:mod:`dtensor_muon.process_exit`). A run that raises leaves through the normal path, with its traceback.
 """
-
-import logging
-import os
-import sys
 
 import torch
 
+from dtensor_muon import exit_without_finalization
 from torchtitan_ext import cpu, data, job_config, metrics
 
 
-def exit_without_finalization() -> None:
-    """Flush Python's logging and standard streams, then end the process with ``os._exit(0)``."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def main() -> None:
-    """Prepare the device and the data, hand over to ``torchtitan.train.main``, then exit at once."""
+    """Prepare the device and the data, hand over to ``torchtitan.train.main``, then exit without finalization."""
     if not torch.cuda.is_available():
         cpu.use_cpu_gloo()
     data.build(data.DEFAULT_OUT)

@@ -6,6 +6,7 @@ from .optim.muon import Muon
 from .optim.normuon import NorMuon
 from .optim.soap import KLSOAP, REKLS, SOAP
 from .param_groups import muon_param_groups
+from .process_exit import exit_without_finalization
 from .views import MatrixSplit
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "MatrixSplit",
     "Muon",
     "NorMuon",
+    "exit_without_finalization",
     "muon_param_groups",
     "newton_schulz",
     "polar_factor",
