@@ -47,6 +47,20 @@ def test_experts_over_ep_and_fsdp_equal_one_process(expert_shard_dim, expected):
     assert results[0]["placements"]["layers.0.moe.experts.w"] == f"({expected})"
 
 
+@pytest.mark.parametrize(
+    "world_size, tp_mode, fsdp, w1_placements",
+    [
+        (4, "owned", False, "(Shard(dim=0), Shard(dim=1))"),
+        (4, "duplicated", False, "(Shard(dim=0), Shard(dim=1))"),
+        (8, "owned", True, "(_StridedShard(dim=0, sf=2), Shard(dim=0), Shard(dim=1))"),
+    ],
+)
+def test_experts_over_ep_and_tp_equal_one_process(world_size, tp_mode, fsdp, w1_placements):
+    results = run_distributed(tp_scenarios.expert_tensor_parallel_training, world_size, STEPS, tp_mode, fsdp)
+    assert_bitwise(results)
+    assert results[0]["placements"]["layers.0.moe.experts.w1"] == w1_placements
+
+
 @pytest.mark.parametrize("kind, world_size", [("tp", 2), ("fsdp_tp", 4)])
 def test_blockwise_equals_one_process_per_tp_block(kind, world_size):
     results = run_distributed(tp_scenarios.dense_training, world_size, kind, STEPS, {}, "blockwise")

@@ -7,7 +7,8 @@ vocabulary (23) is uneven over any TP degree, and FSDP's shards of the TP pieces
 20: TP pieces of 5 rows, FSDP halves of 3 and 2); activations stay even, as DTensor's tensor-parallel styles
 need. FSDP (``fully_shard``) or HSDP goes over the
 data-parallel mesh dims; the expert model has 3-D experts sharded over an ``ep`` mesh dim and FSDP over the
-others, next to a dense matrix sharded over every rank, as torchtitan meshes them.
+others, next to a dense matrix sharded over every rank, as torchtitan meshes them; with expert tensor
+parallelism the experts are also split over ``tp``.
 """
 
 from __future__ import annotations
@@ -209,6 +210,39 @@ def expert_training(
         h = h.full_tensor().sum(0)
         dense(torch.tanh(h)).square().mean().backward()
         _step_both(params, opt, ref, ref_opt)
+        history.append(_differences(params, ref))
+    return {"history": history, "placements": {n: str(p.placements) for n, p in params.items()}}
+
+
+def expert_tensor_parallel_training(rank: int, world_size: int, steps: int, tp_mode: str, fsdp: bool) -> dict[str, Any]:
+    """torchtitan's expert tensor parallelism: experts ``Shard(0)`` over ``ep`` and ``Shard(1)`` (w1, w3) or
+    ``Shard(2)`` (w2) over ``tp``; with ``fsdp``, FSDP2 over a ``dp`` dim in front (``_StridedShard(0)`` on top of
+    the ``ep`` split). Synthetic whole gradients; per step the max difference to one process."""
+    torch.manual_seed(0)
+    dims = (2, 2, world_size // 4) if fsdp else (2, world_size // 2)
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp", "ep", "tp") if fsdp else ("ep", "tp"))
+    shapes = {"w1": (EXPERTS, HIDDEN, DIM), "w2": (EXPERTS, DIM, HIDDEN), "w3": (EXPERTS, HIDDEN, DIM)}
+    tp_dim = {"w1": 1, "w2": 2, "w3": 1}
+    holder = nn.Module()
+    for name, shape in shapes.items():
+        full_w = torch.randn(shape)
+        holder.register_parameter(
+            name, nn.Parameter(distribute_tensor(full_w, mesh["ep", "tp"], [Shard(0), Shard(tp_dim[name])]))
+        )
+    if fsdp:
+        fully_shard(holder, mesh=mesh["dp"])
+    params = {f"layers.0.moe.experts.{n}": p for n, p in holder.named_parameters()}
+    ref = {name: nn.Parameter(full(p).detach().clone()) for name, p in params.items()}
+    ref_opt = Muon(list(ref.items()), **OPTIONS)
+    opt = Muon(list(params.items()), **OPTIONS, tp_mode=tp_mode)
+    history = []
+    for step in range(steps):
+        set_synthetic_gradients(params, step)
+        for name, g in synthetic_gradients(params, step).items():
+            ref[name].grad = g
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
         history.append(_differences(params, ref))
     return {"history": history, "placements": {n: str(p.placements) for n, p in params.items()}}
 
