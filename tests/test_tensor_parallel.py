@@ -117,12 +117,15 @@ def test_strided_shard_order_and_refusals():
         _shard_order("w", (Shard(0), _StridedShard(0, split_factor=1)), (2, 4), 2)
 
 
-def test_dcp_saved_under_fsdp_x_tp_on_4_loaded_under_fsdp_on_2_continues_exactly():
-    want = tp_scenarios.synthetic_reference(4)
+@pytest.mark.parametrize("optimizer, tp_mode", [("Muon", "owned"), ("NorMuon", "duplicated")])
+def test_dcp_saved_under_fsdp_x_tp_on_4_loaded_under_fsdp_on_2_continues_exactly(optimizer, tp_mode):
+    """NorMuon in duplicated mode: each matrix's owner state sits on every member of its TP group and is saved
+    once; the load under FSDP gives it to the matrix's new owner."""
+    want = tp_scenarios.synthetic_reference(4, optimizer)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ckpt")
-        run_distributed(tp_scenarios.dense_dcp_save, 4, "fsdp_tp", path, 2)
-        results = run_distributed(tp_scenarios.dense_dcp_resume, 2, "fsdp", path, 2, 2)
+        run_distributed(tp_scenarios.dense_dcp_save, 4, "fsdp_tp", path, 2, optimizer, tp_mode)
+        results = run_distributed(tp_scenarios.dense_dcp_resume, 2, "fsdp", path, 2, 2, optimizer)
     for got in results:
         for name, value in want.items():
             assert torch.equal(got[name], value), f"{name}: max diff {(got[name] - value).abs().max().item()}"

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dtensor_muon import MatrixSplit, Muon
+from dtensor_muon import MatrixSplit, Muon, NorMuon
 from dtensor_muon.layout import box_slices, read_layout, tensor_parallel_blocks
 
 VOCAB, DIM, HIDDEN, EXPERTS = 23, 12, 20, 4
@@ -263,11 +263,14 @@ def set_synthetic_gradients(params: dict[str, nn.Parameter], step: int) -> None:
         p.grad = DTensor.from_local(piece, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
-def synthetic_reference(steps: int) -> dict[str, torch.Tensor]:
+OPTIMIZERS: dict[str, type] = {"Muon": Muon, "NorMuon": NorMuon}
+
+
+def synthetic_reference(steps: int, optimizer: str = "Muon") -> dict[str, torch.Tensor]:
     """One process, plain tensors: the dense model's parameters after ``steps`` synthetic steps."""
     torch.manual_seed(0)
     params = {name: nn.Parameter(p.detach().clone()) for name, p in TinyTransformer().named_parameters()}
-    opt = Muon(list(params.items()), **OPTIONS)
+    opt = OPTIMIZERS[optimizer](list(params.items()), **OPTIONS)
     for step in range(steps):
         for name, g in synthetic_gradients(params, step).items():
             params[name].grad = g
@@ -275,13 +278,15 @@ def synthetic_reference(steps: int) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in params.items()}
 
 
-def dense_dcp_save(rank: int, world_size: int, kind: str, path: str, steps: int) -> None:
+def dense_dcp_save(
+    rank: int, world_size: int, kind: str, path: str, steps: int, optimizer: str = "Muon", tp_mode: str = "owned"
+) -> None:
     """``steps`` synthetic steps of the dense model laid out as ``kind``, then a DCP save of model and optimizer."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model = build_dense(kind, world_size)
     params = dict(model.named_parameters())
-    opt = Muon(list(params.items()), **OPTIONS)
+    opt = OPTIMIZERS[optimizer](list(params.items()), **OPTIONS, tp_mode=tp_mode)
     for step in range(steps):
         set_synthetic_gradients(params, step)
         opt.step()
@@ -290,7 +295,7 @@ def dense_dcp_save(rank: int, world_size: int, kind: str, path: str, steps: int)
 
 
 def dense_dcp_resume(
-    rank: int, world_size: int, kind: str, path: str, start: int, steps: int
+    rank: int, world_size: int, kind: str, path: str, start: int, steps: int, optimizer: str = "Muon"
 ) -> dict[str, torch.Tensor]:
     """A fresh dense model laid out as ``kind`` loads :func:`dense_dcp_save`'s checkpoint and runs steps
     ``start`` onwards; returns the whole parameters."""
@@ -303,7 +308,7 @@ def dense_dcp_resume(
 
     model = build_dense(kind, world_size)
     params = dict(model.named_parameters())
-    opt = Muon(list(params.items()), **OPTIONS)
+    opt = OPTIMIZERS[optimizer](list(params.items()), **OPTIONS)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
