@@ -12,8 +12,9 @@ library by ``tests/gloo_exit_abort.py``):
    The forced unwind runs into the Work's destructor, which is ``noexcept``, and the C++ runtime calls
    ``std::terminate``: "terminate called without an active exception", SIGABRT, exit code -6.
 
-So any collective that a worker retires while the interpreter finalizes (one left unwaited, one a slower
-peer completes late, or one that completed a moment before exit) can abort a run that did all its work.
+So any collective that a worker retires while the interpreter finalizes can abort a run that did all its
+work: seen with one left in flight that the peer completes late; inferred for one retired in the moment the
+process exits.
 :func:`exit_without_finalization` ends the process after the exit handlers but before finalization, where
 no thread can be ended that way.
 """
