@@ -232,17 +232,12 @@ def expert_tensor_parallel_training(rank: int, world_size: int, steps: int, tp_m
     if fsdp:
         fully_shard(holder, mesh=mesh["dp"])
     params = {f"layers.0.moe.experts.{n}": p for n, p in holder.named_parameters()}
-    ref = {name: nn.Parameter(full(p).detach().clone()) for name, p in params.items()}
-    ref_opt = Muon(list(ref.items()), **OPTIONS)
+    ref, ref_opt = _reference(params, {})
     opt = Muon(list(params.items()), **OPTIONS, tp_mode=tp_mode)
     history = []
     for step in range(steps):
         set_synthetic_gradients(params, step)
-        for name, g in synthetic_gradients(params, step).items():
-            ref[name].grad = g
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
+        _step_both(params, opt, ref, ref_opt)
         history.append(_differences(params, ref))
     return {"history": history, "placements": {n: str(p.placements) for n, p in params.items()}}
 
