@@ -53,6 +53,26 @@ else owned); ``"blockwise"`` (each TP block orthogonalized as a matrix of its ow
 ranks, not the whole matrix's polar factor)."""
 
 
+ENGINE_KEYWORDS = (
+    "wire_dtype",
+    "bucket_size_mb",
+    "exchange",
+    "skip_nonfinite",
+    "diagnostics_interval",
+    "overlap",
+    "ns_cuda_graphs",
+    "matrix_splits",
+)
+"""Engine-wide options: constructor keywords only, never param-group keys."""
+
+TORCH_GROUP_KEYS = ("params", "param_names", "differentiable")
+"""Group keys torch.optim.Optimizer itself handles: ``params``, ``param_names`` (from ``(name, tensor)``
+pairs) and ``differentiable`` (``Optimizer.__setstate__`` puts it in ``defaults``; False only here)."""
+
+SCHEDULER_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
+"""Keys torch's learning-rate schedulers (and SWALR) write into param groups for their own bookkeeping."""
+
+
 def require(condition: bool, message: str) -> None:
     """Raise ValueError(message) unless ``condition``."""
     if not condition:
@@ -167,6 +187,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._hook_handles: list = []
         self._unnamed_default: set[int] = set()  # ids of unnamed matrices routed to the rule by default
         self._stateless: list[Tensor] = []  # parameters without state (frozen at construction)
+        # this library's group options (torch adds "differentiable" to defaults on load: not one of them)
+        self._option_keys = (*defaults, "use_muon", "matrix_split", "tp_mode")
         super().__init__(params, {**defaults, "use_muon": None, "matrix_split": None, "tp_mode": tp_mode})
         self._engine = self._build_engine()
         self._register_hooks()
@@ -178,6 +200,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _register_hooks(self) -> None:
         self.register_state_dict_pre_hook(lambda optimizer: optimizer.flush())
         self.register_load_state_dict_pre_hook(lambda optimizer, state_dict: optimizer.flush())
+        self.register_load_state_dict_pre_hook(MatrixOptimizer._check_loaded_state)
         self.register_load_state_dict_pre_hook(MatrixOptimizer._keep_owner_state_uncast)
         self.register_load_state_dict_post_hook(MatrixOptimizer._rebuild_after_load)
 
@@ -191,6 +214,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        self._check_group_keys(param_group)
         raw = param_group["params"]
         items = [raw] if isinstance(raw, Tensor) else list(raw)
         named = [(p[0], p[1]) if isinstance(p, tuple) else (None, p) for p in items]
@@ -234,6 +258,26 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self.flush()
             self._engine = self._build_engine()
             self._report_routing(added)
+
+    def _check_group_keys(self, param_group: dict[str, Any]) -> None:
+        """Raise ValueError naming the first key of ``param_group`` that is no option of this optimizer."""
+        me = type(self).__name__
+        valid = (*self._option_keys, *TORCH_GROUP_KEYS, *SCHEDULER_GROUP_KEYS)
+        require("params" in param_group, f"{me}: a param group needs a 'params' key, got keys {sorted(param_group)}")
+        for key in param_group:
+            if key in valid:
+                continue
+            listed = ", ".join(sorted(valid))
+            if key in ENGINE_KEYWORDS:
+                raise ValueError(
+                    f"{me}: param group key {key!r} is a constructor keyword, one setting for the whole optimizer: "
+                    f"pass {me}(..., {key}=...) instead. Valid param group keys: {listed}"
+                )
+            raise ValueError(f"{me}: unknown param group key {key!r}. Valid param group keys: {listed}")
+        require(
+            not param_group.get("differentiable", False),
+            f"{me}: differentiable=True is not supported (the step runs under torch.no_grad)",
+        )
 
     def _fresh_state(self, p: Tensor, use_muon: bool) -> dict[str, Tensor]:
         return self.rule.init_shard_state(p) if use_muon else adamw_rule.init_state(p)
@@ -300,6 +344,248 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if p.ndim == 3 and dim == 0:
             return None  # experts split over TP ranks: each rank's experts are whole matrices already
         return MatrixSplit(dim, sizes=lengths)
+
+    # ---------------------------------------------------------------- loading state
+    @staticmethod
+    def _check_loaded_state(optimizer: MatrixOptimizer, state_dict: dict[str, Any]) -> None:
+        """Raise ValueError before anything is loaded when ``state_dict`` does not fit this optimizer: another
+        optimizer's or another routing's state, or another world size's shards (see :meth:`_load_problem`).
+        The ranks of each mesh agree first, so every rank raises (none waits in the engine's collectives)."""
+        problem = optimizer._agree(optimizer._load_problem(state_dict))
+        if problem is not None:
+            raise ValueError(problem)
+
+    def _load_problem(self, state_dict: dict[str, Any]) -> str | None:
+        """Why ``state_dict`` cannot be loaded into this optimizer on this rank, or None.
+
+        Checks, against the state this optimizer holds now: each saved group's ``use_muon`` (True/False, equal to
+        that of the group it loads into); each parameter's state keys (the rule's shard-state keys, plus
+        ``owner_state`` for a rule with owner state, for a matrix-rule parameter; AdamW's for the others); the
+        local shape of every shard-state and AdamW tensor (a DTensor's local piece; a plain tensor as it is)
+        against this rank's layout of the parameter; and, for owner state, that every matrix this rank computes
+        is there in its shape. A parameter without saved state gets fresh state, as in torch. Group counts
+        and sizes are left to torch's own check.
+        """
+        saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
+        if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
+            return None
+        me, rule = type(self).__name__, self.rule.name
+        switch = (
+            "To switch optimizers, load the model only and start this optimizer fresh, or keep the AdamW moments "
+            "with optimizer.load_compatible_state(state_dict) (README, Checkpoints)."
+        )
+        for gi, saved in enumerate(saved_groups):
+            found = saved.get("use_muon") if isinstance(saved, dict) else None
+            if type(found) is not bool:
+                saved = saved if isinstance(saved, dict) else {}
+                ids, names = saved.get("params") or [None], saved.get("param_names") or [None]
+                first = ids[0] if isinstance(ids[0], str) else names[0]
+                if first is None and gi < len(self.param_groups) and self.param_groups[gi]["params"]:
+                    first = next(label for label, p, _ in self._labelled() if p is self.param_groups[gi]["params"][0])
+                return (
+                    f"{me}.load_state_dict: loaded param group {gi} (first parameter {first!r}) has "
+                    f"use_muon={found!r}, where every group of "
+                    f"{me} has use_muon True ({rule}) or False (adamw): it was saved by another optimizer. Nothing "
+                    f"was loaded. {switch}"
+                )
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s.get("params", ())) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            return None  # torch's own check raises
+        reshard = (
+            "It was saved with another world size or sharding: load it through torch.distributed.checkpoint "
+            "(get_optimizer_state_dict, dcp.load, set_optimizer_state_dict), which reshards it."
+        )
+        rows = list(self._labelled())
+        k = 0
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            found, expected = saved.get("use_muon"), group["use_muon"]
+            if found != expected:
+                first = rows[k][0] if group["params"] else "no parameters"
+                return (
+                    f"{me}.load_state_dict: loaded param group {gi} has use_muon={found!r}, where this optimizer's "
+                    f"group {gi} (first parameter {first!r}) has use_muon={expected} "
+                    f"({rule if expected else 'adamw'}): it was saved with another routing (other param groups, "
+                    f"names or use_muon). Nothing was loaded. {switch}"
+                )
+            k += len(group["params"])
+        saved_ids = [i for g in saved_groups for i in g["params"]]
+        for key, (label, p, group) in zip(saved_ids, rows):
+            saved = saved_state.get(key)
+            if not saved:
+                continue
+            use_muon = group["use_muon"]
+            where = f"{me}.load_state_dict: parameter {label!r} ({rule if use_muon else 'adamw'})"
+            if not isinstance(saved, dict):
+                return f"{where}: its loaded state is a {type(saved).__name__}, expected a dict. Nothing was loaded."
+            keys = list(self.rule.shard_state_keys if use_muon else adamw_rule.STATE_KEYS)
+            if use_muon and self.rule.has_owner_state:
+                keys.append(OWNER_STATE_KEY)
+            if set(saved) != set(keys):
+                return (
+                    f"{where}: the loaded state has keys {sorted(saved)}, {me} expects {sorted(keys)}: it was saved "
+                    f"by another optimizer. Nothing was loaded. {switch}"
+                )
+            current = self.state.get(p) or self._fresh_state(p, use_muon)
+            for name in keys:
+                if name == OWNER_STATE_KEY:
+                    problem = self._owner_state_problem(where, saved[name], current.get(name, {}), reshard)
+                    if problem is not None:
+                        return problem
+                    continue
+                value, reference = saved[name], current[name]
+                if name == "step" and not use_muon and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    continue  # a Python number: converted on load, as torch.optim.AdamW does
+                if not isinstance(value, Tensor):
+                    return (
+                        f"{where}, state {name!r}: the loaded value is a {type(value).__name__}, expected a Tensor. "
+                        "Nothing was loaded."
+                    )
+                found_shape, expected_shape = tuple(local(value).shape), tuple(local(reference).shape)
+                if found_shape != expected_shape:
+                    return (
+                        f"{where}, state {name!r}: the loaded tensor's local shape is {found_shape}, this rank's "
+                        f"layout of the parameter has {expected_shape}. Nothing was loaded. {reshard}"
+                    )
+        return None
+
+    @staticmethod
+    def _owner_state_problem(where: str, saved: Any, held: dict[str, Any], reshard: str) -> str | None:
+        """Why the loaded owner state ``saved`` of one parameter does not fit what this rank computes (``held``,
+        the owner state the current plan keeps here), or None."""
+        if not isinstance(saved, dict):
+            return f"{where}: its loaded owner_state is a {type(saved).__name__}, expected a dict. Nothing was loaded."
+        missing = [matrix for matrix in held if matrix not in saved]
+        if missing:
+            return (
+                f"{where}: the loaded owner_state lacks matrices this rank computes ({', '.join(missing[:3])}"
+                f"{', …' if len(missing) > 3 else ''}). Nothing was loaded. {reshard}"
+            )
+        for matrix, tensors in held.items():
+            loaded = saved[matrix]
+            if not isinstance(loaded, dict) or set(loaded) != set(tensors):
+                found = sorted(loaded) if isinstance(loaded, dict) else type(loaded).__name__
+                return (
+                    f"{where}: the loaded owner_state of matrix {matrix!r} has {found}, expected keys "
+                    f"{sorted(tensors)}. Nothing was loaded."
+                )
+            for name, reference in tensors.items():
+                value = loaded[name]
+                if not isinstance(value, Tensor) or tuple(value.shape) != tuple(reference.shape):
+                    found = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                    return (
+                        f"{where}, owner_state {matrix!r} {name!r}: the loaded value has shape {found}, expected "
+                        f"{tuple(reference.shape)}. Nothing was loaded. {reshard}"
+                    )
+        return None
+
+    def _agree(self, problem: str | None) -> str | None:
+        """``problem``, or, when this rank has none but another rank of one of the parameters' meshes has one,
+        a message saying so: one small all-reduce per mesh (the engine's consensus meshes, in their order)."""
+        failed = problem is not None
+        for consensus_group in getattr(self._engine, "consensus_groups", ()):
+            group = consensus_group.comm.group
+            if group is None:
+                continue
+            backend = torch.distributed.get_backend(group)
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+            flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+            failed = bool(flag.item())
+        if failed and problem is None:
+            problem = (
+                f"{type(self).__name__}: the loaded optimizer state does not fit this optimizer on another rank "
+                "(that rank's error names the parameter). Nothing was loaded."
+            )
+        return problem
+
+    def load_compatible_state(self, state_dict: dict[str, Any]) -> dict[str, list[str]]:
+        """Start from another optimizer's state: keep the AdamW moments of this optimizer's AdamW parameters,
+        start everything else fresh. Returns (and logs at INFO) ``{"kept": [...], "fresh": [...]}``, names.
+
+        ``state_dict``: a ``state_dict()`` of torch.optim.AdamW/Adam or of any dtensor_muon optimizer, built on
+        ``(name, tensor)`` pairs (its groups carry ``param_names``), or the parameter-name-keyed form of
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (e.g. filled by ``dcp.load``).
+        Parameters are matched by name, so this optimizer must be built on named parameters too. An AdamW
+        parameter here keeps its saved state when that state has exactly AdamW's keys (``step``, ``exp_avg``,
+        ``exp_avg_sq``) in this rank's local shapes (a shape that differs raises ValueError: another world size,
+        go through DCP); every other parameter (all matrix-rule parameters, and AdamW parameters saved without
+        AdamW state) gets fresh state. Hyperparameters (param groups, lr) are not loaded: this optimizer keeps
+        its own. Nothing changes when it raises.
+        """
+        me = type(self).__name__
+        groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
+        require(
+            isinstance(groups, list) and isinstance(saved_state, dict),
+            f"{me}.load_compatible_state: expected a state dict with 'state' and 'param_groups'",
+        )
+        saved: dict[str, Any] = {}
+        for gi, group in enumerate(groups):
+            names = group.get("param_names")
+            for pos, key in enumerate(group.get("params", ())):
+                if isinstance(key, str):
+                    name = key
+                elif names is not None:
+                    name = names[pos]
+                else:
+                    raise ValueError(
+                        f"{me}.load_compatible_state: the state dict's param group {gi} names no parameters (integer "
+                        "ids without 'param_names'): save it from an optimizer built on model.named_parameters(), or "
+                        "with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict (keyed by name)"
+                    )
+                if key in saved_state:
+                    saved[name] = saved_state[key]
+        rows = [(label, p, group) for label, p, group in self._labelled() if p.requires_grad or self.state.get(p)]
+        require(
+            any(group.get("param_names") for group in self.param_groups),
+            f"{me}.load_compatible_state: this optimizer's parameters have no names to match the state dict's by: "
+            "build it on model.named_parameters()",
+        )
+        kept: dict[int, dict[str, Any]] = {}  # id(parameter) → its saved AdamW state
+        fresh: list[tuple[str, Tensor]] = []
+        problem = None
+        for label, p, group in rows:
+            entry = saved.get(label)
+            if group["use_muon"] or not isinstance(entry, dict) or set(entry) != set(adamw_rule.STATE_KEYS):
+                fresh.append((label, p))
+                continue
+            reference = self.state.get(p) or adamw_rule.init_state(p)
+            for name in ("exp_avg", "exp_avg_sq"):
+                value = entry[name]
+                found = tuple(local(value).shape) if isinstance(value, Tensor) else type(value).__name__
+                if found != tuple(local(reference[name]).shape) and problem is None:
+                    problem = (
+                        f"{me}.load_compatible_state: parameter {label!r} (adamw), state {name!r}: the loaded value "
+                        f"has local shape {found}, this rank's layout of the parameter has "
+                        f"{tuple(local(reference[name]).shape)}. Nothing was loaded. It was saved with another world "
+                        "size or sharding: fill a template of the saved optimizer with dcp.load first, which reshards."
+                    )
+            kept[id(p)] = entry
+        problem = self._agree(problem)
+        if problem is not None:
+            raise ValueError(problem)
+        self.flush()
+        for _, p, group in rows:
+            state = self._fresh_state(p, group["use_muon"])
+            entry = kept.get(id(p))
+            if entry is not None:
+                step = entry["step"]
+                state["step"] = adamw_rule.step_tensor(step.item() if isinstance(step, Tensor) else step)
+                for name in ("exp_avg", "exp_avg_sq"):
+                    local(state[name]).copy_(local(entry[name]))
+            self.state[p] = state
+        self._engine = self._build_engine()
+        kept_rows = [(label, p) for label, p, _ in rows if id(p) in kept]
+        report = {"kept": [label for label, _ in kept_rows], "fresh": [label for label, _ in fresh]}
+        logger.info(
+            "%s.load_compatible_state: kept the AdamW state of %d parameters (%s); started %d fresh (%s)",
+            me,
+            len(kept),
+            _name_patterns(kept_rows) or "none",
+            len(fresh),
+            _name_patterns(fresh) or "none",
+        )
+        return report
 
     @staticmethod
     def _keep_owner_state_uncast(optimizer: MatrixOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -390,14 +676,21 @@ class MatrixOptimizer(torch.optim.Optimizer):
             **super().__getstate__(),
             "_engine_options": self._engine_options,
             "_matrix_splits": self._matrix_splits,
+            "_option_keys": self._option_keys,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Called by ``load_state_dict`` (state and param_groups only) and by copies (everything)."""
         super().__setstate__(state)
+        if "_option_keys" not in self.__dict__:  # pickled before the option keys were recorded
+            self._option_keys = tuple(key for key in self.defaults if key != "differentiable")
+        if "differentiable" not in self._option_keys:
+            # torch.optim.Optimizer.__setstate__ adds it; torch's own optimizers have it from construction, this
+            # one never does: without it, defaults (and groups added later) stay as constructed
+            self.defaults.pop("differentiable", None)
         for group in self.param_groups:
-            for key, value in self.defaults.items():  # checkpoints from before an option existed
-                group.setdefault(key, value)
+            for key in self._option_keys:  # checkpoints from before one of this library's options existed
+                group.setdefault(key, self.defaults[key])
             if group.get("use_muon") is False:
                 for p in group["params"]:
                     s = self.state.get(p)
