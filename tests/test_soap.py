@@ -6,9 +6,9 @@ The reference below uses no library code. Per m×n matrix G at step t = 1, 2, �
     SOAP: L ← β_t·L + (1 − β_t)·G·Gᵀ,  R ← β_t·R + (1 − β_t)·Gᵀ·G               (L, R start at 0)
     KL:   L ← β_t·L + (1 − β_t)/n·G·Q_R·Λ_R⁻¹·Q_Rᵀ·Gᵀ,  R likewise with 1/m and Λ_L,
           Λ = max(diag(Qᵀ·K·Q), ε) of the factors before the update, Q of the previous step (I at t = 1)
-    refresh when (t − 1) mod precondition_frequency = 0: M back with the old Q, into the new one;
-          t = 1 or basis "eigh": Q = eigenvectors of K by decreasing eigenvalue;
-          "qr": d = diag(Q_oldᵀ·K·Q_old), Q_old's columns and V's axis sorted by decreasing d, Q = qr(K·Q_old)
+    refresh when (t − 1) mod precondition_frequency = 0: d = diag(Q_oldᵀ·K·Q_old), Q_old's columns and V's
+          axis sorted by decreasing d (both bases, as Emerging-Optimizers 0.3); M back with the old Q, into the
+          new one; t = 1 or basis "eigh": Q = eigenvectors of K by decreasing eigenvalue; "qr": Q = qr(K·Q_old)
     G' = Q_Lᵀ·G·Q_R; M ← β₁M + (1 − β₁)G'; V ← β₂V + (1 − β₂)G'²; N = M̂/(√V̂ + ε) (bias-corrected with t
           or not); O = Q_L·N·Q_Rᵀ (scaled to RMS ρ' when match_update_rms = ρ' > 0, then clipped to RMS ρ when
           max_update_rms = ρ > 0); θ ← θ·(1 − γλ) − γ·O
@@ -20,14 +20,18 @@ It does depend on the basis of a factor's null space: the first gradient of a no
 rank-deficient factor, whose null-space eigenvectors eigh picks freely, and the QR refresh carries that choice
 on. So the first gradient here is zero outside its leading min(m, n) block: the null spaces are then spanned
 by coordinate vectors, which float32 and float64 eigh both return (up to sign and order, neither of which
-matters), and later gradients are dense.
+matters), and later gradients are dense. The sort of V pairs old columns with new ones, so θ also depends on
+the old basis of a null space; here every preconditioned factor has full rank from step 2 on (the wide 9-side
+and the tall 8-side get rank 5 a step), so only step 1's coordinate null spaces are ever sorted.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import pytest
@@ -42,8 +46,9 @@ SHAPES = [("layers.0.wide", (5, 9)), ("layers.0.tall", (8, 5)), ("layers.0.long"
 MAX_DIM = 10  # the long matrix's 13 columns are not preconditioned
 STEPS = 5
 FIRST_DIAGONAL = torch.tensor([3.0, -2.5, 2.0, 1.5, -1.0])  # distinct squares: distinct first eigenvalues
-VARIANTS: dict[str, tuple[type, dict[str, Any]]] = {
+VARIANTS: dict[str, tuple[Any, dict[str, Any]]] = {
     "soap": (SOAP, dict(kl=False, basis="qr")),
+    "soap-eigh": (partial(SOAP, basis="eigh"), dict(kl=False, basis="eigh")),
     "klsoap": (KLSOAP, dict(kl=True, basis="qr")),
     "rekls": (REKLS, dict(kl=True, basis="eigh")),
 }
@@ -89,8 +94,11 @@ def soap_reference(
     correct_shampoo_beta_bias: bool,
     max_update_rms: float = 0.0,
     match_update_rms: float = 0.0,
+    eigh_sorts_second_moment: bool = True,
 ) -> Tensor:
-    """θ after SOAP's steps on one matrix, in float64 (see the module docstring)."""
+    """θ after SOAP's steps on one matrix, in float64 (see the module docstring); with
+    ``eigh_sorts_second_moment=False`` an eigh refresh keeps V's order (the behaviour before Emerging-Optimizers
+    0.3, for tests that show the sort is seen)."""
     f64 = torch.float64
     theta = p0.to(f64).clone()
     m, n = theta.shape
@@ -123,14 +131,15 @@ def soap_reference(
             for side in (0, 1):
                 if not keep[side]:
                     continue
-                k = factors[side]
-                if t == 1 or basis == "eigh":
+                k, q = factors[side], bases[side]
+                order = torch.argsort(torch.diagonal(q.T @ k @ q), descending=True)
+                eigh = t == 1 or basis == "eigh"
+                if eigh_sorts_second_moment or not eigh:
+                    exp_avg_sq = exp_avg_sq.index_select(side, order)
+                if eigh:
                     values, vectors = torch.linalg.eigh(k)
                     bases[side] = vectors[:, torch.argsort(values, descending=True)]
                 else:
-                    q = bases[side]
-                    order = torch.argsort(torch.diagonal(q.T @ k @ q), descending=True)
-                    exp_avg_sq = exp_avg_sq.index_select(side, order)
                     bases[side] = torch.linalg.qr(k @ q[:, order]).Q
             exp_avg = bases[0].T @ momentum @ bases[1]
         projected = bases[0].T @ g @ bases[1]
@@ -171,7 +180,11 @@ CASES = [
     (variant, freq, bias, rms, 1e-2)
     for variant in ("soap", "klsoap")
     for freq, bias, rms in ((1, True, 0.0), (2, True, 0.0), (1, False, 0.0), (2, False, 0.0), (1, True, 0.5))
-] + [("rekls", 1, True, 0.0, 1.0), ("rekls", 1, False, 0.0, 1.0), ("rekls", 1, True, 0.5, 1.0)]
+] + [
+    (variant, freq, bias, rms, eps)
+    for variant, eps in (("soap-eigh", 1e-2), ("rekls", 1.0))
+    for freq, bias, rms in ((1, True, 0.0), (2, True, 0.0), (1, False, 0.0), (2, False, 0.0), (1, True, 0.5))
+]
 
 
 @pytest.mark.parametrize("variant, precondition_frequency, bias, max_update_rms, eps", CASES)
@@ -204,15 +217,15 @@ def check_against_reference(
 ) -> tuple[Any, list[tuple[str, Tensor]]]:
     """Five steps on a wide (5×9), a tall (8×5) and a 4×13 matrix whose 13 columns exceed
     max_preconditioner_dim = 10: the float32 library against the float64 reference, θ within 1e-5 of the
-    change θ_T − θ₀ (measured ≤ 3.3e-6 for SOAP, ≤ 1.3e-6 for KL-SOAP, ≤ 2.6e-6 for REKLS).
+    change θ_T − θ₀ (measured ≤ 2.7e-6 for SOAP, ≤ 1.3e-6 for KL-SOAP, ≤ 6.2e-6 for SOAP with basis="eigh",
+    ≤ 2.6e-6 for REKLS).
 
     ε is large here because float32 rounding is divided by |G'| + ε: where G' = Q_Lᵀ·G·Q_R has an entry that
     is zero in exact arithmetic but not in float32 (the direction of a factor's null space, or a near-null
     one), Adam's N there is rounding/(|rounding| + ε), which is ±1 for ε = 1e-8 (measured with ε = 1e-8: up to
-    2.9e-5 for SOAP on the wide matrix). REKLS needs ε = 1 and one refresh a step: KL's factors of one
-    gradient are nearly whitened (G·(GᵀG)⁻¹·Gᵀ is a projection), so their eigenvalues are close and an eigh
-    basis, re-sorted from scratch, swaps columns under rounding while V keeps its order (the QR refresh
-    follows the old basis continuously and does not); measured with ε = 1e-2 or every 2 steps: 1e-4 to 0.35.
+    2.9e-5 for SOAP on the wide matrix). REKLS needs ε = 1: KL's factors of one gradient are nearly whitened
+    (G·(GᵀG)⁻¹·Gᵀ is a projection), so their eigenvalues are close, their eigenvectors sensitive, and the
+    rounding that reaches G' is larger (measured with ε = 1e-2: up to 7.9e-5; with ε = 1e-4: up to 0.26).
     The long matrix keeps no factor, basis or estimate for its unpreconditioned side."""
     optimizer, fixed = VARIANTS[variant]
     params, grads = integer_ish_problem()
@@ -286,6 +299,272 @@ def test_variants_differ_and_the_first_step_is_sign_adam_in_the_eigenbasis():
 def test_bad_arguments_raise_value_error_naming_them(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SOAP([("layers.0.w", torch.zeros(3, 3, requires_grad=True))], **kwargs)
+
+
+@pytest.mark.parametrize("variant, eps", [("soap-eigh", 1e-2), ("rekls", 1.0)])
+def test_eigh_refresh_sorts_the_second_moment_as_emerging_optimizers_0_3(variant, eps):
+    """Five steps of SOAP(basis="eigh") and REKLS (one refresh a step) as in :func:`check_against_reference`:
+    within 1e-5 of the reference that sorts V's axes by d = diag(Q_oldᵀ·K·Q_old) on every eigh refresh
+    (measured ≤ 6.2e-6 and ≤ 1.8e-6), and far from the reference that keeps V's order (measured 0.077 to 0.67):
+    the comparison sees the sort."""
+    optimizer, fixed = VARIANTS[variant]
+    params, grads = integer_ish_problem()
+    options = dict(lr=0.05, betas=(0.9, 0.95), shampoo_beta=0.9, eps=eps, weight_decay=0.1)
+    options.update(precondition_frequency=1, max_preconditioner_dim=MAX_DIM, correct_bias=True)
+    named = [(name, p.clone().requires_grad_()) for (name, _), p in zip(SHAPES, params)]
+    opt = optimizer(named, **options, correct_shampoo_beta_bias=True)
+    for row in grads:
+        for (_, p), g in zip(named, row):
+            p.grad = g.clone()
+        opt.step()
+    for (name, p), p0, k in zip(named, params, range(len(SHAPES))):
+        steps = [row[k] for row in grads]
+        sorted_v = soap_reference(p0, steps, **options, **fixed, correct_shampoo_beta_bias=True)
+        kept_v = soap_reference(
+            p0, steps, **options, **fixed, correct_shampoo_beta_bias=True, eigh_sorts_second_moment=False
+        )
+        assert relative_to_change(p.detach(), sorted_v, p0) <= 1e-5, name
+        assert relative_to_change(p.detach(), kept_v, p0) >= 1e-2, name
+
+
+def emerging_optimizers_0_3(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The installed Emerging-Optimizers 0.3.x (skips otherwise), importable on Python 3.11 (its ``soap.py``
+    imports ``typing.override``, new in 3.12)."""
+    import typing
+
+    import typing_extensions
+
+    if not hasattr(typing, "override"):
+        monkeypatch.setattr(typing, "override", typing_extensions.override, raising=False)
+    eo = pytest.importorskip("emerging_optimizers")
+    if not getattr(eo, "__version__", "").startswith("0.3."):
+        pytest.skip(f"Emerging-Optimizers 0.3 wanted, {getattr(eo, '__version__', '?')} installed")
+    import emerging_optimizers.soap.rekls
+    import emerging_optimizers.soap.soap
+
+    return emerging_optimizers.soap
+
+
+@pytest.mark.parametrize(
+    "variant, eo_name, eo_kwargs, eps, tolerance",
+    [
+        ("soap", "SOAP", dict(), 1e-2, 1e-5),
+        ("soap-eigh", "SOAP", dict(use_eigh=True), 1e-2, 1e-5),
+        ("klsoap", "SOAP", dict(use_kl_shampoo=True), 1e-2, 1e-5),
+        ("rekls", "REKLS", dict(), 1.0, 1e-5),
+    ],
+)
+def test_equals_emerging_optimizers_0_3(monkeypatch, variant, eo_name, eo_kwargs, eps, tolerance):
+    """Five steps (one refresh a step, bias corrections on, every side preconditioned) on the wide 5×9 and
+    tall 8×5 matrices of :func:`integer_ish_problem`: θ within ``tolerance`` of Emerging-Optimizers 0.3's θ,
+    relative to the change θ_T − θ₀ (both float32; measured ≤ 7.8e-7 for SOAP, ≤ 6.5e-7 for basis="eigh",
+    ≤ 5.5e-7 for KL-SOAP, ≤ 1.3e-6 for REKLS; ε as in :func:`check_against_reference`). Skipped when it is
+    not installed; it is not a dependency, since its wheel declares Python ≥ 3.12 and installs here only with
+    ``pip install --ignore-requires-python emerging-optimizers==0.3.0``."""
+    soap_module = emerging_optimizers_0_3(monkeypatch)
+    eo_optimizer = getattr(soap_module, eo_name)
+    optimizer, _ = VARIANTS[variant]
+    params, grads = integer_ish_problem()
+    params, grads = params[:2], [row[:2] for row in grads]
+    hyper = dict(lr=0.05, betas=(0.9, 0.95), shampoo_beta=0.9, eps=eps, weight_decay=0.1)
+    named = [(name, p.clone().requires_grad_()) for (name, _), p in zip(SHAPES, params)]
+    theirs = [torch.nn.Parameter(p.clone()) for p in params]
+    ours_opt = optimizer(named, **hyper, precondition_frequency=1)
+    their_opt = eo_optimizer(theirs, **hyper, **eo_kwargs)
+    for row in grads:
+        for (_, p), q, g in zip(named, theirs, row):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours_opt.step()
+        with torch._dynamo.config.patch(disable=True):  # its torch.compile'd Adam and RMS clip, run eagerly
+            their_opt.step()
+    for (name, p), q, p0 in zip(named, theirs, params):
+        err = relative_to_change(p.detach(), q.detach().to(torch.float64), p0)
+        assert err <= tolerance, f"{variant} {name}: {err:.2e}"
+
+
+# ------------------------------------------------------------------------------- degenerate factors never raise
+def degenerate_factors() -> dict[str, Tensor]:
+    """8×8 float32 factors K = G·Gᵀ that a first gradient G can give: rank 1 (a gradient of rank 1), rank 1 of a
+    tiny gradient (entries of 1e-20: K's entries ~1e-40, subnormal), zero (a zero gradient), ill-conditioned
+    (eigenvalues 1e-20 … 1), rank 1 of a huge gradient whose largest eigenvalue (7e38) exceeds float32's range
+    while every entry (≤ 3.3e38) does not, and NaN (what an overflowing G·Gᵀ leaves after the moving average:
+    inf − inf)."""
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(8, 1, generator=gen)
+    u, _ = torch.linalg.qr(torch.randn(8, 8, generator=gen, dtype=torch.float64))
+    ill = (u * torch.logspace(-20, 0, 8, dtype=torch.float64)) @ u.T
+    huge = g / g.abs().max() * 1.8e19
+    return {
+        "rank-1": g @ g.T,
+        "rank-1 tiny": (g * 1e-20) @ (g * 1e-20).T,
+        "zero": torch.zeros(8, 8),
+        "ill-conditioned": ill.float(),
+        "rank-1 huge": huge @ huge.T,
+        "nan": torch.full((8, 8), float("nan")),
+    }
+
+
+SUBNORMAL_STEPS = 2.0**-148
+"""Two steps of float32's subnormal grid: eigenvalues of the tiny factor (~1e-40) are rounded to it."""
+
+
+def orthogonality_error(q: Tensor) -> float:
+    """max |QᵀQ − I| in float64."""
+    q = q.to(torch.float64)
+    return (q.mT @ q - torch.eye(q.shape[-1], dtype=torch.float64)).abs().max().item()
+
+
+def off_diagonal(k: Tensor, q: Tensor) -> float:
+    """max |offdiag(Qᵀ·K·Q)| / max(|K|) in float64 (0 for an eigenbasis of K; 0 for K = 0)."""
+    k64, q64 = k.to(torch.float64), q.to(torch.float64)
+    b = q64.mT @ k64 @ q64
+    scale = k64.abs().max().item()
+    return ((b - torch.diag(b.diagonal())).abs().max() / scale).item() if scale > 0 else 0.0
+
+
+@pytest.mark.parametrize("name", list(degenerate_factors()))
+def test_eigh_descending_never_raises_and_returns_an_orthogonal_eigenbasis(name):
+    """Each degenerate factor: eigh_descending returns an orthogonal basis (|QᵀQ − I| ≤ 1e-6, measured ≤ 6e-7);
+    on a finite factor it diagonalizes K (off-diagonal of QᵀKQ ≤ 1e-6·max|K|, measured ≤ 2e-7) and its
+    eigenvalues are the float64 reference's (torch.linalg.eigh of the same K in float64, descending) within
+    1e-6·max|λ| + 2⁻¹⁴⁸ (float32 eigh) or exactly (where float32 eigh gave non-finite values and the float64 retry ran:
+    the rank-1 huge factor, whose top eigenvalue is +inf in float32). On the NaN factor plain torch.linalg.eigh
+    raises the reported error in float32 and float64 alike; eigh_descending returns the fallback basis (the
+    identity, or the one given) and NaN estimates."""
+    from dtensor_muon.rules.soap import eigh_descending
+
+    k = degenerate_factors()[name]
+    values, q = eigh_descending(k)
+    assert values.dtype == q.dtype == torch.float32
+    assert orthogonality_error(q) <= 1e-6
+    if name == "nan":
+        for dtype in (torch.float32, torch.float64):
+            with pytest.raises(torch.linalg.LinAlgError, match="failed to converge"):
+                torch.linalg.eigh(k.to(dtype))
+        assert torch.equal(q, torch.eye(8)) and values.isnan().all()
+        basis = torch.linalg.qr(torch.randn(8, 8, generator=torch.Generator().manual_seed(0))).Q
+        values, q = eigh_descending(k, fallback=basis)
+        assert torch.equal(q, basis) and values.isnan().all()
+        return
+    reference = torch.linalg.eigh(k.to(torch.float64)).eigenvalues.flip(-1)
+    assert off_diagonal(k, q) <= 1e-6
+    if name == "rank-1 huge":
+        assert not torch.isfinite(torch.linalg.eigh(k).eigenvalues).all()  # float32 fails: the retry ran
+        assert torch.equal(values, reference.to(torch.float32)) and values[0] == float("inf")
+    else:
+        scale = reference.abs().max().item()
+        assert (values.to(torch.float64) - reference).abs().max().item() <= 1e-6 * scale + SUBNORMAL_STEPS
+
+
+@pytest.mark.parametrize("name", [n for n in degenerate_factors() if n != "nan"])
+def test_each_eigh_attempt_gives_the_eigendecomposition(name):
+    """The three attempts of eigh_descending, each run directly (on CPU none of them raises on a finite factor,
+    so the later ones are reached here only through this test): float32, float64, and float64 of the shifted
+    K + s·I. Each gives an orthogonal basis that diagonalizes K and the float64 reference's eigenvalues, less
+    s, within 1e-6·max|λ| (float32) or 1e-12·max|λ| (float64), + 2⁻¹⁴⁸, except float32 on the huge
+    factor, whose top eigenvalue overflows (non-finite output: the case the float64 retry exists for)."""
+    from dtensor_muon.rules.soap import eigh_attempts
+
+    k = degenerate_factors()[name]
+    reference = torch.linalg.eigh(k.to(torch.float64)).eigenvalues
+    scale = max(reference.abs().max().item(), torch.finfo(torch.float64).tiny)
+    attempts = list(eigh_attempts(k))
+    assert [x.dtype for x, _ in attempts] == [torch.float32, torch.float64, torch.float64]
+    assert attempts[0][1] == attempts[1][1] == 0.0 and attempts[2][1] > 0.0
+    for (x, shift), tolerance in zip(attempts, (1e-6, 1e-12, 1e-12)):
+        values, vectors = torch.linalg.eigh(x)
+        if name == "rank-1 huge" and x.dtype == torch.float32:
+            assert not torch.isfinite(values).all()
+            continue
+        assert orthogonality_error(vectors) <= (1e-6 if x.dtype == torch.float32 else 1e-12)
+        assert off_diagonal(k, vectors) <= (1e-6 if x.dtype == torch.float32 else 1e-12)
+        assert (values.to(torch.float64) - shift - reference).abs().max().item() <= tolerance * scale + SUBNORMAL_STEPS
+
+
+@pytest.mark.parametrize("name", list(degenerate_factors()))
+def test_qr_basis_is_orthogonal_on_degenerate_factors(name):
+    """One power iteration and Householder QR from a random orthogonal basis: an orthogonal Q (≤ 1e-6) on every
+    finite factor, rank-deficient and zero included; the NaN factor keeps the given basis exactly."""
+    from dtensor_muon.rules.soap import qr_basis
+
+    k = degenerate_factors()[name]
+    basis = torch.linalg.qr(torch.randn(8, 8, generator=torch.Generator().manual_seed(0))).Q
+    q = qr_basis(k, basis)
+    if name in ("nan", "rank-1 huge"):  # K·Q overflows for the huge factor: the basis is kept
+        assert torch.equal(q, basis)
+    assert orthogonality_error(q) <= 1e-6
+
+
+DEGENERATE_SHAPES = [("layers.0.zero", (6, 4)), ("layers.0.rank1", (5, 7)), ("layers.0.ill", (8, 8))]
+
+
+def degenerate_first_gradients() -> list[list[Tensor]]:
+    """Three steps of gradients for DEGENERATE_SHAPES: step 1 all zero, rank 1 of size 1e-20, and with singular
+    values 1e-20 … 1; then dense N(0, 1) gradients."""
+    gen = torch.Generator().manual_seed(5)
+    u, _ = torch.linalg.qr(torch.randn(8, 8, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(8, 8, generator=gen, dtype=torch.float64))
+    first = [
+        torch.zeros(6, 4),
+        1e-20 * torch.randn(5, 1, generator=gen) @ torch.randn(1, 7, generator=gen),
+        ((u * torch.logspace(-20, 0, 8, dtype=torch.float64)) @ v.T).float(),
+    ]
+    later = [[torch.randn(shape, generator=gen) for _, shape in DEGENERATE_SHAPES] for _ in range(2)]
+    return [first, *later]
+
+
+@pytest.mark.parametrize("optimizer", [SOAP, KLSOAP, REKLS], ids=lambda o: o.__name__)
+def test_degenerate_first_gradients_step_without_error(optimizer):
+    """SOAP (defaults), KLSOAP and REKLS, three steps on one process: the first gradient of each matrix is
+    zero, rank 1 of size 1e-20, or ill-conditioned, then dense. No error; after step 1 the matrix with the zero
+    gradient has moved by weight decay only (θ₁ = θ₀·(1 − γλ) within 1 ulp: M = V = 0 give N = 0); after
+    3 steps every θ is finite and every basis orthogonal (|QᵀQ − I| ≤ 1e-5)."""
+    gen = torch.Generator().manual_seed(6)
+    named = [(name, torch.randn(shape, generator=gen).requires_grad_()) for name, shape in DEGENERATE_SHAPES]
+    p0 = [p.detach().clone() for _, p in named]
+    opt = optimizer(named)
+    group = next(g for g in opt.param_groups if g["use_muon"])
+    for step, row in enumerate(degenerate_first_gradients()):
+        for (_, p), g in zip(named, row):
+            p.grad = g.clone()
+        opt.step()
+        if step == 0:
+            shrunk = p0[0] * (1 - group["lr"] * group["weight_decay"])
+            torch.testing.assert_close(named[0][1].detach(), shrunk, rtol=1.2e-7, atol=0)
+    for name, p in named:
+        assert torch.isfinite(p).all(), name
+        for state in opt.state[p]["owner_state"].values():
+            for key in ("Q_L", "Q_R"):
+                assert orthogonality_error(state[key]) <= 1e-5, (name, key)
+
+
+@pytest.mark.parametrize("optimizer", [SOAP, KLSOAP, REKLS], ids=lambda o: o.__name__)
+def test_an_overflowing_first_gradient_does_not_raise(optimizer):
+    """The reported error, reproduced on CPU: a rank-1 first gradient of size 1e20 makes G·Gᵀ overflow float32,
+    the factors' moving average turns inf into NaN, and torch.linalg.eigh raises "failed to converge" on them
+    in float32 and float64 (so did this library's refresh before). Now three steps run without an error and each
+    basis stays a permutation of the identity (the kept step-1 basis, sorted); the parameter itself becomes NaN,
+    since Adam's V = G'² overflows too (that is ``skip_nonfinite``'s business, not the basis')."""
+    gen = torch.Generator().manual_seed(7)
+    p = torch.randn(4, 6, generator=gen).requires_grad_()
+    opt = optimizer([("layers.0.w", p)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the engine's one-time non-finite update warning
+        for step in range(3):
+            if step == 0:
+                p.grad = 1e20 * torch.randn(4, 1, generator=gen) @ torch.randn(1, 6, generator=gen)
+            else:
+                p.grad = torch.randn(4, 6, generator=gen)
+            opt.step()
+            (state,) = opt.state[p]["owner_state"].values()
+            if step == 0:
+                assert not torch.isfinite(state["L"]).all()
+                with pytest.raises(torch.linalg.LinAlgError, match="failed to converge"):
+                    torch.linalg.eigh(state["L"])
+            for key in ("Q_L", "Q_R"):
+                q = state[key]
+                assert ((q == 0) | (q == 1)).all() and torch.equal(q.sum(0), torch.ones(q.shape[0])), key
+                assert torch.equal(q.sum(1), torch.ones(q.shape[0])), key
 
 
 # ------------------------------------------------------------------------- distributed (Shard(0)) = one process

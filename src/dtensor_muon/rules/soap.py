@@ -14,14 +14,26 @@ the front end treats a parameter with empty state as frozen). Step t = 1, 2, …
    with the bases Q of the previous step (the identity on step 1) and Λ = max(diag(Qᵀ·K·Q), ε) the
    eigenvalue estimates of the factors K *before* this update, clamped below at ε = ``eps`` (Adam's ε, as
    Emerging-Optimizers does; on step 1 the factors are 0, so Λ = ε).
-2. Basis refresh on steps t with (t − 1) mod ``precondition_frequency`` = 0 (step 1 always): M is taken back
-   to the parameter's basis with the old Q and into the new one, M ← Q_Lnewᵀ·Q_Lold·M·Q_Roldᵀ·Q_Rnew; V is not
-   rotated. The new Q, per side with factor K:
+2. Basis refresh on steps t with (t − 1) mod ``precondition_frequency`` = 0 (step 1 always), per side with
+   the factor K just updated (1.) and the old basis Q_old, as Emerging-Optimizers 0.3 does for both bases (its
+   ``soap/soap.py``, ``update_eigenbasis_and_exp_avgs``): d = diag(Q_oldᵀ·K·Q_old), and the columns of Q_old
+   and V's matching axis are sorted by decreasing d (V is reordered, never rotated); then
 
-       step 1, or basis="eigh":  Q = eigh(K), columns by decreasing eigenvalue (V kept as is)
-       basis="qr":               d = diag(Q_oldᵀ·K·Q_old); the columns of Q_old and V's matching axis are
-                                 sorted by decreasing d; Q = qr(K·Q_old) (one power iteration, Householder QR)
+       step 1, or basis="eigh":  Q = eigh(K), columns by decreasing eigenvalue
+       basis="qr":               Q = qr(K·Q_old) of the sorted Q_old (one power iteration, Householder QR)
 
+   and M is taken back to the parameter's basis with the old Q and into the new one,
+   M ← Q_Lnewᵀ·Q_Lold·M·Q_Roldᵀ·Q_Rnew. The sort gives V's entry of the old column with the k-th largest d to
+   the new column of the k-th largest eigenvalue: the same direction while the factor drifts slowly. On step 1
+   V = 0 and the sort changes nothing.
+
+   A refresh never raises. eigh is tried in float32, then in float64, then in float64 on K + s·I with
+   s = 10⁻³·(|tr K|/k + 2⁻¹²⁶) (the same eigenvectors; s is taken off the eigenvalues, which may overflow to
+   ±inf in float32 when K is near float32's largest value). A K with an inf or NaN, or one on which all three
+   fail, keeps the sorted Q_old (on step 1 the identity) and d as its estimates: the basis M and V already live
+   in, so the moments stay consistent, while a NaN K says nothing about a better one. The QR refresh keeps the
+   sorted Q_old where qr(K·Q_old) is not finite; Householder QR itself does not fail on a rank-deficient (or
+   zero) K·Q_old, whose Q is orthogonal whatever the rank.
 3. Adam in the basis: G' = Q_Lᵀ·G·Q_R; M ← β₁M + (1 − β₁)G'; V ← β₂V + (1 − β₂)G'²;
    N = (M/(1 − β₁ᵗ)) / (√(V/(1 − β₂ᵗ)) + ε) (without ``correct_bias``: N = M/(√V + ε)); O = Q_L·N·Q_Rᵀ,
    scaled by min(1, ρ/(rms(O) + 1e-7)) when ``max_update_rms`` = ρ > 0 (rms over the matrix), or to an
@@ -34,10 +46,12 @@ or Λ is kept for it (with ``kl``, the other side's factor then uses Λ = 1 on i
 
 Owner state per matrix (float32 unless said): ``exp_avg`` M and ``exp_avg_sq`` V [m, n]; per preconditioned
 side ``L``/``R``, ``Q_L``/``Q_R`` and ``eig_L``/``eig_R`` (the eigenvalue estimates last computed: eigh's
-eigenvalues, the QR path's sorted d, or KL's unclamped Λ); ``step`` (int64, the steps taken).
+eigenvalues, the QR path's (or a failed eigh's) sorted d, or KL's unclamped Λ); ``step`` (int64, the steps taken).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -57,6 +71,10 @@ UPDATE_RMS_EPS = 1e-7
 """Added to the update's RMS before clipping it (Emerging-Optimizers' value)."""
 
 
+EIGH_SHIFT = 1e-3
+"""δ of the last eigh attempt on K: K + δ·(|tr K|/k + tiny)·I (see :func:`eigh_descending`)."""
+
+
 def preconditioned_sides(group: Group, shape: tuple[int, int]) -> tuple[bool, bool]:
     """(left, right): whether each side of an m×n matrix is at most ``max_preconditioner_dim`` long."""
     limit = group["max_preconditioner_dim"]
@@ -68,14 +86,37 @@ def rayleigh_diag(k: Tensor, q: Tensor) -> Tensor:
     return ((q.mT @ k) * q.mT).sum(-1)
 
 
-def eigh_descending(k: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigenvalues and eigenvectors of the symmetric K, by decreasing eigenvalue (float64 if float32 fails)."""
-    try:
-        values, vectors = torch.linalg.eigh(k)
-    except torch.linalg.LinAlgError:
-        values, vectors = torch.linalg.eigh(k.to(torch.float64))
-        values, vectors = values.to(k.dtype), vectors.to(k.dtype)
-    return values.flip(-1), vectors.flip(-1)
+def eigh_descending(k: Tensor, fallback: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Eigenvalues and eigenvectors of the symmetric K, by decreasing eigenvalue, in K's dtype; never raises.
+
+    Tried in turn until one gives finite values: eigh in K's dtype, eigh in float64, eigh in float64 of the
+    shifted K + s·I with s = ``EIGH_SHIFT``·(|tr K|/k + tiny) (its eigenvalues less s). A K with an inf or NaN,
+    or one on which all three fail, gives ``fallback`` (the identity if None) and diag(fallbackᵀ·K·fallback)."""
+    if bool(torch.isfinite(k).all()):
+        for x, offset in eigh_attempts(k):
+            try:
+                values, vectors = torch.linalg.eigh(x)
+            except torch.linalg.LinAlgError:
+                continue
+            if bool(torch.isfinite(values).all()) and bool(torch.isfinite(vectors).all()):
+                return (values - offset).to(k.dtype).flip(-1), vectors.to(k.dtype).flip(-1)
+    basis = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device) if fallback is None else fallback
+    return rayleigh_diag(k, basis), basis
+
+
+def eigh_attempts(k: Tensor) -> Iterator[tuple[Tensor, float]]:
+    """(matrix, shift) pairs for :func:`eigh_descending`, each built only when the one before has failed."""
+    yield k, 0.0
+    wide = k.to(torch.float64)
+    yield wide, 0.0
+    shift = EIGH_SHIFT * (wide.diagonal().sum().abs().item() / k.shape[-1] + torch.finfo(k.dtype).tiny)
+    yield wide + shift * torch.eye(k.shape[-1], dtype=wide.dtype, device=wide.device), shift
+
+
+def qr_basis(k: Tensor, q: Tensor) -> Tensor:
+    """The orthogonal factor of K·Q (one power iteration, Householder QR), or Q where that is not finite."""
+    q_new = torch.linalg.qr(k @ q).Q
+    return torch.where(torch.isfinite(q_new).all(), q_new, q)
 
 
 def kl_inverse(k: Tensor, q: Tensor, eps: float, other_side: int) -> tuple[Tensor, Tensor]:
@@ -198,21 +239,22 @@ class SOAPRule(MatrixRule):
                 s["R"].lerp_(g.mT @ g, weight)
 
     def refresh_basis(self, s: dict[str, Tensor], group: Group, t: int) -> None:
-        """Step 2 at step t: new bases Q_L, Q_R from the factors (eigh, or one power iteration and QR), the
-        eigenvalue estimates, and M rotated into the new basis, in place."""
+        """Step 2 at step t: V's axes sorted by the old bases' estimates d, new bases Q_L, Q_R from the factors
+        (eigh, or one power iteration and QR, from the sorted old bases), the eigenvalue estimates, and M rotated
+        into the new basis, in place; never raises (see the module formula)."""
         momentum = self._to_parameter_basis(s["exp_avg"], s)
         for side, axis in (("L", 0), ("R", 1)):
             if side not in s:
                 continue
             k, q = s[side], s[f"Q_{side}"]
+            d = rayleigh_diag(k, q)
+            order = torch.argsort(d, descending=True)
+            s["exp_avg_sq"].copy_(s["exp_avg_sq"].index_select(axis, order))
+            q_sorted = q[:, order]
             if t == 1 or group["basis"] == "eigh":
-                values, q_new = eigh_descending(k)
+                values, q_new = eigh_descending(k, fallback=q_sorted)
             else:
-                d = rayleigh_diag(k, q)
-                order = torch.argsort(d, descending=True)
-                values = d[order]
-                s["exp_avg_sq"].copy_(s["exp_avg_sq"].index_select(axis, order))
-                q_new = torch.linalg.qr(k @ q[:, order]).Q
+                values, q_new = d[order], qr_basis(k, q_sorted)
             q.copy_(q_new)
             s[f"eig_{side}"].copy_(values)
         s["exp_avg"].copy_(self._to_eigenbasis(momentum, s))
