@@ -21,8 +21,9 @@ class MOP(MatrixOptimizer):
     else B; U = P·diag(S)·Qᵀ (float32 SVD); O = P·Qᵀ; θ ← θ·(1 − γλ) − γ·(ΣS)·O (``scale="nuclear"``) or
     θ ← θ·(1 − γλ) − γ'·O with Muon's shape-scaled γ' (``scale="shape"``).
 
-    Defaults follow Emerging-Optimizers' MOP (lr 3e-4, momentum 0.95, weight_decay 0.01, no Nesterov);
-    the nuclear-norm scale is the default here (Emerging-Optimizers 0.5 scales by the shape).
+    Defaults follow Emerging-Optimizers' MOP (lr 3e-4, momentum 0.95, weight_decay 0.01, no Nesterov), the
+    nuclear-norm scale included (its ``scale_mode="nuclear_norm"`` in 0.2.0 to 0.4.0,
+    ``orthogonalized_optimizers/mop.py``).
 
     Args:
         params: tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or param groups.

@@ -18,9 +18,12 @@ class SOAP(MatrixOptimizer):
     Per matrix G (m×n), on its owner, in float32 (see :mod:`dtensor_muon.rules.soap` for the exact steps):
     L ← β_t·L + (1 − β_t)·G·Gᵀ, R ← β_t·R + (1 − β_t)·Gᵀ·G (KL-Shampoo's factors with ``kl=True``); every
     ``precondition_frequency`` steps new bases Q_L, Q_R (eigh on step 1, then one power iteration and QR, or
-    eigh with ``basis="eigh"``) with the first moment rotated into them; then Adam on G' = Q_Lᵀ·G·Q_R and
-    θ ← θ·(1 − γλ) − γ·Q_L·N·Q_Rᵀ. The order (factors, basis, Adam) and the defaults follow Emerging-Optimizers'
-    SOAP (lr 3e-3 as its SOAP had before lr became required there; weight_decay 0.1 here, 0.01 there).
+    eigh with ``basis="eigh"``), the second moment's axes first sorted by the old bases' eigenvalue estimates
+    diag(Q_oldᵀ·K·Q_old) for either basis (as Emerging-Optimizers 0.3 does) and the first moment rotated into
+    the new bases; a failing eigendecomposition never raises (float64 and shifted retries, else the old basis);
+    then Adam on G' = Q_Lᵀ·G·Q_R and θ ← θ·(1 − γλ) − γ·Q_L·N·Q_Rᵀ. The order (factors, basis, Adam) and the
+    defaults follow Emerging-Optimizers' SOAP (lr 3e-3 as its SOAP had before lr became required there;
+    weight_decay 0.1 here, 0.01 there).
 
     Args:
         params: tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or param groups.
@@ -32,7 +35,8 @@ class SOAP(MatrixOptimizer):
         eps: Adam's ε, also KL's lower clamp of the eigenvalue estimates.
         weight_decay: decoupled weight decay λ.
         precondition_frequency: steps between basis refreshes (an int ≥ 1; 1 refreshes every step).
-        basis: "qr" (power iteration and QR from the previous basis) or "eigh" (a full eigendecomposition).
+        basis: "qr" (power iteration and QR from the previous basis) or "eigh" (a full eigendecomposition; in
+            float32, retried in float64 and then shifted where it fails, else the previous basis is kept).
         kl: KL-Shampoo's factor update (arXiv 2509.03378).
         max_preconditioner_dim: sides longer than this are not preconditioned (identity basis, no factor).
             8192 by default: a side k costs 8k² + 4k bytes of state (factor and basis) and its refresh is
@@ -158,7 +162,8 @@ class KLSOAP(SOAP):
 
 class REKLS(SOAP):
     """:class:`SOAP` with KL-Shampoo's factors and a full eigendecomposition every refresh (``kl=True``,
-    ``basis="eigh"``), as Emerging-Optimizers' REKLS."""
+    ``basis="eigh"``), as Emerging-Optimizers 0.3's REKLS (its SOAP with ``use_eigh=True`` and
+    ``use_kl_shampoo=True``, ``soap/rekls.py``)."""
 
     def __init__(self, params: Iterable[Any], *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("kl", True)

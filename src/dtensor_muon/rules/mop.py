@@ -10,6 +10,8 @@ With momentum μ, gradient g, momentum buffer B, learning rate γ and weight dec
     scale "shape":   θ ← θ·(1 − γλ) − γ'·O,  γ' = Muon's adjust_lr(γ, matrix shape)
 
 A matrix with an inf or NaN gives a NaN O (the SVD would not converge); ``skip_nonfinite`` skips such steps.
+The nuclear scale is Emerging-Optimizers' MOP default (``scale_mode="nuclear_norm"``, the polar factor times
+the sum of the singular values, in 0.2.0 to 0.4.0, ``orthogonalized_optimizers/mop.py``).
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ Per m×n matrix, after Muon's B, U and O = NS(U) (:mod:`.muon`), in float32 (β�
     θ ← θ·(1 − γλ) − γ'·Ô,  γ' = Muon's adjust_lr(γ, matrix shape)
 
 This follows NorMuon (arXiv 2510.05491) with the renormalization to ‖O‖_F of its modded-nanogpt form, so
-the learning rate keeps Muon's meaning; Emerging-Optimizers' AdaptiveMuon ``"normuon"`` instead averages
-along the longer side and rescales by 1/√max(v, ε) without renormalizing. Ô is returned in O's dtype (the
-Newton–Schulz dtype), as Muon's O is.
+the learning rate keeps Muon's meaning. Emerging-Optimizers' AdaptiveMuon ``moment2_method="normuon"``
+renormalizes to ‖O‖_F too from 0.3.0 on (its PR #187, ``orthogonalized_optimizers/adaptive_muon.py``; 0.2.0
+did not), before Muon's scale; it differs in keeping one v entry per row only when m ≥ n (per column
+otherwise) and in Ô = O/√max(v, ε). Ô is returned in O's dtype (the Newton–Schulz dtype), as Muon's O is.
 """
 
 from __future__ import annotations
