@@ -166,8 +166,9 @@ class SOAPRule(MatrixRule):
     def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
         """FLOPs per step: the factor products (2m²n + 2mn² each side, KL adds 4k³ per side for Λ and
         Q·Λ⁻¹·Qᵀ and 2mn·k for the extra product), the projections G' and O (4m²n + 4mn²) and, divided by
-        ``precondition_frequency``, the refresh: the rotation of M (4m²n + 4mn²) and per side eigh (9k³) or
-        d, K·Q and QR (2k³ + 2k³ + 8k³/3). Owner bytes: 4·(2mn + 2k² + k per preconditioned side k) + 8."""
+        ``precondition_frequency``, the refresh: the rotation of M (4m²n + 4mn²) and per side d = diag(Qᵀ·K·Q)
+        for the sort (2k³), then eigh (9k³) or K·Q and QR (2k³ + 8k³/3). Owner bytes: 4·(2mn + 2k² + k per
+        preconditioned side k) + 8."""
         m, n = shape
         left, right = preconditioned_sides(group, shape)
         sides = [k for k, keep in ((m, left), (n, right)) if keep]
@@ -181,7 +182,7 @@ class SOAPRule(MatrixRule):
             flops += sum(4 * k**3 for k in sides) + 2 * mn * (m * left + n * right)
         projections = 2 * mn * (m * left + n * right)
         flops += 2 * projections
-        per_side = EIGH_FLOPS_PER_CUBE if group["basis"] == "eigh" else 4 + QR_FLOPS_PER_CUBE
+        per_side = 2 + (EIGH_FLOPS_PER_CUBE if group["basis"] == "eigh" else 2 + QR_FLOPS_PER_CUBE)
         refresh = 2 * projections + sum(per_side * k**3 for k in sides)
         flops += refresh / group["precondition_frequency"]
         state_bytes = 4 * (2 * mn + sum(2 * k * k + k for k in sides)) + 8
