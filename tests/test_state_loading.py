@@ -290,36 +290,48 @@ def test_state_of_other_shapes_raises_at_load_naming_parameter_key_and_shapes():
 
 
 # ------------------------------------------------------------------------------ switching on purpose
-def test_load_compatible_state_from_torch_adamw_keeps_adamw_moments_and_starts_matrices_fresh():
+@pytest.mark.parametrize("form", ["state_dict", "get_optimizer_state_dict", "dcp"])
+def test_load_compatible_state_from_torch_adamw_keeps_adamw_moments_and_starts_matrices_fresh(form, tmp_path):
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    for form in ("state_dict", "get_optimizer_state_dict"):
-        model = make_net()
-        source = adamw_state(model, steps=3)  # torch.optim.AdamW going on: the reference of the AdamW parameters
-        saved = copy.deepcopy(source.state_dict() if form == "state_dict" else get_optimizer_state_dict(model, source))
-        fresh_model = copy.deepcopy(model)  # a fresh Muon: the reference of the matrices
-        fresh = Muon(fresh_model.named_parameters(), **OPTIONS, **ADAMW_AS_OURS)
+    model = make_net()
+    source = adamw_state(model, steps=3)  # torch.optim.AdamW going on: the reference of the AdamW parameters
+    if form == "state_dict":
+        saved = copy.deepcopy(source.state_dict())
+    elif form == "get_optimizer_state_dict":
+        saved = copy.deepcopy(get_optimizer_state_dict(model, source))
+    else:  # saved with DCP; loaded into a template of the saved optimizer built on another copy of the model
+        dcp.save({"optim": get_optimizer_state_dict(model, source)}, checkpoint_id=tmp_path)
+        template_model = make_net(5)
+        template = {
+            "optim": get_optimizer_state_dict(template_model, torch.optim.AdamW(template_model.named_parameters()))
+        }
+        dcp.load(template, checkpoint_id=tmp_path)
+        saved = template["optim"]
+    fresh_model = copy.deepcopy(model)  # a fresh Muon: the reference of the matrices
+    fresh = Muon(fresh_model.named_parameters(), **OPTIONS, **ADAMW_AS_OURS)
 
-        switched_model = copy.deepcopy(model)
-        switched = Muon(switched_model.named_parameters(), **OPTIONS, **ADAMW_AS_OURS)
-        report = switched.load_compatible_state(saved)
-        assert report == {
-            "kept": ["embed.weight", "fc1.bias", "norm.weight", "norm.bias", "head.weight"],
-            "fresh": ["fc1.weight", "fc2.weight"],
-        }, form
-        for step in range(3, 6):
-            for m in (model, fresh_model, switched_model):
-                set_grads(m, step)
-            source.step()
-            fresh.step()
-            switched.step()
-        got = dict(switched_model.named_parameters())
-        for name, p in model.named_parameters():
-            if name in report["kept"]:
-                assert torch.equal(got[name], p), (form, name)
-        for name, p in fresh_model.named_parameters():
-            if name in report["fresh"]:
-                assert torch.equal(got[name], p), (form, name)
+    switched_model = copy.deepcopy(model)
+    switched = Muon(switched_model.named_parameters(), **OPTIONS, **ADAMW_AS_OURS)
+    report = switched.load_compatible_state(saved)
+    assert report == {
+        "kept": ["embed.weight", "fc1.bias", "norm.weight", "norm.bias", "head.weight"],
+        "fresh": ["fc1.weight", "fc2.weight"],
+    }, form
+    for step in range(3, 6):
+        for m in (model, fresh_model, switched_model):
+            set_grads(m, step)
+        source.step()
+        fresh.step()
+        switched.step()
+    got = dict(switched_model.named_parameters())
+    for name, p in model.named_parameters():
+        if name in report["kept"]:
+            assert torch.equal(got[name], p), (form, name)
+    for name, p in fresh_model.named_parameters():
+        if name in report["fresh"]:
+            assert torch.equal(got[name], p), (form, name)
 
 
 def test_load_compatible_state_between_our_optimizers_and_what_it_logs(caplog):

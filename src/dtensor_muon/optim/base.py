@@ -17,7 +17,10 @@ its own hyperparameters; this base does the rest, for whole models on one device
   step creates fresh state, as torch's optimizers do);
 - the engine (plans, transports, overlap) and checkpoints: ``copy.deepcopy`` and ``pickle`` give an
   optimizer that takes the same next step (its engine is rebuilt; overlap hooks are not copied: call
-  ``attach`` on the copy).
+  ``attach`` on the copy); ``load_state_dict`` checks the state against this optimizer's rule, routing and
+  this rank's layouts before loading anything (:meth:`MatrixOptimizer._load_problem`), and
+  :meth:`MatrixOptimizer.load_compatible_state` takes what carries over from another optimizer's state;
+- param groups: a key that is neither an option of the optimizer nor torch's or a scheduler's raises.
 """
 
 from __future__ import annotations
