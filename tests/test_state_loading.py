@@ -391,6 +391,8 @@ def test_unknown_param_group_keys_raise_naming_the_key_and_the_valid_ones():
         Muon([{"params": list(model.parameters()), "foreach": False}])
     with pytest.raises(ValueError, match=r"unknown param group key 'ns_steps'"):  # Muon's, not SOAP's
         SOAP([{"params": list(model.parameters()), "ns_steps": 3}])
+    with pytest.raises(ValueError, match=r"unknown param group key 'ns_cuda_graphs'"):  # not a keyword of SOAP's
+        SOAP([{"params": list(model.parameters()), "ns_cuda_graphs": False}])
     for key, value in [
         ("wire_dtype", torch.float32),
         ("bucket_size_mb", 8.0),

@@ -26,6 +26,7 @@ its own hyperparameters; this base does the rest, for whole models on one device
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import logging
 import re
 import warnings
@@ -271,7 +272,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             if key in valid:
                 continue
             listed = ", ".join(sorted(valid))
-            if key in ENGINE_KEYWORDS:
+            if key in ENGINE_KEYWORDS and self._takes_keyword(key):
                 raise ValueError(
                     f"{me}: param group key {key!r} is a constructor keyword, one setting for the whole optimizer: "
                     f"pass {me}(..., {key}=...) instead. Valid param group keys: {listed}"
@@ -280,6 +281,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
         require(
             not param_group.get("differentiable", False),
             f"{me}: differentiable=True is not supported (the step runs under torch.no_grad)",
+        )
+
+    def _takes_keyword(self, key: str) -> bool:
+        """Whether this front end's constructor (or one it forwards to) has the keyword ``key``."""
+        return any(
+            key in inspect.signature(cls.__init__).parameters
+            for cls in type(self).__mro__
+            if "__init__" in cls.__dict__ and issubclass(cls, MatrixOptimizer) and cls is not MatrixOptimizer
         )
 
     def _fresh_state(self, p: Tensor, use_muon: bool) -> dict[str, Tensor]:
@@ -421,16 +430,19 @@ class MatrixOptimizer(torch.optim.Optimizer):
             where = f"{me}.load_state_dict: parameter {label!r} ({rule if use_muon else 'adamw'})"
             if not isinstance(saved, dict):
                 return f"{where}: its loaded state is a {type(saved).__name__}, expected a dict. Nothing was loaded."
+            current = self.state.get(p) or self._fresh_state(p, use_muon)
             keys = list(self.rule.shard_state_keys if use_muon else adamw_rule.STATE_KEYS)
             if use_muon and self.rule.has_owner_state:
                 keys.append(OWNER_STATE_KEY)
-            if set(saved) != set(keys):
+            # a rank that computes none of the parameter's matrices may get no owner_state key at all (flattening
+            # a state dict drops an empty dict)
+            optional = OWNER_STATE_KEY in keys and not current.get(OWNER_STATE_KEY)
+            if set(saved) != set(keys) and not (optional and set(saved) == set(keys) - {OWNER_STATE_KEY}):
                 return (
                     f"{where}: the loaded state has keys {sorted(saved)}, {me} expects {sorted(keys)}: it was saved "
                     f"by another optimizer. Nothing was loaded. {switch}"
                 )
-            current = self.state.get(p) or self._fresh_state(p, use_muon)
-            for name in keys:
+            for name in [key for key in keys if key in saved]:
                 if name == OWNER_STATE_KEY:
                     problem = self._owner_state_problem(where, saved[name], current.get(name, {}), reshard)
                     if problem is not None:
