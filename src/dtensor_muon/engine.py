@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from . import consensus
 from . import metrics as metrics_lib
 from .exchange import MeshGroup, mesh_group
 from .layout import (
@@ -53,7 +54,7 @@ from .pending import PendingUpdates
 from .plan import Plan, build_plan, matrices_of
 from .rules import adamw as adamw_rule
 from .rules.base import MatrixRule
-from .step_context import OWNER_STATE_KEY, Entry, MeshWork, StepContext, local
+from .step_context import OWNER_STATE_KEY, DirectionFailure, Entry, MeshWork, StepContext, local
 from .strategies import STRATEGIES
 
 EXCHANGE_MODES = ("owner", "gather_all")
@@ -65,6 +66,18 @@ class PreflightError(RuntimeError):
     def __init__(self, entry: Entry, reason: str) -> None:
         super().__init__(f"parameter {entry.name!r}: {reason}")
         self.index = entry.index
+
+
+class StepFailedError(RuntimeError):
+    """A rule's direction raised on some rank; every rank raises this, and nothing of the step was kept."""
+
+    def __init__(self, rule: str, failure: DirectionFailure | None) -> None:
+        where = failure.describe() if failure is not None else "a matrix on a rank outside this mesh (its error says)"
+        super().__init__(
+            f"the {rule} direction failed for {where}; no rank changed anything (parameters, shard state and "
+            "owner state are as before the step)"
+        )
+        self.failure = failure
 
 
 class ConsensusGroup:
@@ -141,6 +154,15 @@ class Engine:
         self.skip_nonfinite = skip_nonfinite
         self.diagnostics_interval = diagnostics_interval
         self.overlap = overlap
+        self.options = dict(
+            wire_dtype=wire_dtype,
+            bucket_bytes=bucket_bytes,
+            exchange=exchange,
+            skip_nonfinite=skip_nonfinite,
+            diagnostics_interval=diagnostics_interval,
+            overlap=overlap,
+            ns_cuda_graphs=ns_cuda_graphs,
+        )
         # Newton–Schulz on owners: replayed from CUDA graphs where that pays (ns_graphs.py), else eager.
         self.ns_runner = NewtonSchulzGraphs() if ns_cuda_graphs else newton_schulz
         self.pending: PendingUpdates | None = None
@@ -159,7 +181,16 @@ class Engine:
 
     # ------------------------------------------------------------------ plans
     def rebuild_plans(self) -> None:
-        """(Re)build one plan per mesh and check that every rank of the mesh built the same one."""
+        """(Re)build one plan per mesh and check that every rank of the mesh has the same options, parameters
+        and hyperparameters (:mod:`.consensus`) and built the same plan."""
+        self._build_consensus_groups()
+        for group in self.consensus_groups:
+            consensus.check_same_everywhere(
+                self._describe(group.entries),
+                group.comm.group,
+                local(group.entries[0].param).device,
+                "the optimizer was built differently across ranks",
+            )
         for e in self.entries:
             if e.use_muon:
                 e.regions = apply_regions(e)
@@ -194,6 +225,9 @@ class Engine:
         self.local_shapes = {
             e.index: torch.Size(box_shape(e.layout.local_box)) for e in self.entries if isinstance(e.param, DTensor)
         }
+
+    def _build_consensus_groups(self) -> None:
+        """The DTensor parameters of each mesh of more than one rank, meshes in :func:`_mesh_order`."""
         dtensors: dict[tuple, list[Entry]] = defaultdict(list)
         for e in self.entries:
             key = _mesh_key(e.param)
@@ -205,6 +239,17 @@ class Engine:
             comm = mesh_group(entries[0].param.device_mesh, entries[0].layout.mesh_rank)
             if comm.world_size > 1:  # a one-rank mesh has nothing to agree on: no collective, no host sync
                 self.consensus_groups.append(ConsensusGroup(entries, comm))
+
+    def _describe(self, entries: list[Entry]) -> consensus.Description:
+        """What the ranks of a mesh must agree on at construction (:func:`consensus.describe_engine`)."""
+        return consensus.describe_engine(
+            self.options, [(e.name, e.param, e.use_muon) for e in entries], self._groups_of(entries)
+        )
+
+    @staticmethod
+    def _groups_of(entries: list[Entry]) -> list[dict[str, Any]]:
+        """The param groups of ``entries``, in order of first appearance."""
+        return list({id(e.group): e.group for e in entries}.values())
 
     def _tensor_parallel(self, e: Entry) -> tuple[str, TensorParallelLayout] | None:
         """(tp_mode, TP layout) of a parameter whose group computes it on a TP group, else None."""
@@ -307,13 +352,22 @@ class Engine:
             return False
         with timer.phase("redistribute"):
             self._redistribute(self.entries, grads)
-        self.steps_taken += 1
-        diagnostics = self.diagnostics_interval > 0 and self.steps_taken % self.diagnostics_interval == 0
+        step_number = self.steps_taken + 1
+        diagnostics = self.diagnostics_interval > 0 and step_number % self.diagnostics_interval == 0
         stats = metrics_lib.StepStats(sample_orthogonality=diagnostics)
-        with timer.phase("adamw"):
-            self._adamw_step(grads, active, stats, diagnostics)
+        transactional = bool(self.consensus_groups)
         ctx = StepContext(
-            self.rule, self.entries, self.state, grads, active, stats, timer, self.ns_runner, self.bucket_bytes
+            self.rule,
+            self.entries,
+            self.state,
+            grads,
+            active,
+            stats,
+            timer,
+            self.ns_runner,
+            self.bucket_bytes,
+            transactional=transactional,
+            hold_backs=transactional and self.overlap,
         )
         with timer.phase("prepare"):
             self._prepare(ctx)
@@ -321,6 +375,20 @@ class Engine:
         for work in self.meshes:
             for strategy in STRATEGIES:
                 backs.extend(strategy(ctx, work))
+        with timer.phase("outcome"):
+            try:
+                self._agree_on_outcome(ctx)
+            except StepFailedError:
+                for back in backs:  # in flight without overlap: let them land (they are never applied)
+                    if back.exchange is not None:
+                        back.exchange.wait()
+                raise
+        ctx.commit()
+        self.steps_taken = step_number
+        with timer.phase("adamw"):
+            self._adamw_step(grads, active, stats, diagnostics)
+        for back in backs:
+            back.start()
         self.pending = PendingUpdates(list(ctx.updates), backs, ctx.apply)
         if not self.overlap:
             with timer.phase("finish"):
@@ -331,6 +399,31 @@ class Engine:
         self._unchecked_stats = stats
         self._report_nonfinite(wait=False)  # at once on the CPU
         return True
+
+    def _agree_on_outcome(self, ctx: StepContext) -> None:
+        """Raise :class:`StepFailedError` on every rank if a direction failed on any rank (nothing kept).
+
+        One all-reduce (MAX) of a failure flag per mesh, in the consensus order, after every direction of the
+        step; only when it is set do the ranks gather the failure (``all_gather_object`` on the last mesh) to
+        name the matrix, its owner and the error. Without overlap the return exchanges are already in flight
+        (they carry zeros from a failed owner and are never applied); with overlap they are launched after
+        this agreement, so each update still lands in the next forward.
+        """
+        if not ctx.transactional:
+            return
+        flag = int(ctx.failure is not None)
+        for group in self.consensus_groups:
+            t = torch.tensor([flag], dtype=torch.int64, device=local(group.entries[0].param).device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.comm.group)
+            flag = int(t.item())
+        if not flag:
+            return
+        ctx.discard()
+        last = self.consensus_groups[-1].comm
+        failures: list[DirectionFailure | None] = [None] * last.world_size
+        dist.all_gather_object(failures, ctx.failure, group=last.group)
+        failure = ctx.failure or next((f for f in failures if f is not None), None)
+        raise StepFailedError(self.rule.name, failure) from ctx.exception
 
     def _report_nonfinite(self, wait: bool) -> None:
         """Warn (once per engine) if the last checked step's Newton–Schulz output of some matrix was not finite.
@@ -401,6 +494,17 @@ class Engine:
                     raise PreflightError(e, "sparse gradients are not supported")
                 if g.shape != e.param.shape:
                     raise PreflightError(e, f"gradient shape {tuple(g.shape)} != {tuple(e.param.shape)}")
+                if g.dtype != e.param.dtype:
+                    raise PreflightError(
+                        e,
+                        f"gradient dtype {g.dtype} != parameter dtype {e.param.dtype} (a param.grad_dtype or an "
+                        "autocast that leaves the gradient in another dtype); cast the gradient to the "
+                        "parameter's dtype before step()",
+                    )
+                if local(g).device != local(e.param).device:
+                    raise PreflightError(
+                        e, f"gradient device {local(g).device} != parameter device {local(e.param).device}"
+                    )
                 if isinstance(e.param, DTensor) != isinstance(g, DTensor) or (
                     isinstance(g, DTensor) and g.device_mesh != e.param.device_mesh
                 ):
@@ -412,9 +516,9 @@ class Engine:
                     continue
             expected = self.local_shapes.get(e.index)
             if expected is not None:  # _local_tensor: what to_local() returns, without its 2-3 us of checks
-                if e.param._local_tensor.shape != expected:
+                if not _same_piece(e.param._local_tensor.shape, expected):
                     raise _wrong_piece(e, "parameter", e.param)
-                if g is not None and g._local_tensor.shape != expected:
+                if g is not None and not _same_piece(g._local_tensor.shape, expected):
                     raise _wrong_piece(e, "gradient", g)
             grads[e.index] = g
         return grads
@@ -450,10 +554,13 @@ class Engine:
         """Which parameters got a gradient on any rank, whether any rank saw inf/NaN, and which parameter
         (index, global rank) failed the local checks on some rank (None when none did).
 
-        One small all-reduce (MAX) per mesh of [has-grad flags…, s, −s, mismatch flag, non-finite flag, failure
-        code], meshes in increasing size so the last (largest) carries every flag to every rank; s digests which
-        gradients this rank redistributes from which placements, and max(s) ≠ min(s) means the ranks differ
-        (they would run different collectives): every rank then raises instead. The failure code is
+        One small all-reduce (MAX) per mesh of [has-grad flags…, s, −s, h, −h, mismatch flags ×2, non-finite
+        flag, failure code], meshes in increasing size so the last (largest) carries every flag to every rank;
+        s digests which gradients this rank redistributes from which placements, and max(s) ≠ min(s) means the
+        ranks differ (they would run different collectives): every rank then raises instead. h digests the
+        mesh's param groups' current hyperparameters (:func:`consensus.describe_groups`: a scheduler may have
+        changed ``lr`` on one rank only); when they differ every rank raises naming the option and its values.
+        The failure code is
         ``(index + 1)·2³² + global rank`` of a failing rank's parameter (0: none), so every rank can name it.
         A rank whose local checks failed still joins, so the others learn of it instead of waiting in the
         exchange.
@@ -468,24 +575,34 @@ class Engine:
         if failure is not None:
             code = ((failure.index + 1) << 32) + (dist.get_rank() if dist.is_initialized() else 0)
         active = {i for i, g in grads.items() if g is not None}
-        mismatch = 0
+        mismatch = hyper_mismatch = 0
         for group in self.consensus_groups:
             entries = group.entries
             signature = self._redistribution_signature(entries) if failure is None else 0
+            hyper = consensus.digest(consensus.describe_groups(self._groups_of(entries)))
             flags = torch.tensor(
-                [int(e.index in active) for e in entries] + [signature, -signature, mismatch, int(nonfinite), code],
+                [int(e.index in active) for e in entries]
+                + [signature, -signature, hyper, -hyper, mismatch, hyper_mismatch, int(nonfinite), code],
                 dtype=torch.int64,
             )
             flags = flags.to(local(entries[0].param).device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.comm.group)
             flags = flags.cpu()
-            for e, flag in zip(entries, flags[:-5].tolist()):
+            for e, flag in zip(entries, flags[:-8].tolist()):
                 if flag:
                     active.add(e.index)
-            highest, negated_lowest = int(flags[-5]), int(flags[-4])
-            mismatch = int(bool(flags[-3]) or highest != -negated_lowest)
+            highest, negated_lowest, hyper_highest, hyper_negated_lowest = (int(x) for x in flags[-8:-4])
+            mismatch = int(bool(flags[-4]) or highest != -negated_lowest)
+            hyper_mismatch = int(bool(flags[-3]) or hyper_highest != -hyper_negated_lowest)
             nonfinite, code = bool(flags[-2]), int(flags[-1])
         failed = ((code >> 32) - 1, code & 0xFFFFFFFF) if code else None
+        if hyper_mismatch and failed is None:
+            group = self.consensus_groups[-1]
+            consensus.raise_difference(
+                consensus.describe_groups(self._groups_of(self.entries)),
+                group.comm.group,
+                "the param groups' hyperparameters differ across ranks at this step",
+            )
         if mismatch and failed is None:
             mine = [self.entries[i].name for i in self._redistributed]
             raise RuntimeError(
@@ -540,6 +657,12 @@ class Engine:
                 ctx.inputs[e.index] = ctx.prepare(e)
                 ctx.updates[e.index] = torch.empty_like(local(e.param), dtype=self.update_dtype(work, e))
                 ctx.scalars[e.index] = self.rule.scalars(e.group, e.regions)
+
+
+def _same_piece(shape: torch.Size, expected: torch.Size) -> bool:
+    """A local piece has the expected shape; every empty piece is a valid empty piece (FSDP2 gives the empty
+    piece of an N×0 parameter the shape (0, 0))."""
+    return shape == expected or (shape.numel() == 0 and expected.numel() == 0)
 
 
 def _wrong_piece(e: Entry, what: str, t: DTensor) -> PreflightError:

@@ -20,12 +20,18 @@ from .exchange import PendingExchange
 
 @dataclass
 class BackExchange:
-    """One bucket's return exchange, in flight until ``unpack`` has copied what it received."""
+    """One bucket's return exchange: ``launch`` starts it (:meth:`start`), ``unpack`` copies what it received."""
 
-    exchange: PendingExchange
+    launch: Callable[[], PendingExchange]
     param_indices: tuple[int, ...]
     unpack: Callable[[dict[int, Tensor]], None]
+    exchange: PendingExchange | None = None
     unpacked: bool = False
+
+    def start(self) -> None:
+        """Launch the exchange (once)."""
+        if self.exchange is None:
+            self.exchange = self.launch()
 
 
 class PendingUpdates:
@@ -48,6 +54,8 @@ class PendingUpdates:
                 continue
             for back in self.backs_of.get(index, []):
                 if not back.unpacked:
+                    back.start()
+                    assert back.exchange is not None
                     back.unpack(back.exchange.wait())
                     back.unpacked = True
             self.apply(index)

@@ -2,8 +2,14 @@
 
 The engine builds one :class:`StepContext` per step; each strategy (:mod:`dtensor_muon.strategies`) reads
 the prepared inputs from it, computes its units with :meth:`StepContext.compute` (the rule's ``direction``
-on whole matrices, batched as the plan's units say), and writes each parameter's received update with
-:meth:`StepContext.write_update` or applies a fully local parameter's update at once.
+on whole matrices, batched as the plan's units say), and writes each parameter's received update into its
+update buffer or hands a fully local parameter's update to :meth:`StepContext.apply_local`.
+
+A *transactional* step (any parameter on a mesh of more than one rank) changes nothing until every rank
+has computed its directions: ``prepare`` leaves the shard state as it is, each unit's direction works on a
+copy of its owner state, a failing direction is recorded (:attr:`StepContext.failure`) instead of raised
+(the rank still takes part in every exchange, sending zeros), and fully local updates wait. The engine then
+agrees on the outcome across ranks and either :meth:`StepContext.commit` s all of it or drops all of it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -46,6 +53,21 @@ class Entry:
     regions: list[tuple[tuple[slice, ...] | None, tuple[int, int]]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class DirectionFailure:
+    """A direction that raised: the matrix (the first of its unit), the unit's size, the global rank it ran
+    on and the error, as ``"Type: message"``."""
+
+    matrix: str
+    unit_size: int
+    rank: int
+    error: str
+
+    def describe(self) -> str:
+        others = f" (and the {self.unit_size - 1} other matrices of its batch)" if self.unit_size > 1 else ""
+        return f"matrix {self.matrix!r}{others} on its owner, global rank {self.rank}: {self.error}"
+
+
 @dataclass
 class MeshWork:
     """The matrix-rule parameters of one mesh, their plan and the group their exchanges run on."""
@@ -73,6 +95,9 @@ class StepContext:
         timer: PhaseTimer,
         runner: NewtonSchulzRunner,
         bucket_bytes: int,
+        *,
+        transactional: bool = False,
+        hold_backs: bool = False,
     ) -> None:
         self.rule = rule
         self.entries = entries
@@ -86,13 +111,30 @@ class StepContext:
         self.inputs: dict[int, Tensor] = {}
         self.updates: dict[int, Tensor] = {}
         self.scalars: dict[int, ApplyScalars] = {}
+        self.transactional = transactional
+        self.hold_backs = hold_backs
+        """Leave the return exchanges unlaunched until the engine has agreed on the outcome (overlap mode)."""
+        self.failure: DirectionFailure | None = None
+        self.exception: BaseException | None = None
+        self._prepared: list[Entry] = []
+        self._staged: list[tuple[MatrixSpec, dict[str, Tensor]]] = []
+        self._local_updates: list[tuple[Entry, Tensor, Tensor, tuple[int, int]]] = []
 
-    def prepare(self, e: Entry) -> Tensor:
-        """U on this rank's shard of parameter ``e`` (updating its shard state in place)."""
+    def _shard_inputs(self, e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
         g = self.grads[e.index]
         grad = local(g) if g is not None else torch.zeros_like(local(e.param))
-        shard_state = {key: local(self.state[e.param][key]) for key in self.rule.shard_state_keys}
-        return self.rule.prepare(grad, shard_state, e.group)
+        return grad, {key: local(self.state[e.param][key]) for key in self.rule.shard_state_keys}
+
+    def prepare(self, e: Entry) -> Tensor:
+        """U on this rank's shard of parameter ``e``; its shard state advances now, or at :meth:`commit` in a
+        transactional step."""
+        grad, shard_state = self._shard_inputs(e)
+        u = self.rule.prepare(grad, shard_state, e.group)
+        if self.transactional:
+            self._prepared.append(e)
+        else:
+            self.rule.advance(grad, shard_state, e.group)
+        return u
 
     def owner_state(self, spec: MatrixSpec) -> dict[str, Tensor]:
         """The owner state of one matrix ({} for rules without owner state)."""
@@ -107,8 +149,23 @@ class StepContext:
         first = self.entries[jobs[0][0].param_index]
         mats = [u.reshape(spec.shape) for spec, u in jobs]
         stacked = mats[0] if len(mats) == 1 else torch.stack(mats)
+        if self.failure is not None:  # the step fails anyway: keep the exchanges going, skip the work
+            return [torch.zeros_like(m) for m in mats]
         states = [self.owner_state(spec) for spec, _ in jobs]
-        out = self.rule.direction(stacked, states, first.group, self.runner)
+        staged = self.transactional and self.rule.has_owner_state
+        if staged:
+            states = [{name: t.clone() for name, t in s.items()} for s in states]
+        try:
+            out = self.rule.direction(stacked, states, first.group, self.runner)
+        except Exception as exc:
+            if not self.transactional:
+                raise
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.failure = DirectionFailure(jobs[0][0].name, len(jobs), rank, f"{type(exc).__name__}: {exc}")
+            self.exception = exc
+            return [torch.zeros_like(m) for m in mats]
+        if staged:
+            self._staged.extend((spec, s) for (spec, _), s in zip(jobs, states))
         outs = [out] if len(mats) == 1 else list(out.unbind(0))
         for (spec, _), o in zip(jobs, outs):
             e = self.entries[spec.param_index]
@@ -121,8 +178,28 @@ class StepContext:
         return self.rule.input_dtype(self.entries[spec.param_index].group).itemsize
 
     def apply_local(self, e: Entry, target: Tensor, o: Tensor, shape: tuple[int, int]) -> None:
-        """Apply one matrix's update to its region ``target`` of a fully local parameter, at once."""
-        self.rule.apply_region(target, o.reshape(target.shape), e.group, shape)
+        """Apply one matrix's update to its region ``target`` of a fully local parameter: at once, or at
+        :meth:`commit` in a transactional step."""
+        if self.transactional:
+            self._local_updates.append((e, target, o, shape))
+        else:
+            self.rule.apply_region(target, o.reshape(target.shape), e.group, shape)
+
+    def commit(self) -> None:
+        """Keep what a transactional step computed: the owner states' new values, the shard states' advance,
+        the fully local updates (in the order they were computed)."""
+        for spec, s in self._staged:
+            self.state[self.entries[spec.param_index].param][OWNER_STATE_KEY][spec.key] = s
+        for e in self._prepared:
+            grad, shard_state = self._shard_inputs(e)
+            self.rule.advance(grad, shard_state, e.group)
+        for e, target, o, shape in self._local_updates:
+            self.rule.apply_region(target, o.reshape(target.shape), e.group, shape)
+        self.discard()
+
+    def discard(self) -> None:
+        """Drop what a transactional step computed (nothing of it was kept)."""
+        self._prepared, self._staged, self._local_updates = [], [], []
 
     def apply(self, index: int) -> None:
         """Apply parameter ``index``'s complete update with the scalars captured when the step ran."""

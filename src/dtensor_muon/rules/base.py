@@ -3,10 +3,12 @@
 A step of a matrix rule on one matrix W (a 2-D parameter, one expert, or one view of a fused parameter):
 
 1. ``prepare`` on each rank's shard, element-wise: reads the gradient and the **shard state** (e.g. the
-   momentum buffer, kept in the parameter's layout), returns the matrix input U (a shard of it);
+   momentum buffer, kept in the parameter's layout), returns the matrix input U (a shard of it) without
+   changing the state; ``advance`` writes the state's change once the step is known to succeed everywhere;
 2. ``direction`` on the matrix's owner, on the whole U (a batch of same-key matrices ``[B, m, n]`` or one
    ``[m, n]``): returns the direction O and may read and write the **owner state** of each matrix (state
-   that only makes sense whole, kept on the owner and saved under the matrix's name);
+   that only makes sense whole, kept on the owner and saved under the matrix's name; the engine hands it
+   a copy when other ranks could still fail, and keeps the copy only if every rank succeeds);
 3. ``apply`` on each rank's shard, element-wise: θ ← θ·(1 − γλ) − γ'·O with the scalars captured at step
    time by ``scalars`` (γ' per matrix: a fused parameter's views may have different shapes).
 
@@ -83,7 +85,12 @@ class MatrixRule(ABC):
 
     @abstractmethod
     def prepare(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
-        """U on a shard (may update the shard state in place)."""
+        """U on a shard, from the shard state as it was before the step (which it must not change)."""
+
+    @abstractmethod
+    def advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> None:
+        """The step's change of the shard state, in place, once every rank's directions succeeded: the same
+        operations :meth:`prepare` ran out of place, so the state takes the bits U was computed from."""
 
     @abstractmethod
     def direction(

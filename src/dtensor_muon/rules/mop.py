@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
-from .muon import adjusted_lr, momentum_input
+from .muon import adjusted_lr, advance_momentum, momentum_input
 
 MOP_SCALES = ("nuclear", "shape")
 
@@ -59,6 +59,9 @@ class MOPRule(MatrixRule):
 
     def prepare(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
         return momentum_input(grad, shard_state["momentum_buffer"], group["momentum"], group["nesterov"])
+
+    def advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> None:
+        advance_momentum(grad, shard_state["momentum_buffer"], group["momentum"])
 
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner

@@ -35,9 +35,15 @@ def ns_iteration_flops(shape: tuple[int, int]) -> int:
 
 
 def momentum_input(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
-    """Update the momentum buffer in place and return U (see the module formula)."""
+    """U from the step's B (see the module formula), leaving the momentum buffer as it is."""
+    advanced = momentum_buffer.lerp(grad, 1 - momentum)
+    return grad.lerp(advanced, momentum) if nesterov else advanced
+
+
+def advance_momentum(grad: Tensor, momentum_buffer: Tensor, momentum: float) -> None:
+    """B ← B + (1 − μ)·(g − B) in place: the same operation :func:`momentum_input` runs out of place, so the
+    buffer gets the bits U was computed from."""
     momentum_buffer.lerp_(grad, 1 - momentum)
-    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
 
 
 def adjusted_lr(lr: float | Tensor, adjust_lr_fn: AdjustLrFn, matrix_shape: tuple[int, int]) -> float | Tensor:
@@ -78,6 +84,9 @@ class MuonRule(MatrixRule):
 
     def prepare(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
         return momentum_input(grad, shard_state["momentum_buffer"], group["momentum"], group["nesterov"])
+
+    def advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> None:
+        advance_momentum(grad, shard_state["momentum_buffer"], group["momentum"])
 
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner

@@ -192,8 +192,10 @@ class SOAPRule(MatrixRule):
         return torch.float32
 
     def prepare(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
-        shard_state["step"].add_(1)
         return grad.to(torch.float32)
+
+    def advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> None:
+        shard_state["step"].add_(1)
 
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner

@@ -36,7 +36,8 @@ def exchange_buckets(
     unpack_back: Callable[[StepContext, MeshWork, list[MatrixRoute], dict[int, Tensor]], None],
 ) -> list[BackExchange]:
     """Every bucket's exchange out launched at once, then per bucket: wait, compute, launch the exchange back
-    (left in flight as a :class:`BackExchange` that ``unpack_back`` completes). Shared by the owned and the
+    (left in flight as a :class:`BackExchange` that ``unpack_back`` completes; with ``ctx.hold_backs`` left
+    for the engine to launch once every rank's directions succeeded). Shared by the owned and the
     tensor-parallel strategies, which differ in what they send, compute and send back."""
     if not buckets:
         return []
@@ -51,9 +52,15 @@ def exchange_buckets(
             outputs = compute(ctx, work, bucket, received, device)
         with ctx.timer.phase("exchange_back_launch"):
             routes = active_routes(ctx, work, bucket)
-            back = launch_back(ctx, work, routes, outputs, device)
             indices = tuple(dict.fromkeys(r.spec.param_index for r in routes))
-            backs.append(BackExchange(back, indices, lambda got, routes=routes: unpack_back(ctx, work, routes, got)))
+            back = BackExchange(
+                lambda routes=routes, outputs=outputs: launch_back(ctx, work, routes, outputs, device),
+                indices,
+                lambda got, routes=routes: unpack_back(ctx, work, routes, got),
+            )
+            if not ctx.hold_backs:
+                back.start()
+            backs.append(back)
     return backs
 
 
