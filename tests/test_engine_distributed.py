@@ -65,8 +65,9 @@ def test_wire_dtype_none_and_small_buckets_equal_single_process(reference):
 
 
 def test_float32_newton_schulz_refuses_bf16_wire_and_matches_with_fp32_wire():
-    with pytest.raises(Exception, match="wire_dtype"):  # raised in the workers, re-raised by spawn
-        run_distributed(scenarios.train_steps, 2, "shard0", 1, {"ns_dtype": torch.float32})
+    with pytest.raises(Exception, match="wire_dtype"):  # raised in the workers, re-raised here
+        # fresh processes: a call that raises ends its pool, and the shared one is kept for the others
+        run_distributed(scenarios.train_steps, 2, "shard0", 1, {"ns_dtype": torch.float32}, fresh=True)
     reference = scenarios.reference_run(STEPS, ns_dtype=torch.float32)
     results = run_distributed(
         scenarios.train_steps, 2, "shard0", STEPS, {"ns_dtype": torch.float32, "wire_dtype": None}

@@ -6,61 +6,22 @@ fails the test (the processes are killed) instead of hanging it.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 import warnings
-from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import scenarios
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_harness import run_distributed
 from torch import nn
 
 from dtensor_muon import Muon
 
 PROCESS_GROUP_TIMEOUT_S = 60  # a collective that waits longer than this raises (gloo's own timeout)
-DEADLINE_S = 300  # spawn, import, run: every rank must have finished by then
+DEADLINE_S = 300  # every rank must have finished by then
 STEP_BOUND_S = 20  # a failing step must have raised on every rank within this
-
-
-def _bounded_worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args: tuple) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
-    )
-    torch.save(fn(rank, world_size, *args), os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def run_bounded(fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: float = DEADLINE_S) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; fails if any is still running at the deadline."""
-    with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(
-            _bounded_worker,
-            args=(world_size, os.path.join(tmp, "init"), tmp, fn, args),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        end = time.monotonic() + deadline_s
-        while not context.join(timeout=max(0.0, end - time.monotonic())):
-            if time.monotonic() >= end:
-                running = [r for r, p in enumerate(context.processes) if p.is_alive()]
-                for p in context.processes:
-                    if p.is_alive():
-                        p.kill()
-                pytest.fail(f"ranks {running} still running after {deadline_s} s: a hang")
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
 def wrong_local_piece(rank: int, world_size: int) -> dict[str, Any]:
@@ -93,7 +54,10 @@ def wrong_local_piece(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_wrong_local_gradient_piece_raises_on_every_rank_naming_the_parameter():
-    results = run_bounded(wrong_local_piece, 3)
+    # fresh processes: a rank whose step failed may have left its peers' collectives out of step
+    results = run_distributed(
+        wrong_local_piece, 3, timeout=DEADLINE_S, fresh=True, pg_timeout_s=PROCESS_GROUP_TIMEOUT_S
+    )
     for rank, r in enumerate(results):
         for name in ("layers.0.attention.wq", "layers.0.bias"):
             is_runtime_error, message, seconds = r[name]
@@ -228,7 +192,7 @@ def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_nonfinite_update_on_two_fsdp_ranks_is_counted_by_its_owner():
-    results = run_bounded(nonfinite_on_one_rank, 2)
+    results = run_distributed(nonfinite_on_one_rank, 2, timeout=DEADLINE_S)
     step0, step1 = [r[0] for r in results], [r[1] for r in results]
     assert all(s["nonfinite"] == 0 and not s["warnings"] and not s["nan"] for s in step0)
     assert sum(s["nonfinite"] for s in step1) == 1  # the matrix is orthogonalized on its owner only
@@ -280,7 +244,7 @@ def exchange_handles_after_step(rank: int, world_size: int) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_no_exchange_work_is_kept_after_the_step_or_the_flush():
-    for r in run_bounded(exchange_handles_after_step, 2):
+    for r in run_distributed(exchange_handles_after_step, 2, timeout=DEADLINE_S):
         assert r["launched overlap=False"] > 0 and r["alive after step overlap=False"] == 0, r
         assert r["alive after step overlap=True"] > 0, r  # the return exchanges are still in flight
         assert r["alive after flush overlap=True"] == 0, r
