@@ -4,9 +4,10 @@ Every key is rank-local (what this rank did; no extra collective). "Typical" val
 torchtitan's Llama3 debugmodel (dim 256, 6 layers, vocab 2048; batch 4 × 256; lr 1e-2, Keller's
 coefficients, ``adjust_lr_fn="match_rms_adamw"``) on one CPU process.
 
-- ``muon/time_<phase>_ms``: host wall time of each phase (preflight, consensus, adamw, prepare,
-  local_compute, exchange_out_launch, exchange_out_wait, owner_compute, exchange_back_launch, finish;
-  gather_all with ``exchange="gather_all"``). On CUDA it is launch time, not GPU time.
+- ``muon/time_<phase>_ms``: host wall time of each phase (preflight, consensus, redistribute, prepare,
+  local_compute, exchange_out_launch, exchange_out_wait, owner_compute, exchange_back_launch, outcome (the
+  agreement that every rank's directions succeeded: it waits for them), adamw, finish; gather_all with
+  ``exchange="gather_all"``). On CUDA it is launch time, not GPU time, except for outcome.
 - ``muon/time_step_ms``: their sum. ``muon/time_deferred_finish_ms`` (``overlap=True``): time spent applying
   the previous step's updates in forward pre-hooks and flushes.
 - ``muon/bytes_sent``: bytes this rank put on the wire (exchange out + back); 0 on one rank.

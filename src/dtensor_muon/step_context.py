@@ -129,12 +129,10 @@ class StepContext:
         """U on this rank's shard of parameter ``e``; its shard state advances now, or at :meth:`commit` in a
         transactional step."""
         grad, shard_state = self._shard_inputs(e)
-        u = self.rule.prepare(grad, shard_state, e.group)
-        if self.transactional:
-            self._prepared.append(e)
-        else:
-            self.rule.advance(grad, shard_state, e.group)
-        return u
+        if not self.transactional:
+            return self.rule.prepare_and_advance(grad, shard_state, e.group)
+        self._prepared.append(e)
+        return self.rule.prepare(grad, shard_state, e.group)
 
     def owner_state(self, spec: MatrixSpec) -> dict[str, Tensor]:
         """The owner state of one matrix ({} for rules without owner state)."""

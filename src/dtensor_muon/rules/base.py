@@ -92,6 +92,13 @@ class MatrixRule(ABC):
         """The step's change of the shard state, in place, once every rank's directions succeeded: the same
         operations :meth:`prepare` ran out of place, so the state takes the bits U was computed from."""
 
+    def prepare_and_advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
+        """:meth:`prepare` and :meth:`advance` at once, for a step that keeps whatever it computes (one
+        process); a rule may fuse them (fewer passes over the state), giving the same bits."""
+        u = self.prepare(grad, shard_state, group)
+        self.advance(grad, shard_state, group)
+        return u
+
     @abstractmethod
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner

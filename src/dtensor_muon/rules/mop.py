@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
-from .muon import adjusted_lr, advance_momentum, momentum_input
+from .muon import adjusted_lr, advance_momentum, advance_momentum_to_input, momentum_input
 
 MOP_SCALES = ("nuclear", "shape")
 
@@ -62,6 +62,9 @@ class MOPRule(MatrixRule):
 
     def advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> None:
         advance_momentum(grad, shard_state["momentum_buffer"], group["momentum"])
+
+    def prepare_and_advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
+        return advance_momentum_to_input(grad, shard_state["momentum_buffer"], group["momentum"], group["nesterov"])
 
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner

@@ -46,6 +46,12 @@ def advance_momentum(grad: Tensor, momentum_buffer: Tensor, momentum: float) -> 
     momentum_buffer.lerp_(grad, 1 - momentum)
 
 
+def advance_momentum_to_input(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """:func:`advance_momentum`, then U from the advanced buffer: :func:`momentum_input`'s bits in two passes."""
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+
+
 def adjusted_lr(lr: float | Tensor, adjust_lr_fn: AdjustLrFn, matrix_shape: tuple[int, int]) -> float | Tensor:
     """γ' for a matrix of shape (A, B): "original" √max(1, A/B), "match_rms_adamw" 0.2·√max(A, B), or a callable."""
     rows, cols = matrix_shape
@@ -87,6 +93,9 @@ class MuonRule(MatrixRule):
 
     def advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> None:
         advance_momentum(grad, shard_state["momentum_buffer"], group["momentum"])
+
+    def prepare_and_advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
+        return advance_momentum_to_input(grad, shard_state["momentum_buffer"], group["momentum"], group["nesterov"])
 
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner
