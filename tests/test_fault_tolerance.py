@@ -229,7 +229,8 @@ def mismatched_options(rank: int, world_size: int) -> dict[str, Any]:
         params = model.named()
         if rank == 1 and drop_norm:
             params = [(n, p) for n, p in params if n != "norm.weight"]
-        errors[case] = attempt(lambda: Muon(params, **{**OPTIONS, **(different if rank == 1 else {})}))
+        options = {**OPTIONS, **(different if rank == 1 else {})}
+        errors[case] = attempt(lambda params=params, options=options: Muon(params, **options))
     model = sharded_model()
     params = model.named()
     opt = Muon(params, **OPTIONS)
