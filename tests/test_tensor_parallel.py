@@ -2,6 +2,7 @@
 giving ``_StridedShard``, experts over an ``ep`` mesh dim): the optimizer equals one process fed the same
 gathered gradients, bit for bit, in the default owned mode."""
 
+import functools
 import os
 import tempfile
 
@@ -18,6 +19,12 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 
 
+@functools.cache
+def dense_run(kind: str, world_size: int, tp_mode: str) -> list[dict]:
+    """``tp_scenarios.dense_training`` for STEPS steps without options, run once and shared by the tests."""
+    return run_distributed(tp_scenarios.dense_training, world_size, kind, STEPS, {}, tp_mode)
+
+
 def assert_bitwise(results: list[dict]) -> None:
     for rank, result in enumerate(results):
         for step, diffs in enumerate(result["history"]):
@@ -30,7 +37,7 @@ def assert_bitwise(results: list[dict]) -> None:
     [("tp", 2, False), ("fsdp_tp", 4, True), ("fsdp_tp", 8, True), ("hsdp_tp", 8, True)],
 )
 def test_dense_tensor_parallel_equals_one_process(kind, world_size, strided):
-    results = run_distributed(tp_scenarios.dense_training, world_size, kind, STEPS, {})
+    results = dense_run(kind, world_size, "owned")
     assert_bitwise(results)
     placements = results[0]["placements"]
     # the layouts the test means to cover: TP's Replicate norms (Partial gradients), FSDP over TP's strided rows
@@ -63,20 +70,21 @@ def test_experts_over_ep_and_tp_equal_one_process(world_size, tp_mode, fsdp, w1_
 
 @pytest.mark.parametrize("kind, world_size", [("tp", 2), ("fsdp_tp", 4)])
 def test_blockwise_equals_one_process_per_tp_block(kind, world_size):
-    results = run_distributed(tp_scenarios.dense_training, world_size, kind, STEPS, {}, "blockwise")
+    results = dense_run(kind, world_size, "blockwise")
     assert_bitwise(results)
 
 
 def test_blockwise_differs_from_the_whole_matrix_polar_factor():
-    """The approximation is real: per-block updates are not the owned (whole-matrix) ones."""
-    owned = run_distributed(tp_scenarios.dense_training, 2, "tp", 1, {}, "owned")
-    blockwise = run_distributed(tp_scenarios.dense_training, 2, "tp", 1, {}, "blockwise")
-    assert owned[0]["params"]["layers.0.w1.weight"].ne(blockwise[0]["params"]["layers.0.w1.weight"]).any()
+    """The approximation is real: per-block updates are not the owned (whole-matrix) ones (after the first step
+    of the runs the tests above check against one process)."""
+    owned = dense_run("tp", 2, "owned")[0]["first_step_params"]["layers.0.w1.weight"]
+    blockwise = dense_run("tp", 2, "blockwise")[0]["first_step_params"]["layers.0.w1.weight"]
+    assert owned.ne(blockwise).any()
 
 
 @pytest.mark.parametrize("kind, world_size", [("tp", 2), ("fsdp_tp", 4), ("hsdp_tp", 8)])
 def test_duplicated_equals_one_process(kind, world_size):
-    results = run_distributed(tp_scenarios.dense_training, world_size, kind, STEPS, {}, "duplicated")
+    results = dense_run(kind, world_size, "duplicated")
     assert_bitwise(results)
 
 

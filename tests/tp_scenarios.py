@@ -157,20 +157,24 @@ def dense_training(
     rank: int, world_size: int, kind: str, steps: int, options: dict[str, Any], tp_mode: str = "owned"
 ) -> dict[str, Any]:
     """Train the dense model ``steps`` steps with ``tp_mode``; per step, the max difference of each parameter
-    to the one-process reference (per TP block for "blockwise"), and each parameter's placements."""
+    to the one-process reference (per TP block for "blockwise"); each parameter's placements, and the whole
+    parameters after the first step and at the end."""
     model = build_dense(kind, world_size)
     params = dict(model.named_parameters())
     ref, ref_opt = _reference(params, options, tp_block_splits(params) if tp_mode == "blockwise" else None)
     opt = Muon([{"params": list(params.items()), "tp_mode": tp_mode}], **{**OPTIONS, **options})
-    history = []
+    history, first_step_params = [], None
     for step in range(steps):
         logits = model(tokens(step))
         full(logits).float().logsumexp(-1).mean().backward()
         _step_both(params, opt, ref, ref_opt)
         history.append(_differences(params, ref))
+        if step == 0:
+            first_step_params = {n: full(p).detach().clone() for n, p in params.items()}
     return {
         "history": history,
         "placements": {n: str(p.placements) for n, p in params.items()},
+        "first_step_params": first_step_params,
         "params": {n: full(p).detach() for n, p in params.items()},
     }
 
