@@ -8,7 +8,7 @@ PY := .venv/bin/python
 endif
 STAMP := .venv-installed
 
-.PHONY: install lint format test train clean
+.PHONY: install lint format test test-fast train clean
 
 $(STAMP): pyproject.toml
 	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x .venv/bin/python ]; then echo "install: creating .venv"; python3 -m venv .venv; fi
@@ -23,6 +23,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# the suite without the long end-to-end runs (torchtitan trainings, the example script): see the e2e marker
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests -m "not e2e"
 
 # ruff: lint rules and formatting as configured in pyproject.toml (CI runs this before the tests).
 lint: $(STAMP)

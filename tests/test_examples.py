@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp_quickstart.py"
 STEPS, SAVE_AT = 20, 10
 TIMEOUT_S = 240  # per run; each takes 12-30 s of CPU, mostly importing torch

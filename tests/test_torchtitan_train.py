@@ -68,22 +68,34 @@ def scalar_tags(dump: Path) -> set[str]:
     return set(events.Tags()["scalars"])
 
 
+LLAMA3_STEPS, LLAMA3_CHECKPOINT_INTERVAL = 12, 4
+LLAMA3_RUN = [*SMALL, "--training.steps", str(LLAMA3_STEPS), "--lr_scheduler.warmup_steps", "2",
+              "--muon.diagnostics_interval", "4", "--checkpoint.enable", "--checkpoint.interval",
+              str(LLAMA3_CHECKPOINT_INTERVAL), "--checkpoint.last_save_model_only"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama3_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[int, float], Path]:
+    """One uninterrupted tiny Llama3 run with checkpoints, shared by the tests that read it (and the resume):
+    (returncode, output, {step: loss}, dump folder)."""
+    dump = tmp_path_factory.mktemp("llama3")
+    return (*torchrun("llama3_tiny.toml", dump, *LLAMA3_RUN), dump)
+
+
 @pytest.mark.slow
-def test_llama3_muon_trains_and_logs_optimizer_metrics(tmp_path):
-    code, output, losses = torchrun(
-        "llama3_tiny.toml", tmp_path, *SMALL, "--training.steps", "12", "--lr_scheduler.warmup_steps", "2",
-        "--muon.diagnostics_interval", "4",
-    )  # fmt: skip
+@pytest.mark.e2e
+def test_llama3_muon_trains_and_logs_optimizer_metrics(llama3_run):
+    code, output, losses, dump = llama3_run
     assert code == 0, output[-3000:]
     assert sorted(losses) == list(range(1, 13))
     assert all(math.isfinite(v) for v in losses.values())
     assert falls(losses, 0.3), losses
-    tags = scalar_tags(tmp_path)
+    tags = scalar_tags(dump)
     assert {"loss_metrics/global_avg_loss", "muon/update_rms/muon", "muon/update_rms/adamw"} <= tags
     assert "muon/orthogonality_error" in tags
     from torchtitan_ext import summary
 
-    line = summary.summary_line(summary.scalars(summary.latest_events(tmp_path)))
+    line = summary.summary_line(summary.scalars(summary.latest_events(dump)))
     assert line.startswith("summary: steps 12, ") and "update_rms/muon" in line
     optimizer_lines = [line for line in output.splitlines() if "optimizer: " in line]
     assert len(optimizer_lines) == 12 and all(OPTIMIZER_LINE.search(line) for line in optimizer_lines), output[-3000:]
@@ -95,6 +107,7 @@ def test_llama3_muon_trains_and_logs_optimizer_metrics(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_moe_muon_trains(tmp_path):
     code, output, losses = torchrun(
         "moe_tiny.toml", tmp_path, *SMALL, "--training.steps", "6", "--lr_scheduler.warmup_steps", "2",
@@ -107,23 +120,24 @@ def test_moe_muon_trains(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
-    common = [*SMALL, "--training.steps", "8", "--lr_scheduler.warmup_steps", "2", "--checkpoint.enable",
-              "--checkpoint.interval", "4", "--checkpoint.last_save_model_only"]  # fmt: skip
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    code, output, uninterrupted = torchrun("llama3_tiny.toml", full, *common)
+@pytest.mark.e2e
+def test_resume_from_checkpoint_matches_uninterrupted_run(llama3_run, tmp_path):
+    """Resumed from the shared run's second-to-last checkpoint, the last steps' losses are the uninterrupted ones."""
+    code, output, uninterrupted, full = llama3_run
     assert code == 0, output[-3000:]
-    assert sorted(uninterrupted) == list(range(1, 9))
-    shutil.copytree(full / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
-    code, output, after_resume = torchrun("llama3_tiny.toml", resumed, *common)
+    assert sorted(uninterrupted) == list(range(1, LLAMA3_STEPS + 1))
+    start = LLAMA3_STEPS - LLAMA3_CHECKPOINT_INTERVAL
+    shutil.copytree(full / "checkpoint" / f"step-{start}", tmp_path / "checkpoint" / f"step-{start}")
+    code, output, after_resume = torchrun("llama3_tiny.toml", tmp_path, *LLAMA3_RUN)
     assert code == 0, output[-3000:]
-    assert "Training starts at step 5" in output
-    assert sorted(after_resume) == [5, 6, 7, 8]
-    for step in (5, 6, 7, 8):
+    assert f"Training starts at step {start + 1}" in output
+    assert sorted(after_resume) == list(range(start + 1, LLAMA3_STEPS + 1))
+    for step in range(start + 1, LLAMA3_STEPS + 1):
         assert after_resume[step] == uninterrupted[step], (step, after_resume, uninterrupted)
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "config, nproc, parallelism",
     [
@@ -153,6 +167,7 @@ def test_tensor_and_expert_parallel_train_and_resume_exactly(tmp_path, config, n
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "config, parallelism",
     [
@@ -176,22 +191,22 @@ def test_tensor_parallel_combined_with_expert_or_pipeline_parallel_trains(tmp_pa
 
 
 @pytest.mark.slow
-def test_overlap_gives_the_same_losses_and_checkpoints_applied_updates(tmp_path):
-    common = [*SMALL, "--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "3",
-              "--checkpoint.last_save_model_only"]  # fmt: skip
-    plain, overlapped, resumed = tmp_path / "plain", tmp_path / "overlap", tmp_path / "resumed"
-    code, output, reference = torchrun("llama3_tiny.toml", plain, *common)
+@pytest.mark.e2e
+def test_overlap_gives_the_same_losses_and_checkpoints_applied_updates(llama3_run, tmp_path):
+    """The shared run is the reference; the same run with overlap, then a resume (without overlap) from the
+    overlapped run's second-to-last checkpoint."""
+    code, output, reference, _ = llama3_run
     assert code == 0, output[-3000:]
-    code, output, with_overlap = torchrun(
-        "llama3_tiny.toml", overlapped, *common, "--muon.overlap", "--checkpoint.enable"
-    )
+    overlapped, resumed = tmp_path / "overlap", tmp_path / "resumed"
+    code, output, with_overlap = torchrun("llama3_tiny.toml", overlapped, *LLAMA3_RUN, "--muon.overlap")
     assert code == 0, output[-3000:]
-    assert with_overlap == reference and sorted(reference) == list(range(1, 7))
-    # saved right after step 3's step() returned with updates pending: the checkpoint must hold them applied
-    shutil.copytree(overlapped / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
-    code, output, after_resume = torchrun("llama3_tiny.toml", resumed, *common, "--checkpoint.enable")
+    assert with_overlap == reference and sorted(reference) == list(range(1, LLAMA3_STEPS + 1))
+    # saved right after the step()'s return with updates pending: the checkpoint must hold them applied
+    start = LLAMA3_STEPS - LLAMA3_CHECKPOINT_INTERVAL
+    shutil.copytree(overlapped / "checkpoint" / f"step-{start}", resumed / "checkpoint" / f"step-{start}")
+    code, output, after_resume = torchrun("llama3_tiny.toml", resumed, *LLAMA3_RUN)
     assert code == 0, output[-3000:]
-    assert after_resume == {step: reference[step] for step in (4, 5, 6)}
+    assert after_resume == {step: reference[step] for step in range(start + 1, LLAMA3_STEPS + 1)}
 
 
 def launch_with_edited_config(tmp_path: Path, old: str, new: str, timeout: int) -> subprocess.CompletedProcess:
@@ -219,6 +234,7 @@ def test_unknown_optimizer_name_fails_at_start_with_choices(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_pipeline_parallel_rank_0_logs_the_last_stages_loss(tmp_path):
     code, output, losses = torchrun(
         "llama3_tiny.toml", tmp_path, *SMALL, "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
@@ -246,6 +262,7 @@ def test_misspelled_muon_key_names_the_valid_keys_and_help_lists_them(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_make_train_summarizes_the_run_it_made(tmp_path):
     dump = tmp_path / "dump"
     args = " ".join([*SMALL, "--training.steps", "2", "--lr_scheduler.warmup_steps", "1", "--job.dump_folder",
