@@ -1,13 +1,27 @@
 """The whole optimizer step on a real model's parameter shapes: dtensor_muon.Muon vs torch.optim.Muon + AdamW
-vs fused AdamW, side by side in one process on one device.
+vs fused AdamW, side by side in one process on one device; with the host overhead of each step and, per
+world size, the busiest FSDP rank's share of dtensor_muon's work.
 
     PYTHONPATH=src python bench/optimizer_step.py --model llama3_8b --layers 16
     PYTHONPATH=src python bench/optimizer_step.py --model deepseek_v3_16b --layers 12
-    PYTHONPATH=src python bench/optimizer_step.py --quick [--model deepseek_v3_16b]   # CPU, seconds
+    PYTHONPATH=src python bench/optimizer_step.py --model qwen3_30b_a3b --layers 8 --world-size 8,64,256
+    PYTHONPATH=src python bench/optimizer_step.py --model kimi_k2 --layers 2 --experts 48 --world-size 8,64
+    PYTHONPATH=src python bench/optimizer_step.py --quick [--model qwen3_30b_a3b] [--world-size 8]  # CPU, seconds
+
+Models (``--model``): ``llama3_8b`` (torchtitan llama3 "8B"), ``deepseek_v3_16b`` (deepseek_v3 "16B"),
+``qwen3_30b_a3b`` (qwen3 "30B-A3B": 48 layers, 128 experts of 768×2048 per layer, no shared expert) and
+``kimi_k2``: Kimi K2's shapes, a DeepSeek-V3 architecture (dim 7168, 61 layers, the first dense with inter_dim
+18432, 384 routed experts of moe_inter_dim 2048 and 1 shared expert, 64 heads, q_lora_rank 1536,
+kv_lora_rank 512, head dims 128/64/128, vocab 163840). torchtitan 0.2.2 has no Kimi flavor: its arguments are
+built from ``DeepSeekV3ModelArgs`` with these values (:data:`KIMI_K2_ARGS`).
 
 The parameter set is the torchtitan model's own (built on the meta device, first ``--layers`` layers; the
 embeddings, final norm and head always), in fp32 with random fixed-seed values and gradients (one gradient
-per parameter, the same at every step). ``--quick`` takes the family's torchtitan ``debugmodel`` flavor, shrunk to width 64.
+per parameter, the same at every step). Where torchtitan does not import (the GPU image) the same shapes come
+from a built-in table (:data:`BUILTIN_ARGS`, :func:`builtin_shapes`; the tests check it against torchtitan).
+``--experts N`` keeps the first N experts of every MoE layer (the router's gate then has N rows), so that a
+slice of a large MoE model fits one device. ``--quick`` takes a small flavor of the family (``debugmodel``,
+Qwen3's ``debugmodel_moe``, Kimi K2's own arguments) shrunk to width 64 (:data:`QUICK_ARGS`).
 One parameter set is allocated and kept; before each optimizer its values and gradients are regenerated from
 the same seeds, and each optimizer's state is freed before the next. Optimizers:
 
@@ -29,29 +43,87 @@ parameters), relative to the largest update of torch's: on CPU with the same arg
 three kinds). On CUDA it is taken over the first ``--check-params`` parameters of each kind only (a copy of
 each is kept on the host); there the two Muons' bf16 Newton–Schulz runs different kernels.
 
+Host overhead, per optimizer, after its timed steps (both extra steps count in the update comparison, which
+sees the same number of steps from both Muons):
+
+- one step unprofiled, the device synchronized before it and only at its end: ``host ms`` is the time until
+  ``step()`` returns (the host issuing the work; where the optimizer itself waits on the device, that wait is
+  in it), ``wall ms`` the time until the device has finished;
+- one step under ``torch.profiler``: on CUDA, ``launches`` counts the host's kernel-launch runtime calls
+  (``cudaLaunchKernel``, ``cudaLaunchKernelExC``, ``cuLaunchKernel``, ``cuLaunchKernelEx``, ``cudaGraphLaunch``:
+  one graph launch counts once, whatever it replays) and ``device ms`` sums the durations of the device
+  activities the profiler records (kernels, memcpy, memset; kernels replayed inside a CUDA graph count
+  where the profiler reports them). On CPU there are no launches: ``launches`` is then the count of top-level
+  aten ops (an ``aten::`` event with no ``aten::`` ancestor), a proxy for the same host work, and there is no
+  device time.
+
 On CUDA it also prints the Newton–Schulz FLOP floor of the Muon matrices: their 5-step FLOPs, counted with
 symmetric products (3m²n + m³ per iteration, m ≤ n) and plainly (4m²n + 2m³), over the bf16 8192³ matmul
 rate measured in the same run.
+
+Per-rank view (``--world-size W``, repeatable or a comma list): the Muon parameters are laid out as FSDP2 lays
+them over W ranks (``Shard(0)``, ``dtensor_muon.simulate.fsdp_layout``) and planned by
+``dtensor_muon.plan.build_plan`` with ``MuonRule.cost`` (as the optimizer plans them; bf16 wire, the default
+bucket size). The busiest rank (the largest planned FLOPs; the lowest such rank) is then timed alone on this
+device, with real random data and no communication. Its share per step, in the optimizer's order:
+
+- the momentum step (``B.lerp_(g)``, then the Nesterov input) on its FSDP shard of every Muon parameter;
+- every unit it computes (owned and local), as one tensor ``[B, m, n]`` or ``[m, n]``: bf16 for an owned unit
+  (it arrives on the bf16 wire), fp32 for a local one (read from the shard), through ``MuonRule.direction``
+  with the optimizer's Newton–Schulz runner (``NewtonSchulzGraphs`` on CUDA, ``newton_schulz`` elsewhere);
+- the apply (``θ·(1 − γλ) − γ'·O``) on its shard of every Muon parameter, O taken from a preallocated buffer;
+- ``torch.optim.AdamW`` (foreach, the functional AdamW the optimizer calls) on its shard of every other parameter.
+
+Not included: the exchanges (the all-to-all of U to the owners and of O back), packing and unpacking their
+buffers, the optimizer's metrics and non-finite checks, and the host work of planning. Reported per W: the
+busiest rank's planned FLOPs (its units' ``MuonRule.cost``, = max of the plan's per-rank FLOPs) and the mean,
+its share ms and the units' Newton–Schulz alone (ns ms), its NS floor (the units' FLOPs with symmetric products
+over the measured matmul rate; CUDA only) and share/floor; beside it a fused AdamW step (foreach on CPU) over
+the same rank's FSDP shard of every parameter (about 1/W of each): AdamW share ms.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import importlib
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from common import benchmark_parser, markdown_table, median, write_result
 from torch import nn
+from torch.autograd import DeviceType
 
 from dtensor_muon import Muon
+from dtensor_muon.layout import box_shape
+from dtensor_muon.newton_schulz import newton_schulz
+from dtensor_muon.ns_graphs import NewtonSchulzGraphs
+from dtensor_muon.placement import Local, Owned
+from dtensor_muon.plan import Plan, build_plan, matrix_shape
 from dtensor_muon.routing import uses_muon
-from dtensor_muon.simulate import MODEL_FAMILIES
+from dtensor_muon.rules.muon import MuonRule, advance_momentum_to_input
+from dtensor_muon.simulate import MODEL_FAMILIES, fsdp_layout
 
-MODELS = {"llama3_8b": ("llama3", "8B"), "deepseek_v3_16b": ("deepseek_v3", "16B")}
+Shapes = list[tuple[str, tuple[int, ...]]]
+
+MODELS = {
+    "llama3_8b": ("llama3", "8B"),
+    "deepseek_v3_16b": ("deepseek_v3", "16B"),
+    "qwen3_30b_a3b": ("qwen3", "30B-A3B"),
+    "kimi_k2": ("deepseek_v3", "kimi_k2"),
+}
+FAMILIES = {**MODEL_FAMILIES, "qwen3": ("torchtitan.models.qwen3", "Qwen3Model", "qwen3_args")}
 QUICK_FLAVOR = "debugmodel"
-QUICK_ARGS = {  # the debugmodel flavors shrunk further, so that --quick runs in seconds on a busy 2-core CPU
+QUICK_FLAVORS = {"qwen3_30b_a3b": "debugmodel_moe", "kimi_k2": "kimi_k2"}
+"""The flavor ``--quick`` shrinks, where it is not :data:`QUICK_FLAVOR`."""
+QUICK_EXPERTS = 4
+QUICK_ARGS: dict[
+    str, dict[str, Any]
+] = {  # the small flavors shrunk further: --quick runs in seconds on a busy 2-core CPU
     "llama3": {"dim": 64, "n_heads": 4, "vocab_size": 256, "multiple_of": 32},
     "deepseek_v3": {
         "dim": 64,
@@ -63,17 +135,55 @@ QUICK_ARGS = {  # the debugmodel flavors shrunk further, so that --quick runs in
         "qk_nope_head_dim": 16,
         "qk_rope_head_dim": 8,
         "v_head_dim": 16,
+        "num_experts": QUICK_EXPERTS,
+    },
+    "qwen3": {
+        "dim": 64,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 256,
+        "hidden_dim": 128,
+        "moe_inter_dim": 32,
+        "num_experts": 16,  # units of two experts (dtensor_muon.plan stacks 1/8 of a parameter's experts)
     },
 }
-QUICK_EXPERTS = 4
+QUICK_FLAVOR_ARGS: dict[tuple[str, str], dict[str, Any]] = {("deepseek_v3", "kimi_k2"): {"q_lora_rank": 32}}
+"""Overrides of one flavor under ``--quick``, after its family's :data:`QUICK_ARGS`."""
 LR, WEIGHT_DECAY, MOMENTUM, BETAS, ADAM_EPS, NS_STEPS = 0.02, 0.1, 0.95, (0.9, 0.95), 1e-8, 5
+BUCKET_BYTES, WIRE_ITEMSIZE = 64 * 2**20, 2  # dtensor_muon.Muon's defaults: 64 MB buckets, bf16 wire
 CEILING_SIZE = 8192
 GIB = 2**30
 
+KIMI_K2_ARGS: dict[str, Any] = {
+    "vocab_size": 163840,
+    "dim": 7168,
+    "inter_dim": 18432,
+    "moe_inter_dim": 2048,
+    "n_layers": 61,
+    "n_dense_layers": 1,
+    "n_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+"""Kimi K2's ``DeepSeekV3ModelArgs`` fields (torchtitan 0.2.2 has no Kimi flavor); its MoE: :data:`KIMI_K2_MOE`."""
+KIMI_K2_MOE: dict[str, Any] = {
+    "num_experts": 384,
+    "num_shared_experts": 1,
+    "top_k": 8,
+    "score_func": "sigmoid",
+    "route_norm": True,
+    "route_scale": 2.827,
+    "score_before_experts": False,
+}
 
 # The torchtitan 0.2.2 model arguments that decide parameter shapes, for machines without torchtitan (the GPU
-# image has none); tests/test_bench_product.py checks that they give torchtitan's shapes.
-BUILTIN_ARGS = {
+# image has none); tests/test_bench_product.py and tests/test_bench_moe.py check that they give torchtitan's shapes.
+_QWEN3_COMMON = {"head_dim": 128, "qk_norm": True, "enable_weight_tying": False, "num_shared_experts": 0}
+BUILTIN_ARGS: dict[tuple[str, str], dict[str, Any]] = {
     ("llama3", "8B"): {
         "dim": 4096,
         "n_layers": 32,
@@ -124,112 +234,205 @@ BUILTIN_ARGS = {
         "qk_rope_head_dim": 64,
         "v_head_dim": 128,
     },
+    ("deepseek_v3", "kimi_k2"): {
+        **KIMI_K2_ARGS,
+        "num_experts": KIMI_K2_MOE["num_experts"],
+        "num_shared_experts": KIMI_K2_MOE["num_shared_experts"],
+    },
+    ("qwen3", "30B-A3B"): {
+        **_QWEN3_COMMON,
+        "dim": 2048,
+        "n_layers": 48,
+        "n_heads": 32,
+        "n_kv_heads": 4,
+        "vocab_size": 151936,
+        "hidden_dim": 6144,
+        "moe_enabled": True,
+        "moe_inter_dim": 768,
+        "num_experts": 128,
+    },
+    ("qwen3", "debugmodel_moe"): {
+        **_QWEN3_COMMON,
+        "dim": 256,
+        "n_layers": 8,
+        "n_heads": 16,
+        "n_kv_heads": 8,
+        "vocab_size": 2048,
+        "hidden_dim": 3072,
+        "moe_enabled": True,
+        "moe_inter_dim": 768,
+        "num_experts": 64,
+    },
 }
 
 
-def torchtitan_shapes(
-    family: str, flavor: str, layers: int | None, quick: bool = False
-) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter of the torchtitan model, built on the meta device."""
-    module_name, class_name, args_name = MODEL_FAMILIES[family]
-    module = importlib.import_module(module_name)
-    args = copy.deepcopy(getattr(module, args_name)[flavor])
-    if layers is not None:
-        check_layers(layers, args.n_layers, family, flavor)
-        args.n_layers = layers
-    if quick:
-        for key, value in QUICK_ARGS[family].items():
-            setattr(args, key, value)
-        if family == "deepseek_v3":
-            args.moe_args.num_experts = QUICK_EXPERTS
-    if family == "deepseek_v3" and not hasattr(args, "moe_impl"):
-        args.moe_impl = "standard"  # what torchtitan's update_from_config sets (as in dtensor_muon.simulate)
-    with torch.device("meta"):
-        net = getattr(module, class_name)(args)
-    return [(n, tuple(p.shape)) for n, p in net.named_parameters()]
-
-
 def check_layers(layers: int, available: int, family: str, flavor: str) -> None:
+    """Raise unless ``layers`` is in [1, ``available``]."""
     if not 1 <= layers <= available:
         raise ValueError(f"--layers must be in [1, {available}] for {family} {flavor}, got {layers}")
 
 
+def check_experts(experts: int, available: int, family: str, flavor: str) -> None:
+    """Raise unless ``experts`` is in [1, ``available``]."""
+    if not 1 <= experts <= available:
+        raise ValueError(f"--experts must be in [1, {available}] for {family} {flavor}, got {experts}")
+
+
+def shape_overrides(family: str, flavor: str, quick: bool) -> dict[str, Any]:
+    """The argument values ``--quick`` sets (``num_experts`` stands for ``moe_args.num_experts``)."""
+    if not quick:
+        return {}
+    return {**QUICK_ARGS[family], **QUICK_FLAVOR_ARGS.get((family, flavor), {})}
+
+
+def torchtitan_args(family: str, flavor: str) -> Any:
+    """A fresh copy of torchtitan's model arguments of ``family`` ``flavor`` (Kimi K2: built, see the docstring)."""
+    module_name, _, args_name = FAMILIES[family]
+    module = importlib.import_module(module_name)
+    flavors = getattr(module, args_name)
+    if flavor in flavors:
+        return copy.deepcopy(flavors[flavor])
+    if (family, flavor) == ("deepseek_v3", "kimi_k2"):
+        from torchtitan.models.moe import MoEArgs
+
+        return module.DeepSeekV3ModelArgs(**KIMI_K2_ARGS, moe_args=MoEArgs(**KIMI_K2_MOE))
+    raise ValueError(f"no {family} flavor {flavor!r}")
+
+
+def torchtitan_shapes(
+    family: str, flavor: str, layers: int | None, quick: bool = False, experts: int | None = None
+) -> Shapes:
+    """(name, shape) of every parameter of the torchtitan model, built on the meta device."""
+    module_name, class_name, _ = FAMILIES[family]
+    args = torchtitan_args(family, flavor)
+    if layers is not None:
+        check_layers(layers, args.n_layers, family, flavor)
+        args.n_layers = layers
+    for key, value in shape_overrides(family, flavor, quick).items():
+        setattr(args.moe_args if key == "num_experts" else args, key, value)
+    if experts is not None:
+        check_experts(experts, args.moe_args.num_experts, family, flavor)
+        args.moe_args.num_experts = experts
+    if family == "deepseek_v3" and not hasattr(args, "moe_impl"):
+        args.moe_impl = "standard"  # what torchtitan's update_from_config sets (as in dtensor_muon.simulate)
+    with torch.device("meta"):
+        net = getattr(importlib.import_module(module_name), class_name)(args)
+    return [(n, tuple(p.shape)) for n, p in net.named_parameters()]
+
+
 def builtin_shapes(
-    family: str, flavor: str, layers: int | None, quick: bool = False
-) -> list[tuple[str, tuple[int, ...]]]:
+    family: str, flavor: str, layers: int | None, quick: bool = False, experts: int | None = None
+) -> Shapes:
     """The same list as :func:`torchtitan_shapes`, written out from :data:`BUILTIN_ARGS`."""
-    a = dict(BUILTIN_ARGS[family, flavor])
-    if quick:
-        a.update(QUICK_ARGS[family])
-        if family == "deepseek_v3":
-            a["num_experts"] = QUICK_EXPERTS
+    a = {**BUILTIN_ARGS[family, flavor], **shape_overrides(family, flavor, quick)}
     if layers is not None:
         check_layers(layers, a["n_layers"], family, flavor)
         a["n_layers"] = layers
+    if experts is not None:
+        check_experts(experts, a.get("num_experts", 0), family, flavor)
+        a["num_experts"] = experts
+    layer_shapes = {"llama3": llama3_layer, "deepseek_v3": deepseek_v3_layer, "qwen3": qwen3_layer}[family]
     d, vocab = a["dim"], a["vocab_size"]
-    out: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", (vocab, d))]
+    out: Shapes = [("tok_embeddings.weight", (vocab, d))]
     for i in range(a["n_layers"]):
-        pre = f"layers.{i}."
-        if family == "llama3":
-            head = d // a["n_heads"]
-            kv = (a["n_kv_heads"] or a["n_heads"]) * head
-            hidden = int(2 * 4 * d / 3)
-            if a["ffn_dim_multiplier"] is not None:
-                hidden = int(a["ffn_dim_multiplier"] * hidden)
-            hidden = a["multiple_of"] * ((hidden + a["multiple_of"] - 1) // a["multiple_of"])
-            out += [
-                (pre + "attention.wq.weight", (d, d)),
-                (pre + "attention.wk.weight", (kv, d)),
-                (pre + "attention.wv.weight", (kv, d)),
-                (pre + "attention.wo.weight", (d, d)),
-                (pre + "feed_forward.w1.weight", (hidden, d)),
-                (pre + "feed_forward.w2.weight", (d, hidden)),
-                (pre + "feed_forward.w3.weight", (hidden, d)),
-                (pre + "attention_norm.weight", (d,)),
-                (pre + "ffn_norm.weight", (d,)),
-            ]
-            continue
-        if a["q_lora_rank"]:
-            raise ValueError("the built-in DeepSeek-V3 shapes cover q_lora_rank 0 only")
-        heads, rank = a["n_heads"], a["kv_lora_rank"]
-        out += [
-            (pre + "attention.wq.weight", (heads * (a["qk_nope_head_dim"] + a["qk_rope_head_dim"]), d)),
-            (pre + "attention.wkv_a.weight", (rank + a["qk_rope_head_dim"], d)),
-            (pre + "attention.kv_norm.weight", (rank,)),
-            (pre + "attention.wkv_b.weight", (heads * (a["qk_nope_head_dim"] + a["v_head_dim"]), rank)),
-            (pre + "attention.wo.weight", (d, heads * a["v_head_dim"])),
-            (pre + "attention_norm.weight", (d,)),
-            (pre + "ffn_norm.weight", (d,)),
+        out += [(f"layers.{i}.{name}", shape) for name, shape in layer_shapes(a, i)]
+    out.append(("norm.weight", (d,)))
+    if not a.get("enable_weight_tying", False):  # a tied head is the embedding: named_parameters lists it once
+        out.append(("output.weight", (vocab, d)))
+    return out
+
+
+def feed_forward(prefix: str, hidden: int, d: int) -> Shapes:
+    """torchtitan's SwiGLU ``FeedForward`` (w1, w2, w3) of width ``hidden`` under ``prefix``."""
+    return [
+        (prefix + "w1.weight", (hidden, d)),
+        (prefix + "w2.weight", (d, hidden)),
+        (prefix + "w3.weight", (hidden, d)),
+    ]
+
+
+def moe(a: dict[str, Any], d: int) -> Shapes:
+    """torchtitan's ``MoE``: grouped experts, the router's gate, the shared experts (if any)."""
+    e, f = a["num_experts"], a["moe_inter_dim"]
+    out: Shapes = [
+        ("moe.experts.w1", (e, f, d)),
+        ("moe.experts.w2", (e, d, f)),
+        ("moe.experts.w3", (e, f, d)),
+        ("moe.router.gate.weight", (e, d)),
+    ]
+    if a["num_shared_experts"] > 0:
+        out += feed_forward("moe.shared_experts.", f * a["num_shared_experts"], d)
+    return out
+
+
+def llama3_layer(a: dict[str, Any], i: int) -> Shapes:
+    """One llama3 ``TransformerBlock``."""
+    d = a["dim"]
+    head = d // a["n_heads"]
+    kv = (a["n_kv_heads"] or a["n_heads"]) * head
+    hidden = int(2 * 4 * d / 3)
+    if a["ffn_dim_multiplier"] is not None:
+        hidden = int(a["ffn_dim_multiplier"] * hidden)
+    hidden = a["multiple_of"] * ((hidden + a["multiple_of"] - 1) // a["multiple_of"])
+    return [
+        ("attention.wq.weight", (d, d)),
+        ("attention.wk.weight", (kv, d)),
+        ("attention.wv.weight", (kv, d)),
+        ("attention.wo.weight", (d, d)),
+        *feed_forward("feed_forward.", hidden, d),
+        ("attention_norm.weight", (d,)),
+        ("ffn_norm.weight", (d,)),
+    ]
+
+
+def deepseek_v3_layer(a: dict[str, Any], i: int) -> Shapes:
+    """One deepseek_v3 ``TransformerBlock``: MLA (with a low-rank query where q_lora_rank > 0), then a dense
+    feed-forward (the first ``n_dense_layers``) or an MoE."""
+    d, heads, rank, q_rank = a["dim"], a["n_heads"], a["kv_lora_rank"], a["q_lora_rank"]
+    q_out = heads * (a["qk_nope_head_dim"] + a["qk_rope_head_dim"])
+    if q_rank:
+        query: Shapes = [
+            ("attention.wq_a.weight", (q_rank, d)),
+            ("attention.q_norm.weight", (q_rank,)),
+            ("attention.wq_b.weight", (q_out, q_rank)),
         ]
-        if i < a["n_dense_layers"]:
-            f = a["inter_dim"]
-            out += [
-                (pre + "feed_forward.w1.weight", (f, d)),
-                (pre + "feed_forward.w2.weight", (d, f)),
-                (pre + "feed_forward.w3.weight", (f, d)),
-            ]
-        else:
-            e, f = a["num_experts"], a["moe_inter_dim"]
-            shared = f * a["num_shared_experts"]
-            out += [
-                (pre + "moe.experts.w1", (e, f, d)),
-                (pre + "moe.experts.w2", (e, d, f)),
-                (pre + "moe.experts.w3", (e, f, d)),
-                (pre + "moe.router.gate.weight", (e, d)),
-                (pre + "moe.shared_experts.w1.weight", (shared, d)),
-                (pre + "moe.shared_experts.w2.weight", (d, shared)),
-                (pre + "moe.shared_experts.w3.weight", (shared, d)),
-            ]
-    return out + [("norm.weight", (d,)), ("output.weight", (vocab, d))]
+    else:
+        query = [("attention.wq.weight", (q_out, d))]
+    out = query + [
+        ("attention.wkv_a.weight", (rank + a["qk_rope_head_dim"], d)),
+        ("attention.kv_norm.weight", (rank,)),
+        ("attention.wkv_b.weight", (heads * (a["qk_nope_head_dim"] + a["v_head_dim"]), rank)),
+        ("attention.wo.weight", (d, heads * a["v_head_dim"])),
+        ("attention_norm.weight", (d,)),
+        ("ffn_norm.weight", (d,)),
+    ]
+    return out + (feed_forward("feed_forward.", a["inter_dim"], d) if i < a["n_dense_layers"] else moe(a, d))
 
 
-def parameter_shapes(family: str, flavor: str, layers: int | None, quick: bool = False):
+def qwen3_layer(a: dict[str, Any], i: int) -> Shapes:
+    """One qwen3 ``TransformerBlock``: attention with per-head q/k norms, then an MoE or a dense feed-forward."""
+    d, hd, heads = a["dim"], a["head_dim"], a["n_heads"]
+    kv = a["n_kv_heads"] or heads
+    norms: Shapes = [("attention.q_norm.weight", (hd,)), ("attention.k_norm.weight", (hd,))] if a["qk_norm"] else []
+    out = norms + [
+        ("attention.wq.weight", (heads * hd, d)),
+        ("attention.wk.weight", (kv * hd, d)),
+        ("attention.wv.weight", (kv * hd, d)),
+        ("attention.wo.weight", (d, heads * hd)),
+    ]
+    out += moe(a, d) if a["moe_enabled"] else feed_forward("feed_forward.", a["hidden_dim"], d)
+    return out + [("attention_norm.weight", (d,)), ("ffn_norm.weight", (d,))]
+
+
+def parameter_shapes(
+    family: str, flavor: str, layers: int | None, quick: bool = False, experts: int | None = None
+) -> tuple[Shapes, str]:
     """(shapes, source): torchtitan's meta-built model where torchtitan imports, else :func:`builtin_shapes`."""
     try:
-        importlib.import_module(MODEL_FAMILIES[family][0])
+        importlib.import_module(FAMILIES[family][0])
     except ImportError:
-        return builtin_shapes(family, flavor, layers, quick), "built-in table (torchtitan not importable)"
-    return torchtitan_shapes(family, flavor, layers, quick), "torchtitan meta model"
+        return builtin_shapes(family, flavor, layers, quick, experts), "built-in table (torchtitan not importable)"
+    return torchtitan_shapes(family, flavor, layers, quick, experts), "torchtitan meta model"
 
 
 def ns_flops(shape: tuple[int, ...], steps: int = NS_STEPS) -> tuple[float, float]:
@@ -370,7 +573,62 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_optimizer(kind: str, params: ParameterSet, warmup: int, steps: int) -> dict:
+LAUNCH_EVENTS = frozenset(
+    {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"}
+)
+"""The host's kernel-launch runtime calls counted as launches (a CUDA-graph launch counts once)."""
+
+
+def step_all(optimizers: list[torch.optim.Optimizer]) -> None:
+    """One step of every optimizer, in order."""
+    for opt in optimizers:
+        opt.step()
+
+
+def host_timing(step: Callable[[], None], device: torch.device) -> dict[str, float]:
+    """One ``step()``, the device synchronized before it and only at its end: host ms (until it returns) and
+    wall ms (until the device has finished)."""
+    sync(device)
+    start = time.perf_counter()
+    step()
+    returned = time.perf_counter()
+    sync(device)
+    end = time.perf_counter()
+    return {"host_ms": 1e3 * (returned - start), "wall_ms": 1e3 * (end - start)}
+
+
+def has_aten_ancestor(event: Any) -> bool:
+    """Whether a profiler event runs inside an ``aten::`` op."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def profile_counts(step: Callable[[], None], device: torch.device) -> dict[str, Any]:
+    """One ``step()`` under torch.profiler: launches (CUDA: launch runtime calls; CPU: top-level aten ops) and
+    device ms (CUDA: summed durations of the device activities; CPU: None)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        sync(device)
+    events = prof.events()
+    if device.type == "cuda":
+        launches = sum(e.name in LAUNCH_EVENTS for e in events)
+        device_us = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA)
+        return {"launches": launches, "launches_counted": "CUDA launch calls", "device_ms": device_us / 1e3}
+    launches = sum(e.name.startswith("aten::") and not has_aten_ancestor(e) for e in events)
+    return {"launches": launches, "launches_counted": "top-level aten ops (CPU proxy)", "device_ms": None}
+
+
+def run_optimizer(kind: str, params: ParameterSet, warmup: int, steps: int) -> dict[str, Any]:
+    """Median step time after ``warmup`` steps, memory, then one unprofiled and one profiled step (host
+    overhead; see the module docstring)."""
     device = params.device
     params.reset()
     free(device)
@@ -383,12 +641,15 @@ def run_optimizer(kind: str, params: ParameterSet, warmup: int, steps: int) -> d
     for step in range(warmup + steps):
         sync(device)
         start = time.perf_counter()
-        for opt in optimizers:
-            opt.step()
+        step_all(optimizers)
         sync(device)
         if step >= warmup:
             times.append(1e3 * (time.perf_counter() - start))
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+    one_step = functools.partial(step_all, optimizers)
+    overhead = host_timing(one_step, device)
+    overhead.update(profile_counts(one_step, device))
+    del one_step
     for opt in optimizers:
         flush = getattr(opt, "flush", None)
         if flush is not None:
@@ -403,6 +664,7 @@ def run_optimizer(kind: str, params: ParameterSet, warmup: int, steps: int) -> d
         "min_ms": min(times),
         "mem_before_gib": before,
         "peak_gib": peak,
+        **overhead,
     }
 
 
@@ -423,10 +685,229 @@ def update_differences(params: ParameterSet, ours: dict[int, torch.Tensor], thei
     return {f"max_rel_update_diff_{k}": v for k, v in sorted(worst.items())}
 
 
-def main() -> None:
+def muon_group() -> dict[str, Any]:
+    """The Muon param group ``dtensor_muon.Muon`` builds with this benchmark's arguments (what its rule reads)."""
+    opt = Muon(
+        [("w", nn.Parameter(torch.zeros(2, 2)))],
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        momentum=MOMENTUM,
+        nesterov=True,
+        ns_steps=NS_STEPS,
+        adjust_lr_fn=None,
+    )
+    return next(g for g in opt.param_groups if g["use_muon"])
+
+
+@dataclass
+class RankShare:
+    """The busiest rank of the FSDP plan at ``world_size``: its units and its shards (see the module docstring)."""
+
+    world_size: int
+    rank: int
+    units: list[tuple[tuple[int, ...], bool]]
+    """Per unit it computes: the stacked input shape (``[B, m, n]`` or ``[m, n]``) and whether it is owned."""
+    planned_flops: int
+    """Its units' ``MuonRule.cost`` summed."""
+    rank_flops: list[int] = field(repr=False)
+    lower_bound: float
+    muon_shards: list[tuple[tuple[int, ...], tuple[int, int]]]
+    """Per Muon parameter with a non-empty shard on this rank: (shard shape, matrix shape for γ')."""
+    other_shards: list[tuple[int, ...]]
+    """Its non-empty shards of the other (AdamW) parameters."""
+
+    @property
+    def units_owned(self) -> int:
+        return sum(owned for _, owned in self.units)
+
+    @property
+    def matrices(self) -> int:
+        return sum(shape[0] if len(shape) == 3 else 1 for shape, _ in self.units)
+
+
+def fsdp_plan(muon: Shapes, group: dict[str, Any], world_size: int) -> Plan:
+    """dtensor_muon's plan of the Muon parameters laid out as FSDP2 lays them over ``world_size`` ranks,
+    costed by ``MuonRule.cost`` (as the optimizer plans one mesh)."""
+    rule = MuonRule()
+
+    def cost(k: int, shape: tuple[int, int]) -> tuple[int, int]:
+        c = rule.cost(group, shape)
+        return c.flops, c.owner_state_bytes
+
+    return build_plan(
+        [fsdp_layout(name, shape, world_size) for name, shape in muon],
+        list(range(len(muon))),
+        BUCKET_BYTES,
+        WIRE_ITEMSIZE,
+        batchable=[rule.can_batch(group)] * len(muon),
+        cost_fn=cost,
+    )
+
+
+def busiest_units(plan: Plan, rank: int) -> list[tuple[list[int], bool]]:
+    """(route indices, owned) of every unit ``rank`` computes: those it owns and the local ones it holds."""
+    out = []
+    for unit in plan.units:
+        p = unit.placement
+        if isinstance(p, Owned):
+            if p.rank == rank:
+                out.append((list(unit.members), True))
+        elif isinstance(p, Local):
+            if any(r == rank for r, _ in plan.routes[unit.members[0]].holders):
+                out.append((list(unit.members), False))
+        else:
+            raise ValueError(f"unexpected placement {p!r} in an FSDP plan")
+    return out
+
+
+def rank_share(shapes: Shapes, muon_names: set[str], group: dict[str, Any], world_size: int) -> RankShare:
+    """Plan the Muon parameters over ``world_size`` FSDP ranks and describe the busiest rank's share."""
+    muon = [(n, s) for n, s in shapes if n in muon_names]
+    plan = fsdp_plan(muon, group, world_size)
+    rank = plan.rank_flops.index(max(plan.rank_flops))
+    rule = MuonRule()
+    units, planned = [], 0
+    for members, owned in busiest_units(plan, rank):
+        mshape = plan.routes[members[0]].spec.shape
+        units.append(((len(members), *mshape) if len(members) > 1 else mshape, owned))
+        planned += sum(rule.cost(group, plan.routes[i].spec.shape).flops for i in members)
+    muon_shards, other_shards = [], []
+    for name, shape in shapes:
+        shard = box_shape(fsdp_layout(name, shape, world_size).boxes[rank])
+        if torch.Size(shard).numel() == 0:
+            continue
+        if name in muon_names:
+            muon_shards.append((shard, matrix_shape(shape)))
+        else:
+            other_shards.append(shard)
+    return RankShare(world_size, rank, units, planned, plan.rank_flops, plan.lower_bound, muon_shards, other_shards)
+
+
+class ShareWork:
+    """The busiest rank's share on this device: its tensors and one step of its work (see the module docstring)."""
+
+    def __init__(self, share: RankShare, group: dict[str, Any], device: torch.device) -> None:
+        self.group, self.rule = group, MuonRule()
+        self.runner = NewtonSchulzGraphs() if device.type == "cuda" else newton_schulz
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def randn(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.randn(shape, generator=gen, device=device).to(dtype)
+
+        self.inputs = [randn(shape, torch.bfloat16 if owned else torch.float32) for shape, owned in share.units]
+        self.shards = [
+            (randn(s), randn(s), torch.zeros(s, device=device), randn(s), self.rule.adjusted_lr(group, m))
+            for s, m in share.muon_shards
+        ]  # (parameter, gradient, momentum buffer, received O, γ')
+        self.others = [nn.Parameter(randn(s)) for s in share.other_shards]
+        for p in self.others:
+            p.grad = randn(p.shape)
+        self.adamw = (
+            torch.optim.AdamW(self.others, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
+            if self.others
+            else None
+        )
+
+    def newton_schulz(self) -> None:
+        """The direction of every unit, through the optimizer's runner."""
+        for u in self.inputs:
+            self.rule.direction(u, [{}] * (u.shape[0] if u.ndim == 3 else 1), self.group, self.runner)
+
+    def step(self) -> None:
+        """Momentum on the shards, the units' directions, the apply on the shards, AdamW on the other shards."""
+        momentum, nesterov = self.group["momentum"], self.group["nesterov"]
+        for _, grad, buf, _, _ in self.shards:
+            advance_momentum_to_input(grad, buf, momentum, nesterov)
+        self.newton_schulz()
+        decay = 1 - LR * WEIGHT_DECAY
+        for param, _, _, update, lr_adjusted in self.shards:
+            param.mul_(decay).add_(update, alpha=-float(lr_adjusted))
+        if self.adamw is not None:
+            self.adamw.step()
+
+
+def adamw_share(share: RankShare, shapes: Shapes, device: torch.device) -> torch.optim.Optimizer:
+    """A fused AdamW (foreach on CPU) over the rank's FSDP shard of every parameter, gradients filled."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    params = []
+    for name, shape in shapes:
+        shard = box_shape(fsdp_layout(name, shape, share.world_size).boxes[share.rank])
+        if torch.Size(shard).numel():
+            p = nn.Parameter(torch.randn(shard, generator=gen, device=device))
+            p.grad = torch.randn(shard, generator=gen, device=device)
+            params.append(p)
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY, fused=fused)
+
+
+def median_ms(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
+    """Median over ``steps`` calls after ``warmup`` (host clock, device synchronized around each)."""
+    times = []
+    for i in range(warmup + steps):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        if i >= warmup:
+            times.append(1e3 * (time.perf_counter() - start))
+    return median(times)
+
+
+def run_share(
+    share: RankShare,
+    shapes: Shapes,
+    group: dict[str, Any],
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    rate: float | None,
+) -> dict[str, Any]:
+    """Time the busiest rank's share and an AdamW step over its shards; one result row."""
+    work = ShareWork(share, group, device)
+    share_ms = median_ms(work.step, device, warmup, steps)
+    ns_ms = median_ms(work.newton_schulz, device, 1, steps)
+    del work
+    free(device)
+    adamw = adamw_share(share, shapes, device)
+    adamw_ms = median_ms(adamw.step, device, warmup, steps)
+    del adamw
+    free(device)
+    syrk = sum(ns_flops(shape)[0] for shape, _ in share.units)
+    floor_ms = 1e3 * syrk / rate if rate else None
+    return {
+        "world_size": share.world_size,
+        "rank": share.rank,
+        "units": len(share.units),
+        "units_owned": share.units_owned,
+        "matrices": share.matrices,
+        "planned_gflop": share.planned_flops / 1e9,
+        "planned_flops": share.planned_flops,
+        "max_rank_flops": max(share.rank_flops),
+        "mean_rank_gflop": sum(share.rank_flops) / len(share.rank_flops) / 1e9,
+        "lower_bound_gflop": share.lower_bound / 1e9,
+        "share_ms": share_ms,
+        "ns_ms": ns_ms,
+        "ns_floor_ms": floor_ms,
+        "share_vs_floor": share_ms / floor_ms if floor_ms else None,
+        "adamw_share_ms": adamw_ms,
+        "ns_tflop_syrk": syrk / 1e12,
+    }
+
+
+def world_sizes(values: list[str]) -> list[int]:
+    """``--world-size`` values, each one number or a comma list, in order."""
+    out = [int(v) for value in values for v in value.split(",") if v.strip()]
+    if any(w < 1 for w in out):
+        raise ValueError(f"--world-size must be >= 1, got {out}")
+    return out
+
+
+def parse_args() -> Any:
+    """The command line (see the module docstring)."""
     parser = benchmark_parser(__doc__, "optimizer_step")
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3_8b")
     parser.add_argument("--layers", type=int, default=None, help="first N transformer layers (default: all; quick: 2)")
+    parser.add_argument("--experts", type=int, default=None, help="keep the first N experts of every MoE layer")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per optimizer")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -436,7 +917,18 @@ def main() -> None:
         default=4,
         help="CUDA: compare the two Muons on the first N parameters of each kind (CPU: all)",
     )
+    parser.add_argument(
+        "--world-size",
+        action="append",
+        default=[],
+        help="time the busiest FSDP rank's share at W ranks (repeatable or a comma list: 8,64,256)",
+    )
+    parser.add_argument("--skip-whole", action="store_true", help="only the per-rank view (no whole-step rows)")
     args = parser.parse_args()
+    try:
+        args.world_size = world_sizes(args.world_size)
+    except ValueError as exc:
+        parser.error(str(exc))
     args.benchmark = (
         f"optimizer_step_{args.model}"  # one result file per model: bench/results/optimizer_step_MODEL.json
     )
@@ -446,28 +938,41 @@ def main() -> None:
         torch.set_num_threads(1)  # tiny matrices: more threads only wait on each other on a shared CPU
         if args.layers is None:
             args.layers = 2
-    device = torch.device(args.device)
-    family, flavor = MODELS[args.model]
-    flavor = QUICK_FLAVOR if args.quick else flavor
-    shapes, shapes_from = parameter_shapes(family, flavor, args.layers, args.quick)
-    params = ParameterSet(shapes, device)
-    muon_shapes = [s for n, s in shapes if n in params.muon_names]
-    n_params = sum(torch.Size(s).numel() for _, s in shapes)
-    n_muon = sum(torch.Size(s).numel() for s in muon_shapes)
-    syrk_flops = sum(ns_flops(s)[0] for s in muon_shapes)
-    plain_flops = sum(ns_flops(s)[1] for s in muon_shapes)
-    print(
-        f"{family} {flavor}, {args.layers or 'all'} layers: {len(shapes)} parameters, {n_params / 1e9:.3f} B "
-        f"values ({n_muon / 1e9:.3f} B in {len(muon_shapes)} Muon parameters), fp32, on {device}; "
-        f"median of {args.steps} steps after {args.warmup}; shapes from the {shapes_from}"
-    )
+    return args
 
-    ceiling = matmul_ceiling(device) if device.type == "cuda" else None
-    floor = None
-    if ceiling is not None:
-        rate = ceiling["tflops"] * 1e12
-        floor = {"syrk_ms": 1e3 * syrk_flops / rate, "plain_ms": 1e3 * plain_flops / rate}
 
+WHOLE_COLUMNS = [
+    ("optimizer", "optimizer", "{}"),
+    ("step_ms", "step ms", "{:.2f}"),
+    ("min_ms", "min ms", "{:.2f}"),
+    ("vs_adamw", "× AdamW", "{:.2f}"),
+    ("vs_ns_floor", "× NS floor", "{:.2f}"),
+    ("launches", "launches", "{:,}"),
+    ("host_ms", "host ms", "{:.2f}"),
+    ("wall_ms", "wall ms", "{:.2f}"),
+    ("device_ms", "device ms", "{:.2f}"),
+    ("mem_before_gib", "GiB before step 1", "{:.1f}"),
+    ("peak_gib", "peak GiB", "{:.1f}"),
+]
+SHARE_COLUMNS = [
+    ("world_size", "ranks", "{}"),
+    ("rank", "busiest rank", "{}"),
+    ("units", "units", "{}"),
+    ("units_owned", "owned", "{}"),
+    ("matrices", "matrices", "{}"),
+    ("planned_gflop", "planned GFLOP", "{:,.4g}"),
+    ("mean_rank_gflop", "mean GFLOP", "{:,.4g}"),
+    ("share_ms", "share ms", "{:.2f}"),
+    ("ns_ms", "NS ms", "{:.2f}"),
+    ("ns_floor_ms", "NS floor ms", "{:.2f}"),
+    ("share_vs_floor", "share/floor", "{:.2f}"),
+    ("adamw_share_ms", "AdamW share ms", "{:.2f}"),
+]
+
+
+def whole_step(args: Any, params: ParameterSet, floor: dict[str, float] | None) -> tuple[list[dict], dict]:
+    """The three optimizers' rows and the two Muons' update differences."""
+    device = params.device
     check = [
         i
         for indices in params.by_kind().values()
@@ -485,35 +990,71 @@ def main() -> None:
         row["vs_adamw"] = row["step_ms"] / adamw_ms
         if floor is not None and row["key"] != "adamw":
             row["vs_ns_floor"] = row["step_ms"] / floor["syrk_ms"]
+    return rows, {"checked_parameters": len(check), **differences}
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    family, flavor = MODELS[args.model]
+    flavor = QUICK_FLAVORS.get(args.model, QUICK_FLAVOR) if args.quick else flavor
+    shapes, shapes_from = parameter_shapes(family, flavor, args.layers, args.quick, args.experts)
+    muon_names = {n for n, s in shapes if uses_muon(n, torch.empty(s, device="meta"), None)}
+    muon_shapes = [s for n, s in shapes if n in muon_names]
+    n_params = sum(torch.Size(s).numel() for _, s in shapes)
+    n_muon = sum(torch.Size(s).numel() for s in muon_shapes)
+    syrk_flops = sum(ns_flops(s)[0] for s in muon_shapes)
+    plain_flops = sum(ns_flops(s)[1] for s in muon_shapes)
+    experts = f", {args.experts} experts per MoE layer" if args.experts else ""
     print(
-        markdown_table(
-            rows,
-            [
-                ("optimizer", "optimizer", "{}"),
-                ("step_ms", "step ms", "{:.2f}"),
-                ("min_ms", "min ms", "{:.2f}"),
-                ("vs_adamw", "× AdamW", "{:.2f}"),
-                ("vs_ns_floor", "× NS floor", "{:.2f}"),
-                ("mem_before_gib", "GiB before step 1", "{:.1f}"),
-                ("peak_gib", "peak GiB", "{:.1f}"),
-            ],
-        )
+        f"{family} {flavor}, {args.layers or 'all'} layers{experts}: {len(shapes)} parameters, {n_params / 1e9:.3f} B "
+        f"values ({n_muon / 1e9:.3f} B in {len(muon_shapes)} Muon parameters), fp32, on {device}; "
+        f"median of {args.steps} steps after {args.warmup}; shapes from the {shapes_from}"
     )
+
+    ceiling = matmul_ceiling(device) if device.type == "cuda" else None
+    rate = ceiling["tflops"] * 1e12 if ceiling is not None else None
+    floor = {"syrk_ms": 1e3 * syrk_flops / rate, "plain_ms": 1e3 * plain_flops / rate} if rate else None
+
+    rows: list[dict] = []
+    extra: dict[str, Any] = {}
+    if not args.skip_whole:
+        rows, extra = whole_step(args, ParameterSet(shapes, device), floor)
+        free(device)
+        print(markdown_table(rows, WHOLE_COLUMNS))
+        print(
+            f"launches: {rows[0]['launches_counted']}; host ms: until step() returns, wall ms: until the device is done"
+        )
     if floor is not None:
         print(
             f"bf16 {CEILING_SIZE}³ matmul: {ceiling['ms']:.3f} ms = {ceiling['tflops']:.0f} TFLOP/s; Newton–Schulz "
             f"floor of the Muon matrices at that rate: {floor['syrk_ms']:.1f} ms with symmetric products "
             f"({syrk_flops / 1e12:.2f} TFLOP), {floor['plain_ms']:.1f} ms plain ({plain_flops / 1e12:.2f} TFLOP)"
         )
-    print(
-        "dtensor_muon.Muon vs torch.optim.Muon + AdamW, max relative update difference: "
-        + ", ".join(f"{k.removeprefix('max_rel_update_diff_')} {v:.2e}" for k, v in differences.items())
-    )
+    if "checked_parameters" in extra:
+        print(
+            "dtensor_muon.Muon vs torch.optim.Muon + AdamW, max relative update difference: "
+            + ", ".join(
+                f"{k.removeprefix('max_rel_update_diff_')} {v:.2e}" for k, v in extra.items() if k.startswith("max_")
+            )
+        )
+
+    per_rank = []
+    if args.world_size:
+        group = muon_group()
+        for world in args.world_size:
+            share = rank_share(shapes, muon_names, group, world)
+            per_rank.append(run_share(share, shapes, group, device, args.warmup, args.steps, rate))
+            print(f"  {world} ranks: busiest rank {share.rank}, {per_rank[-1]['share_ms']:.2f} ms", flush=True)
+        print("Busiest FSDP rank's share (no exchange; see the module docstring):")
+        print(markdown_table(per_rank, SHARE_COLUMNS))
+
     write_result(
         args,
         rows,
         model=f"{family}:{flavor}",
         layers=args.layers,
+        experts=args.experts,
         shapes_from=shapes_from,
         parameters=n_params,
         muon_parameters=n_muon,
@@ -521,8 +1062,8 @@ def main() -> None:
         ns_tflop_plain=plain_flops / 1e12,
         matmul_ceiling=ceiling,
         ns_floor_ms=floor,
-        checked_parameters=len(check),
-        **differences,
+        per_rank=per_rank,
+        **extra,
     )
 
 

@@ -1,0 +1,139 @@
+"""bench/optimizer_step.py on MoE models: the built-in shapes of Qwen3-30B-A3B and Kimi K2 are torchtitan's,
+``--quick`` runs with ``--world-size`` write the host-overhead and per-rank fields, and the busiest rank's
+share is planned as dtensor_muon plans it (checked against a plan built here, independently)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtensor_muon.plan import build_plan
+from dtensor_muon.routing import uses_muon
+from dtensor_muon.rules.muon import MuonRule
+from dtensor_muon.simulate import fsdp_layout
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+MOE_MODELS = ["qwen3_30b_a3b", "kimi_k2"]
+
+
+def bench_module():
+    sys.path.insert(0, str(BENCH))
+    try:
+        return __import__("optimizer_step")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def quick_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The parameter shapes a ``--quick --model MODEL`` run uses (2 layers)."""
+    o = bench_module()
+    family, _ = o.MODELS[model]
+    return o.builtin_shapes(family, o.QUICK_FLAVORS.get(model, o.QUICK_FLAVOR), 2, True)
+
+
+def independent_max_rank_flops(shapes: list[tuple[str, tuple[int, ...]]], world_size: int) -> tuple[int, int]:
+    """(max of the plan's per-rank FLOPs, the busiest rank's computed matrices' ``MuonRule.cost`` summed) for the
+    Muon parameters of ``shapes`` under FSDP over ``world_size`` ranks, planned here as the engine plans."""
+    muon = [(n, s) for n, s in shapes if uses_muon(n, torch.empty(s, device="meta"), None)]
+    group = bench_module().muon_group()
+    rule = MuonRule()
+    plan = build_plan(
+        [fsdp_layout(n, s, world_size) for n, s in muon],
+        list(range(len(muon))),
+        64 * 2**20,
+        2,
+        cost_fn=lambda k, shape: (rule.cost(group, shape).flops, 0),
+    )
+    rank = max(range(world_size), key=lambda r: (plan.rank_flops[r], -r))
+    computed = sum(rule.cost(group, plan.routes[i].spec.shape).flops for i in plan.computed_by(rank))
+    return max(plan.rank_flops), computed
+
+
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_builtin_shapes_are_torchtitans(model):
+    pytest.importorskip("torchtitan")
+    o = bench_module()
+    family, flavor = o.MODELS[model]
+    quick_flavor = o.QUICK_FLAVORS[model]
+    cases = [
+        (flavor, False, 2, None),
+        (flavor, False, 3, 24),
+        (quick_flavor, True, 2, None),
+        (quick_flavor, True, 3, 2),
+    ]
+    for f, quick, layers, experts in cases:
+        built = o.builtin_shapes(family, f, layers, quick, experts)
+        assert built == o.torchtitan_shapes(family, f, layers, quick, experts), (f, quick, layers, experts)
+    shapes = dict(o.builtin_shapes(family, flavor, 2))
+    if model == "qwen3_30b_a3b":  # the figures the benchmark is quoted with
+        assert shapes["layers.1.moe.experts.w1"] == (128, 768, 2048)
+        assert shapes["layers.0.attention.wq.weight"] == (32 * 128, 2048)
+        assert shapes["layers.0.attention.wk.weight"] == (4 * 128, 2048)
+        assert shapes["output.weight"] == (151936, 2048)
+    else:
+        assert shapes["layers.0.feed_forward.w1.weight"] == (18432, 7168)
+        assert shapes["layers.1.moe.experts.w2"] == (384, 7168, 2048)
+        assert shapes["layers.1.moe.shared_experts.w1.weight"] == (2048, 7168)
+        assert shapes["layers.0.attention.wq_a.weight"] == (1536, 7168)
+        assert shapes["layers.0.attention.wq_b.weight"] == (64 * 192, 1536)
+        assert shapes["tok_embeddings.weight"] == (163840, 7168)
+        assert dict(o.builtin_shapes(family, flavor, 2, experts=48))["layers.1.moe.experts.w1"] == (48, 2048, 7168)
+
+
+def test_experts_and_world_size_arguments_are_checked():
+    o = bench_module()
+    assert o.world_sizes(["8,64", "256"]) == [8, 64, 256]
+    with pytest.raises(ValueError):
+        o.world_sizes(["0"])
+    with pytest.raises(ValueError, match="--experts"):
+        o.builtin_shapes("qwen3", "30B-A3B", 2, experts=129)
+
+
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_busiest_rank_share_is_the_plans_busiest_rank(model):
+    o = bench_module()
+    shapes = quick_shapes(model)
+    muon_names = {n for n, s in shapes if uses_muon(n, torch.empty(s, device="meta"), None)}
+    for world in (8, 64):
+        share = o.rank_share(shapes, muon_names, o.muon_group(), world)
+        most, computed = independent_max_rank_flops(shapes, world)
+        assert share.planned_flops == most == computed == max(share.rank_flops), world
+        assert share.units and share.muon_shards
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_quick_run_writes_overhead_and_per_rank_fields(model, tmp_path):
+    out = tmp_path / "result.json"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    flags = ["--quick", "--json", str(out), "--model", model, "--steps", "2", "--warmup", "1", "--world-size", "8"]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "optimizer_step.py"), *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["key"] for r in result["rows"]] == ["dtensor_muon", "torch_muon_adamw", "adamw"]
+    for row in result["rows"]:
+        assert row["launches"] > 0 and row["launches_counted"] == "top-level aten ops (CPU proxy)"
+        assert 0 < row["host_ms"] <= row["wall_ms"] and row["device_ms"] is None  # CPU: no device time
+    for kind in ("matrices", "experts", "adamw"):  # two extra steps each: the Muons still agree bit for bit
+        assert result[f"max_rel_update_diff_{kind}"] == 0.0, kind
+    (share,) = result["per_rank"]
+    assert share["world_size"] == 8 and share["share_ms"] > 0 and share["adamw_share_ms"] > 0
+    assert share["ns_floor_ms"] is None  # CPU: no matmul rate measured
+    most, computed = independent_max_rank_flops(quick_shapes(model), 8)
+    assert share["planned_flops"] == share["max_rank_flops"] == most == computed
