@@ -172,7 +172,7 @@ def test_parameter_without_gradient_is_untouched():
 
 
 def test_closure_and_metrics():
-    p = torch.randn(8, 8, requires_grad=True)
+    p = torch.randn(8, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
     opt = Muon([p], diagnostics_interval=1)
 
     def closure():

@@ -86,10 +86,11 @@ def start_all_to_all(
     send_counts: list[int] = []
     for rank in order:
         parts = send_chunks.get(rank, [])
-        send_parts.extend(p.reshape(-1).to(dtype) for p in parts)
+        send_parts.extend(p.reshape(-1) for p in parts)
         send_counts.append(sum(p.numel() for p in parts))
     counts_in = [recv_counts.get(rank, 0) for rank in order]
-    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=device)
+    # one concatenation, then one cast to the wire dtype (not one cast per piece)
+    send = torch.cat(send_parts).to(dtype) if send_parts else torch.empty(0, dtype=dtype, device=device)
     received = torch.empty(sum(counts_in), dtype=dtype, device=device)
     if mesh_group_.group is None:
         received.copy_(send)

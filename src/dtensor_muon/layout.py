@@ -16,7 +16,7 @@ e.g. (_StridedShard(0, f=2), Shard(0)) over (dp 2, tp 2) gives mesh rank (d, t) 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import product
+from itertools import pairwise, product
 from math import prod
 
 from torch import Tensor
@@ -65,6 +65,38 @@ def intersect(a: Box, b: Box) -> Box | None:
     """The common box of ``a`` and ``b``, or None when they share no element."""
     out = tuple((max(sa, sb), min(ea, eb)) for (sa, ea), (sb, eb) in zip(a, b))
     return out if all(start < stop for start, stop in out) else None
+
+
+def stacked_box(boxes: list[Box]) -> Box | None:
+    """The box covering ``boxes`` when they are ≥3-D boxes of one index each along dim 0, consecutive, and
+    equal in every other dim (a run of whole experts: a tensor holding it is their ``[B, m, n]`` stack), else
+    None."""
+    first = boxes[0]
+    if len(first) < 3:
+        return None
+    for before, box in pairwise(boxes):
+        if box[1:] != first[1:] or box[0][0] != before[0][1] or box[0][1] - box[0][0] != 1:
+            return None
+    if first[0][1] - first[0][0] != 1:
+        return None
+    return ((first[0][0], boxes[-1][0][1]), *first[1:])
+
+
+def contiguous_offset(inner: Box, outer: Box) -> int | None:
+    """Where ``inner`` starts in a row-major tensor holding exactly ``outer``, in elements, when its elements
+    are one contiguous run there (a range of the first dim that is partial, whole trailing dims, one index in
+    the leading dims); else None."""
+    dims = list(zip(inner, outer))
+    k = len(dims)
+    while k > 0 and dims[k - 1][0] == dims[k - 1][1]:
+        k -= 1
+    if any(ei - si != 1 for (si, ei), _ in dims[: max(k - 1, 0)]):
+        return None
+    offset, stride = 0, 1
+    for (si, _), (so, eo) in reversed(dims):
+        offset += (si - so) * stride
+        stride *= eo - so
+    return offset
 
 
 def relative_slices(inner: Box, outer: Box) -> tuple[slice, ...]:

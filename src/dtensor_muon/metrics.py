@@ -86,8 +86,10 @@ class StepStats:
         self.optimizer_flops = 0
         self.sq_sum: dict[str, Tensor | float] = defaultdict(float)
         self.count: dict[str, int] = defaultdict(int)
-        self.muon_norms: list[Tensor] = []
+        self.muon_norms: Tensor | None = None
         self.muon_names: list[str] = []
+        self._unit_norms: list[Tensor] = []
+        self._unit_scales: list[float | Tensor] = []
         self._muon_sq_sum: tuple[Tensor, torch.cuda.Event | None] | None = None
         self._bad_matrices: tuple[Tensor, torch.cuda.Event | None] | None = None
         self._nonfinite: list[str] | None = None
@@ -100,15 +102,36 @@ class StepStats:
         self.count[kind] += update.numel()
         return norm
 
-    def add_orthogonal(self, o: Tensor, lr_adjusted: float, name: str) -> None:
-        """Add the Newton–Schulz output of matrix ``name``; on diagnostic steps the first finite one gives σ."""
-        norm = self.add_update("muon", o, lr_adjusted)
-        self.muon_norms.append(norm)
-        self.muon_names.append(name)
-        if self.sample_orthogonality and self.orthogonality_error is None and bool(torch.isfinite(norm)):
-            sigma = torch.linalg.svdvals(o.detach().to(torch.float64))
+    def add_orthogonal(self, o: Tensor, lr_adjusted: float | Tensor, names: list[str]) -> None:
+        """Add the Newton–Schulz outputs of one unit (``o``: [m, n] or [B, m, n], ``names`` one per matrix), each
+        scaled by γ' in the update RMS: one norm over the batch (no sync); their sum waits for
+        :meth:`start_nonfinite_check`. On diagnostic steps the first unit whose first matrix is finite gives σ."""
+        norms = torch.linalg.vector_norm(o, dim=(-2, -1), dtype=torch.float32).reshape(-1)
+        self._unit_norms.append(norms)
+        self._unit_scales.append(lr_adjusted)
+        self.count["muon"] += o.numel()
+        self.muon_names.extend(names)
+        if self.sample_orthogonality and self.orthogonality_error is None and bool(torch.isfinite(norms[0])):
+            sigma = torch.linalg.svdvals((o if o.ndim == 2 else o[0]).detach().to(torch.float64))
             self.orthogonality_error = float((sigma - 1).abs().max())
             self.sigma_min, self.sigma_max = float(sigma.min()), float(sigma.max())
+
+    def _sum_units(self) -> None:
+        """Σ over matrices of (γ'·‖O‖)² into ``sq_sum["muon"]``, from every unit's norms: a few operations per
+        step, whatever the number of units."""
+        if not self._unit_norms:
+            return
+        norms = torch.cat(self._unit_norms)
+        sizes = [n.numel() for n in self._unit_norms]
+        if all(not isinstance(s, Tensor) for s in self._unit_scales):
+            scales = torch.tensor([s for s, k in zip(self._unit_scales, sizes) for _ in range(k)], dtype=torch.float32)
+            scales = scales.to(norms.device, non_blocking=True)
+        else:  # a Tensor lr: its γ' stay on the device (no sync)
+            per_unit = [torch.as_tensor(s, dtype=torch.float32, device=norms.device) for s in self._unit_scales]
+            scales = torch.cat([s.reshape(1).expand(k) for s, k in zip(per_unit, sizes)])
+        self.muon_norms = norms
+        self.sq_sum["muon"] = (norms * scales).square().sum()
+        self._unit_norms, self._unit_scales = [], []
 
     def add_flops(self, flops: int) -> None:
         """Count Newton–Schulz FLOPs run on this rank."""
@@ -118,6 +141,7 @@ class StepStats:
         """After the step's last Newton–Schulz output: the sum of the squared update norms (computed anyway
         for the update RMS) copied to the host without waiting. It is not finite exactly when some update is
         (a finite one has ‖O‖ ≤ 1.2·√min(m, n)), so one scalar copy tells whether any was."""
+        self._sum_units()
         total = self.sq_sum.get("muon")
         if isinstance(total, Tensor):
             self._muon_sq_sum = _to_host_async(total)
@@ -142,7 +166,8 @@ class StepStats:
                 self._nonfinite = []
             else:
                 if self._bad_matrices is None:
-                    self._bad_matrices = _to_host_async(~torch.isfinite(torch.stack(self.muon_norms)))
+                    assert self.muon_norms is not None
+                    self._bad_matrices = _to_host_async(~torch.isfinite(self.muon_norms))
                 flags = _host_value(self._bad_matrices, wait)
                 if flags is None:
                     return None

@@ -144,32 +144,36 @@ class StepContext:
         stacked into one batch when there are several; returns O per job, shaped ``spec.shape``."""
         if not jobs:
             return []
-        first = self.entries[jobs[0][0].param_index]
         mats = [u.reshape(spec.shape) for spec, u in jobs]
-        stacked = mats[0] if len(mats) == 1 else torch.stack(mats)
+        out = self.compute_unit([spec for spec, _ in jobs], mats[0] if len(mats) == 1 else torch.stack(mats))
+        return [out] if len(mats) == 1 else list(out.unbind(0))
+
+    def compute_unit(self, specs: list[MatrixSpec], stacked: Tensor) -> Tensor:
+        """The rule's direction for one unit given whole: ``stacked`` is ``[m, n]`` (one matrix) or ``[B, m, n]``
+        (B same-shape matrices of one parameter, ``specs`` in order); returns O shaped like ``stacked``. Host
+        work is per unit: one owner-state lookup per matrix, one norm over the batch for the metrics."""
+        first = specs[0]
+        group = self.entries[first.param_index].group
         if self.failure is not None:  # the step fails anyway: keep the exchanges going, skip the work
-            return [torch.zeros_like(m) for m in mats]
-        states = [self.owner_state(spec) for spec, _ in jobs]
+            return torch.zeros_like(stacked)
+        states = [self.owner_state(spec) for spec in specs]
         staged = self.transactional and self.rule.has_owner_state
         if staged:
             states = [{name: t.clone() for name, t in s.items()} for s in states]
         try:
-            out = self.rule.direction(stacked, states, first.group, self.runner)
+            out = self.rule.direction(stacked, states, group, self.runner)
         except Exception as exc:
             if not self.transactional:
                 raise
             rank = dist.get_rank() if dist.is_initialized() else 0
-            self.failure = DirectionFailure(jobs[0][0].name, len(jobs), rank, f"{type(exc).__name__}: {exc}")
+            self.failure = DirectionFailure(first.name, len(specs), rank, f"{type(exc).__name__}: {exc}")
             self.exception = exc
-            return [torch.zeros_like(m) for m in mats]
+            return torch.zeros_like(stacked)
         if staged:
-            self._staged.extend((spec, s) for (spec, _), s in zip(jobs, states))
-        outs = [out] if len(mats) == 1 else list(out.unbind(0))
-        for (spec, _), o in zip(jobs, outs):
-            e = self.entries[spec.param_index]
-            self.stats.add_flops(self.rule.cost(e.group, spec.shape).flops)
-            self.stats.add_orthogonal(o, self.rule.adjusted_lr(e.group, spec.shape), spec.name)
-        return outs
+            self._staged.extend(zip(specs, states))
+        self.stats.add_flops(self.rule.cost(group, first.shape).flops * len(specs))
+        self.stats.add_orthogonal(out, self.rule.adjusted_lr(group, first.shape), [spec.name for spec in specs])
+        return out
 
     def input_itemsize(self, spec: MatrixSpec) -> int:
         """Bytes per element of a matrix's input where its direction runs."""

@@ -1,8 +1,10 @@
 """Strategy for :class:`~dtensor_muon.placement.Local` units: each holder computes its whole matrices itself.
 
 Units are processed in chunks of at most ``bucket_bytes`` of direction input. Matrices of fully local
-parameters are applied as soon as they are computed, and such a parameter's U lives only until its last
-matrix is done, so peak memory is about one chunk, not the model.
+parameters are applied as soon as they are computed (at the step's commit when other ranks could still
+fail), and such a parameter's U lives only until its last matrix is done, so on one process peak memory is
+about one chunk, not the model. A unit that is one matrix or a run of whole experts is one view of the
+shard: it is read, computed and written back as one ``[B, m, n]`` tensor, with no per-matrix operation.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from collections import defaultdict
 
 from torch import Tensor
 
-from ..layout import relative_slices
+from ..layout import Box, relative_slices, stacked_box
 from ..pending import BackExchange
 from ..placement import Local
-from ..plan import chunk_by_budget
-from ..step_context import MeshWork, StepContext, local
+from ..plan import MatrixSpec, chunk_by_budget
+from ..step_context import Entry, MeshWork, StepContext, local
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
@@ -40,26 +42,46 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
     with ctx.timer.phase("local_compute"):
         for chunk in chunk_by_budget(units, ctx.bucket_bytes, unit_bytes):
             for members in chunk:
-                jobs = []
-                for i in members:
-                    spec = plan.routes[i].spec
-                    e = ctx.entries[spec.param_index]
-                    if e.index in work.fully_local:
-                        if e.index not in inputs:
-                            inputs[e.index] = ctx.prepare(e)
-                        u = inputs[e.index]
-                    else:
-                        u = ctx.inputs[e.index]
-                    jobs.append((spec, u[relative_slices(spec.box, e.layout.local_box)]))
-                for (spec, _), o in zip(jobs, ctx.compute(jobs)):
-                    e = ctx.entries[spec.param_index]
-                    sl = relative_slices(spec.box, e.layout.local_box)
-                    if e.index in work.fully_local:
-                        ctx.apply_local(e, local(e.param)[sl], o, spec.shape)
-                        left[e.index] -= 1
-                        if left[e.index] == 0:
-                            del inputs[e.index]
-                    else:
-                        target = ctx.updates[e.index][sl]
-                        target.copy_(o.reshape(target.shape))
+                specs = [plan.routes[i].spec for i in members]
+                e = ctx.entries[specs[0].param_index]
+                if e.index in work.fully_local:
+                    if e.index not in inputs:
+                        inputs[e.index] = ctx.prepare(e)
+                    u = inputs[e.index]
+                else:
+                    u = ctx.inputs[e.index]
+                block = stacked_box([spec.box for spec in specs]) if len(specs) > 1 else specs[0].box
+                if block is not None:  # one view of the unit, one write of its O
+                    _compute_block(ctx, work, e, specs, u, block)
+                else:
+                    _compute_pieces(ctx, work, e, specs, u)
+                if e.index in work.fully_local:
+                    left[e.index] -= len(specs)
+                    if left[e.index] == 0:
+                        del inputs[e.index]
     return []
+
+
+def _compute_block(ctx: StepContext, work: MeshWork, e: Entry, specs: list[MatrixSpec], u: Tensor, block: Box) -> None:
+    """A unit whose matrices fill ``block`` of the local shard (one matrix, or a run of whole experts)."""
+    sl = relative_slices(block, e.layout.local_box)
+    shape = specs[0].shape
+    stacked = u[sl].reshape((len(specs), *shape) if len(specs) > 1 else shape).contiguous()
+    o = ctx.compute_unit(specs, stacked)
+    if e.index in work.fully_local:
+        ctx.apply_local(e, local(e.param)[sl], o, shape)
+    else:
+        target = ctx.updates[e.index][sl]
+        target.copy_(o.reshape(target.shape))
+
+
+def _compute_pieces(ctx: StepContext, work: MeshWork, e: Entry, specs: list[MatrixSpec], u: Tensor) -> None:
+    """A unit of matrices that no one view of the local shard holds (views of a fused parameter)."""
+    jobs = [(spec, u[relative_slices(spec.box, e.layout.local_box)]) for spec in specs]
+    for spec, o in zip(specs, ctx.compute(jobs)):
+        sl = relative_slices(spec.box, e.layout.local_box)
+        if e.index in work.fully_local:
+            ctx.apply_local(e, local(e.param)[sl], o, spec.shape)
+        else:
+            target = ctx.updates[e.index][sl]
+            target.copy_(o.reshape(target.shape))

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..exchange import PendingExchange, start_all_to_all
-from ..layout import box_numel, box_shape, relative_slices
+from ..layout import box_numel, box_shape, contiguous_offset, relative_slices
 from ..pending import BackExchange
 from ..plan import MatrixRoute
 from ..step_context import MeshWork, StepContext, local
@@ -89,31 +89,75 @@ def _launch_out(ctx: StepContext, work: MeshWork, bucket: list[int], device: tor
     return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
 
 
+class CopyRuns:
+    """Flat copies ``dst[d : d + n] ← src[s : s + n]``, a run merged with the next when both continue in
+    memory (the pieces of consecutive experts): one copy per run instead of one per piece."""
+
+    def __init__(self) -> None:
+        self.runs: list[list] = []
+
+    def add(self, dst: Tensor, dst_offset: int, src: Tensor, src_offset: int, n: int) -> None:
+        if self.runs:
+            last = self.runs[-1]
+            if (
+                last[0] is dst
+                and last[2] is src
+                and last[1] + last[4] == dst_offset
+                and last[3] + last[4] == src_offset
+            ):
+                last[4] += n
+                return
+        self.runs.append([dst, dst_offset, src, src_offset, n])
+
+    def flush(self) -> None:
+        for dst, d, src, s, n in self.runs:
+            dst[d : d + n].copy_(src[s : s + n])
+        self.runs = []
+
+
 def _compute_owned(
     ctx: StepContext, work: MeshWork, bucket: list[int], received: dict[int, Tensor], device: torch.device
 ) -> dict[int, Tensor]:
-    """Assemble each owned matrix from its pieces, compute its unit; O per ``id(route)``, in the box's shape."""
+    """Assemble each owned unit from its pieces into one ``[B, m, n]`` buffer, compute it; O per ``id(route)``,
+    in the box's shape (views of the unit's output)."""
     me = work.comm.mesh_rank
-    offsets: dict[int, int] = defaultdict(int)
-    by_unit: dict[int, list[tuple[int, Tensor]]] = defaultdict(list)
+    members: dict[int, list[int]] = defaultdict(list)
     for i in bucket:
         route = work.plan.routes[i]
-        if route.spec.param_index not in ctx.active or route.owner != me:
+        if route.spec.param_index in ctx.active and route.owner == me:
+            members[route.unit].append(i)
+    buffers = {
+        unit: torch.empty(len(ids) * work.plan.routes[ids[0]].spec.numel, dtype=work.wire_dtype, device=device)
+        for unit, ids in members.items()
+    }
+    position = {i: j for ids in members.values() for j, i in enumerate(ids)}
+    offsets: dict[int, int] = defaultdict(int)
+    runs = CopyRuns()
+    for i in bucket:  # pieces arrive from each source in route order
+        if i not in position:
             continue
-        full = torch.empty(box_shape(route.spec.box), dtype=work.wire_dtype, device=device)
+        route = work.plan.routes[i]
+        buffer, base = buffers[route.unit], position[i] * route.spec.numel
         for box, source in route.pieces:
             n = box_numel(box)
-            chunk = received[source][offsets[source] : offsets[source] + n]
+            chunk, start = received[source], offsets[source]
             offsets[source] += n
-            target = full[relative_slices(box, route.spec.box)]
-            target.copy_(chunk.view(target.shape))
-        by_unit[route.unit].append((i, full))
+            at = contiguous_offset(box, route.spec.box)
+            if at is not None:
+                runs.add(buffer, base + at, chunk, start, n)
+            else:
+                whole = buffer[base : base + route.spec.numel].view(box_shape(route.spec.box))
+                target = whole[relative_slices(box, route.spec.box)]
+                target.copy_(chunk[start : start + n].view(target.shape))
+    runs.flush()
     out: dict[int, Tensor] = {}
-    for members in by_unit.values():
-        jobs = [(work.plan.routes[i].spec, full) for i, full in members]
-        for (i, _), o in zip(members, ctx.compute(jobs)):
+    for unit, ids in members.items():
+        specs = [work.plan.routes[i].spec for i in ids]
+        shape = specs[0].shape
+        o = ctx.compute_unit(specs, buffers[unit].view((len(ids), *shape) if len(ids) > 1 else shape))
+        for j, i in enumerate(ids):
             route = work.plan.routes[i]
-            out[id(route)] = o.reshape(box_shape(route.spec.box))
+            out[id(route)] = (o[j] if len(ids) > 1 else o).reshape(box_shape(route.spec.box))
     return out
 
 
@@ -134,16 +178,27 @@ def _launch_back(
 
 
 def _unpack_back(ctx: StepContext, work: MeshWork, routes: list[MatrixRoute], received: dict[int, Tensor]) -> None:
-    """Copy one bucket's received update pieces into the per-parameter update buffers."""
+    """Copy one bucket's received update pieces into the per-parameter update buffers (runs of pieces that
+    continue each other in both as one copy)."""
     me = work.comm.mesh_rank
     offsets: dict[int, int] = defaultdict(int)
+    flat: dict[int, Tensor] = {}
+    runs = CopyRuns()
     for route in routes:
         e = ctx.entries[route.spec.param_index]
         for holder, box in route.holders:
             if holder != me:
                 continue
             n = box_numel(box)
-            chunk = received[route.owner][offsets[route.owner] : offsets[route.owner] + n]
+            chunk, start = received[route.owner], offsets[route.owner]
             offsets[route.owner] += n
-            target = ctx.updates[e.index][relative_slices(box, e.layout.local_box)]
-            target.copy_(chunk.view(target.shape))
+            update = ctx.updates[e.index]
+            at = contiguous_offset(box, e.layout.local_box) if update.is_contiguous() else None
+            if at is not None:
+                if e.index not in flat:
+                    flat[e.index] = update.view(-1)
+                runs.add(flat[e.index], at, chunk, start, n)
+            else:
+                target = update[relative_slices(box, e.layout.local_box)]
+                target.copy_(chunk[start : start + n].view(target.shape))
+    runs.flush()
