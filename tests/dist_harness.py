@@ -1,17 +1,20 @@
-"""Runs a function on N real gloo processes (spawned, CPU) and collects what each returns.
+"""Runs a function on N real gloo processes (CPU) and collects what each returns.
 
-Spawning a process and initializing gloo takes seconds on a small machine, so the processes are kept: per
+Starting a process and initializing gloo takes seconds on a small machine, so the processes are kept: per
 world size, a pool of workers with gloo initialized is started at first use and reused by every later call
 of the test session. Between calls each worker puts back what a function may have changed (default dtype,
 thread count, grad mode, environment, working directory, warning filters, DTensor caches; torch's global RNG
 gets a new non-deterministic seed, as in a fresh process) and destroys the process groups the function
-created, so a call sees what a freshly spawned process would.
+created, so a call sees what a freshly spawned process would. Pooled workers are forked from a server
+process that imported torch once, and see the environment of the test process as it was when that server
+started.
 
 A call is bounded by ``timeout``: past it the workers are killed and the call raises. If ``fn`` raises on
 any rank, the call raises with that rank's traceback and the pool is discarded (the other ranks may be
 stuck in a collective); the next call starts a new one. ``fresh=True`` runs on processes of their own,
-ended after the call: for functions that leave a process in a state no later call should see. A function
-that destroys the default process group ends its workers (and so its pool) after returning.
+ended after the call and spawned (not forked) with the test process's current environment: for functions
+that leave a process in a state no later call should see, or that need what a new interpreter starts with.
+A function that destroys the default process group ends its workers (and so its pool) after returning.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import faulthandler
 import gc
 import os
 import pickle
+import random
 import sys
 import tempfile
 import time
@@ -78,7 +82,7 @@ class _ProcessState:
         )
 
     def restore(self) -> None:
-        torch.seed()  # a fresh process starts from a non-deterministic seed too
+        _reseed()
         torch.set_default_dtype(self.dtype)
         torch.set_num_threads(self.threads)
         torch.set_grad_enabled(self.grad_enabled)
@@ -92,6 +96,13 @@ class _ProcessState:
         mutated = getattr(warnings, "_filters_mutated", None) or getattr(warnings, "_filters_mutated_lock_held", None)
         if mutated is not None:
             mutated()
+
+
+def _reseed() -> None:
+    """New non-deterministic seeds for torch's and Python's global RNGs, as a freshly spawned process has
+    (forked workers would otherwise share the server's)."""
+    torch.seed()
+    random.seed()
 
 
 def _clear_dtensor_caches() -> None:
@@ -159,6 +170,7 @@ def _call(rank: int, world_size: int, request: bytes, state: _ProcessState, grou
 def _serve(rank: int, world_size: int, init_file: str, conn: Connection, pg_timeout_s: float) -> None:
     """Worker loop: initialize gloo, then run requests until told to stop or the test process is gone."""
     faulthandler.enable()  # a crash inside torch/gloo prints every thread's Python stack
+    _reseed()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -203,6 +215,18 @@ def _describe_exit(process: BaseProcess) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
+def _context(fresh: bool) -> Any:
+    """Pooled workers are forked from a server process that has imported torch once (importing it in each
+    worker costs more than a second of CPU); the server starts at first use. Fresh ones are spawned."""
+    if fresh:
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(
+        ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint"]
+    )
+    return context
+
+
 @dataclass
 class _Pool:
     """``world_size`` spawned workers with gloo initialized, each with a pipe to the test process."""
@@ -215,11 +239,13 @@ class _Pool:
     spent: bool = False  # a worker left after a call: the pool cannot serve another
 
     @classmethod
-    def start(cls, world_size: int, timeout: float, pg_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> _Pool:
-        """Spawn the workers and wait (at most ``timeout`` seconds) until each has initialized gloo."""
+    def start(
+        cls, world_size: int, timeout: float, pg_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, fresh: bool = False
+    ) -> _Pool:
+        """Start the workers and wait (at most ``timeout`` seconds) until each has initialized gloo."""
         workdir = tempfile.TemporaryDirectory(prefix=f"gloo{world_size}-")
         init_file = os.path.join(workdir.name, "init")
-        context = mp.get_context("spawn")
+        context = _context(fresh)
         processes, connections = [], []
         for rank in range(world_size):
             parent_end, child_end = context.Pipe()
@@ -349,7 +375,7 @@ def run_distributed(
     ``pg_timeout_s``) that end with the call, instead of the session's shared ones.
     """
     if fresh:
-        pool = _Pool.start(world_size, timeout, pg_timeout_s)
+        pool = _Pool.start(world_size, timeout, pg_timeout_s, fresh=True)
         try:
             results = pool.run(fn, args, timeout)
         except BaseException:
