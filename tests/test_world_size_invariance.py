@@ -10,6 +10,8 @@ rank at 3 ranks, and straddling ranks 0 and 1 (experts 4 and 5), 1 and 2, … at
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from dist_harness import run_distributed
@@ -33,14 +35,21 @@ def gradient(step: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g) for _, shape in SHAPES]
 
 
+@functools.cache
 def one_process() -> list[torch.Tensor]:
-    torch.set_num_threads(1)  # as the gloo workers run
-    params = [(n, p.clone().requires_grad_()) for n, p in initial()]
-    opt = Muon(params, **OPTIONS)
-    for step in range(STEPS):
-        for (_, p), g in zip(params, gradient(step)):
-            p.grad = g
-        opt.step()
+    """The reference, computed once per session on one thread as the gloo workers run (the test process's
+    thread count is put back after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        params = [(n, p.clone().requires_grad_()) for n, p in initial()]
+        opt = Muon(params, **OPTIONS)
+        for step in range(STEPS):
+            for (_, p), g in zip(params, gradient(step)):
+                p.grad = g
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
     return [p.detach() for _, p in params]
 
 
