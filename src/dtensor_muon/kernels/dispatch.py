@@ -36,10 +36,12 @@ NS_ALGORITHMS = ("auto", "standard", "gram")
 # Triton SYRK route (M = ours:gluon=0): 4096×8192 3.87 vs 3.40, 64×1408×2048 9.21 vs 9.00; 2048×4096 0.70 vs 1.03.
 GRAM_MIN_ASPECT = 1.4
 MIN_GRAM_PRODUCT_WORK = 2**36
-# cuBLAS m×m products, m ≤ 1024 (M = ours:gluon=0): 8×1024×4096 1.40 vs 1.06, 32×1024×2048 3.25 vs 2.69.
+# cuBLAS m×m products, m ≤ 1024 (M = ours:gluon=0): 8×1024×4096 1.40 vs 1.06, 32×1024×2048 3.25 vs 2.69;
+# (M = graphs) 8×768×2048 0.480 vs 0.396, 16×768×2048 0.909 vs 0.761, 8×2048×768 0.481 vs 0.396 (Qwen3's experts),
+# 4×1024×4096 0.698 vs 0.549: the floor 2³¹ takes them.
 GRAM_SMALL_DIM = 1024
 GRAM_MIN_ASPECT_SMALL = 2.0
-MIN_GRAM_PRODUCT_WORK_SMALL = 2**33
+MIN_GRAM_PRODUCT_WORK_SMALL = 2**31
 # Gluon SYRK route, aspect alone (M = graphs): 2048×8192 1.132 vs 0.881, 8×1024×4096 1.145 vs 0.906.
 _forced: list[str] = []
 
