@@ -620,7 +620,11 @@ def profile_counts(step: Callable[[], None], device: torch.device) -> dict[str, 
     events = prof.events()
     if device.type == "cuda":
         launches = sum(e.name in LAUNCH_EVENTS for e in events)
-        device_us = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA)
+        device_us = sum(  # the GPU-side range of the ``Optimizer.step#…`` annotation would count everything twice
+            e.time_range.elapsed_us()
+            for e in events
+            if e.device_type == DeviceType.CUDA and not e.name.startswith("Optimizer.")
+        )
         return {"launches": launches, "launches_counted": "CUDA launch calls", "device_ms": device_us / 1e3}
     launches = sum(e.name.startswith("aten::") and not has_aten_ancestor(e) for e in events)
     return {"launches": launches, "launches_counted": "top-level aten ops (CPU proxy)", "device_ms": None}
