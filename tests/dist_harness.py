@@ -46,7 +46,7 @@ DEFAULT_TIMEOUT_S = 300.0
 """Bound of one call (and, separately, of starting a pool): spawn-free runs here take seconds to a minute."""
 PROCESS_GROUP_TIMEOUT_S = 120.0
 """gloo's own timeout: a collective that waits longer raises on its rank."""
-ERROR_GRACE_S = 10.0
+ERROR_GRACE_S = 3.0
 """After one rank raised, how long the others may take to report their own errors before the pool is killed."""
 MAX_POOLED_WORKERS = 20
 """Idle workers kept over all world sizes; the least recently used pools are closed beyond this."""
