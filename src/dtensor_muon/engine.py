@@ -427,12 +427,11 @@ class Engine:
         """
         if not ctx.transactional:
             return
-        flag = int(ctx.failure is not None)
-        for group in self.consensus_groups:
-            t = torch.tensor([flag], dtype=torch.int64, device=local(group.entries[0].param).device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.comm.group)
-            flag = int(t.item())
-        if not flag:
+        flag = torch.tensor([int(ctx.failure is not None)], dtype=torch.int64)
+        for group in self.consensus_groups:  # each mesh's result feeds the next: one host read at the end
+            flag = flag.to(local(group.entries[0].param).device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.comm.group)
+        if not int(flag.item()):
             return
         ctx.discard()
         last = self.consensus_groups[-1].comm
