@@ -116,3 +116,14 @@ def check_same_everywhere(description: Description, group: Any, device: torch.de
     dist.all_gather(gathered, mine, group=group)
     if len({int(t.item()) for t in gathered}) != 1:
         raise_difference(description, group, what)
+
+
+def any_rank(flag: bool, groups: Iterable[tuple[Any, torch.device]]) -> bool:
+    """Whether ``flag`` is set on any rank of the ``(process group, device)`` meshes: one MAX all-reduce per
+    mesh, each mesh's result feeding the next (so, meshes in increasing size, the last carries every flag to
+    every rank), and one host read at the end."""
+    value = torch.tensor([int(flag)], dtype=torch.int64)
+    for group, device in groups:
+        value = value.to(device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())

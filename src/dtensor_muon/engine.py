@@ -256,6 +256,10 @@ class Engine:
             if comm.world_size > 1:  # a one-rank mesh has nothing to agree on: no collective, no host sync
                 self.consensus_groups.append(ConsensusGroup(entries, comm))
 
+    def consensus_meshes(self) -> list[tuple[Any, torch.device]]:
+        """(process group, device of its parameters) of every mesh of more than one rank, in consensus order."""
+        return [(g.comm.group, local(g.entries[0].param).device) for g in self.consensus_groups]
+
     def _describe(self, entries: list[Entry]) -> consensus.Description:
         """What the ranks of a mesh must agree on at construction (:func:`consensus.describe_engine`)."""
         return consensus.describe_engine(
@@ -427,11 +431,7 @@ class Engine:
         """
         if not ctx.transactional:
             return
-        flag = torch.tensor([int(ctx.failure is not None)], dtype=torch.int64)
-        for group in self.consensus_groups:  # each mesh's result feeds the next: one host read at the end
-            flag = flag.to(local(group.entries[0].param).device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.comm.group)
-        if not int(flag.item()):
+        if not consensus.any_rank(ctx.failure is not None, self.consensus_meshes()):
             return
         ctx.discard()
         last = self.consensus_groups[-1].comm

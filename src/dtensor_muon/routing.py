@@ -20,6 +20,7 @@ the outcome (logger ``dtensor_muon``: one INFO line per rule, the full table at 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from torch import Tensor
@@ -94,3 +95,14 @@ def unnamed_lookalikes(
         if long == longest and long > LOOKALIKE_ASPECT * short:
             found.append(f"{label} ({p.shape[0]}×{p.shape[1]})")
     return found
+
+
+def name_patterns(members: list[tuple[str, Tensor]]) -> str:
+    """Names with numeric components as ``*`` (``layers.*.attention.wq.weight ×32``), in first-seen order."""
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for label, _ in members:
+        pattern = label if label.startswith("params[") else re.sub(r"(?<![^.])\d+(?![^.])", "*", label)
+        counts[pattern] = counts.get(pattern, 0) + 1
+        first.setdefault(pattern, label)
+    return ", ".join(f"{pattern} ×{n}" if n > 1 else first[pattern] for pattern, n in counts.items())
