@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 300.0
-"""Bound of one call (and, separately, of starting a pool): spawn-free runs here take seconds to a minute."""
+"""Bound of one call (and, separately, of starting a pool): pooled calls here take up to half a minute."""
 PROCESS_GROUP_TIMEOUT_S = 120.0
 """gloo's own timeout: a collective that waits longer raises on its rank."""
 ERROR_GRACE_S = 3.0
