@@ -53,14 +53,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from . import consensus
+from . import consensus, preflight
 from . import metrics as metrics_lib
 from .exchange import MeshGroup, mesh_group
 from .layout import (
     TensorParallelLayout,
     box_shape,
     intersect,
-    read_layout,
     read_tensor_parallel_layout,
     relative_slices,
 )
@@ -68,20 +67,13 @@ from .newton_schulz import newton_schulz
 from .ns_graphs import NewtonSchulzGraphs
 from .pending import PendingUpdates
 from .plan import Plan, build_plan, matrices_of
+from .preflight import PreflightError
 from .rules import adamw as adamw_rule
 from .rules.base import MatrixRule
 from .step_context import OWNER_STATE_KEY, DirectionFailure, Entry, MeshWork, StepContext, local
 from .strategies import STRATEGIES
 
 EXCHANGE_MODES = ("owner", "gather_all")
-
-
-class PreflightError(RuntimeError):
-    """A parameter failed the local checks of a step (raised on the rank that found it)."""
-
-    def __init__(self, entry: Entry, reason: str) -> None:
-        super().__init__(f"parameter {entry.name!r}: {reason}")
-        self.index = entry.index
 
 
 class StepFailedError(RuntimeError):
@@ -494,65 +486,10 @@ class Engine:
         return self._metrics
 
     def _preflight(self) -> dict[int, Tensor | None]:
-        """Local checks only (no collective): every gradient matches its parameter's type, layout and piece.
-
-        A DTensor gradient must have its parameter's global shape and placements, and its local piece (and
-        the parameter's) the shape of the box :mod:`.layout` computed for this rank. Raises
-        :class:`PreflightError` naming the first parameter that fails.
-        """
-        grads: dict[int, Tensor | None] = {}
+        """This step's gradients by entry index after :func:`.preflight.check_gradients` (no collective)."""
         self._redistributed = {}
-        for e in self.entries:
-            g = e.param.grad
-            if g is not None:
-                if g.is_sparse:
-                    raise PreflightError(e, "sparse gradients are not supported")
-                if g.shape != e.param.shape:
-                    raise PreflightError(e, f"gradient shape {tuple(g.shape)} != {tuple(e.param.shape)}")
-                if g.dtype != e.param.dtype:
-                    raise PreflightError(
-                        e,
-                        f"gradient dtype {g.dtype} != parameter dtype {e.param.dtype} (a param.grad_dtype or an "
-                        "autocast that leaves the gradient in another dtype); cast the gradient to the "
-                        "parameter's dtype before step()",
-                    )
-                if local(g).device != local(e.param).device:
-                    raise PreflightError(
-                        e, f"gradient device {local(g).device} != parameter device {local(e.param).device}"
-                    )
-                if isinstance(e.param, DTensor) != isinstance(g, DTensor) or (
-                    isinstance(g, DTensor) and g.device_mesh != e.param.device_mesh
-                ):
-                    raise PreflightError(e, "gradient is not a DTensor on the parameter's device mesh")
-                if isinstance(g, DTensor) and tuple(g.placements) != tuple(e.param.placements):
-                    self._check_redistributable(e, g)
-                    self._redistributed[e.index] = str(tuple(g.placements))
-                    grads[e.index] = g
-                    continue
-            expected = self.local_shapes.get(e.index)
-            if expected is not None:  # _local_tensor: what to_local() returns, without its 2-3 us of checks
-                if not _same_piece(e.param._local_tensor.shape, expected):
-                    raise _wrong_piece(e, "parameter", e.param)
-                if g is not None and not _same_piece(g._local_tensor.shape, expected):
-                    raise _wrong_piece(e, "gradient", g)
-            grads[e.index] = g
+        grads, self._redistributed = preflight.check_gradients(self.entries, self.local_shapes)
         return grads
-
-    @staticmethod
-    def _check_redistributable(e: Entry, g: DTensor) -> None:
-        """A gradient in other placements than its parameter's (tensor parallelism gives ``Partial`` gradients
-        for replicated norms and a ``Replicate`` one for a row-sharded embedding) must be one that DTensor can
-        redistribute, and its local piece must have the shape its own placements give this rank."""
-        try:
-            box = read_layout(e.name, g, partial_as_replicate=True).local_box
-        except ValueError as exc:
-            raise PreflightError(e, f"gradient placements {tuple(g.placements)}: {exc}") from None
-        if g._local_tensor.shape != torch.Size(box_shape(box)):
-            raise PreflightError(
-                e,
-                f"this rank's local piece of the gradient has shape {tuple(g._local_tensor.shape)}; its placements "
-                f"{tuple(g.placements)} give it the box {box}, shape {box_shape(box)}",
-            )
 
     @staticmethod
     def _redistribute(entries: list[Entry], grads: dict[int, Tensor | None]) -> None:
@@ -672,21 +609,6 @@ class Engine:
                 ctx.inputs[e.index] = ctx.prepare(e)
                 ctx.updates[e.index] = torch.empty_like(local(e.param), dtype=self.update_dtype(work, e))
                 ctx.scalars[e.index] = self.rule.scalars(e.group, e.regions)
-
-
-def _same_piece(shape: torch.Size, expected: torch.Size) -> bool:
-    """A local piece has the expected shape; every empty piece is a valid empty piece (FSDP2 gives the empty
-    piece of an N×0 parameter the shape (0, 0))."""
-    return shape == expected or (shape.numel() == 0 and expected.numel() == 0)
-
-
-def _wrong_piece(e: Entry, what: str, t: DTensor) -> PreflightError:
-    return PreflightError(
-        e,
-        f"this rank's local piece of the {what} has shape {tuple(t.to_local().shape)}; the layout (global shape "
-        f"{tuple(e.param.shape)}, placements {tuple(e.param.placements)}) gives mesh rank {e.layout.mesh_rank} "
-        f"the box {e.layout.local_box}, shape {box_shape(e.layout.local_box)}",
-    )
 
 
 def _check_same_plan_everywhere(plan: Plan, comm: MeshGroup) -> None:
