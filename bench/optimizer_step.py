@@ -151,6 +151,10 @@ QUICK_ARGS: dict[
 QUICK_FLAVOR_ARGS: dict[tuple[str, str], dict[str, Any]] = {("deepseek_v3", "kimi_k2"): {"q_lora_rank": 32}}
 """Overrides of one flavor under ``--quick``, after its family's :data:`QUICK_ARGS`."""
 LR, WEIGHT_DECAY, MOMENTUM, BETAS, ADAM_EPS, NS_STEPS = 0.02, 0.1, 0.95, (0.9, 0.95), 1e-8, 5
+MUON_ARGS: dict[str, Any] = dict(
+    lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM, nesterov=True, ns_steps=NS_STEPS, adjust_lr_fn=None
+)
+"""The arguments both Muons get (torch.optim.Muon's names and meaning)."""
 BUCKET_BYTES, WIRE_ITEMSIZE = 64 * 2**20, 2  # dtensor_muon.Muon's defaults: 64 MB buckets, bf16 wire
 CEILING_SIZE = 8192
 GIB = 2**30
@@ -519,31 +523,11 @@ class ParameterSet:
 def build_optimizer(kind: str, params: ParameterSet) -> list[torch.optim.Optimizer]:
     fused = params.device.type == "cuda"
     if kind == "dtensor_muon":
-        return [
-            Muon(
-                params.named,
-                lr=LR,
-                weight_decay=WEIGHT_DECAY,
-                momentum=MOMENTUM,
-                nesterov=True,
-                ns_steps=NS_STEPS,
-                adjust_lr_fn=None,
-                adamw_betas=BETAS,
-                adamw_eps=ADAM_EPS,
-            )
-        ]
+        return [Muon(params.named, **MUON_ARGS, adamw_betas=BETAS, adamw_eps=ADAM_EPS)]
     if kind == "torch_muon_adamw":
         matrices, rest = params.split()
         return [
-            torch.optim.Muon(
-                matrices,
-                lr=LR,
-                weight_decay=WEIGHT_DECAY,
-                momentum=MOMENTUM,
-                nesterov=True,
-                ns_steps=NS_STEPS,
-                adjust_lr_fn=None,
-            ),
+            torch.optim.Muon(matrices, **MUON_ARGS),
             torch.optim.AdamW(rest, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY, fused=fused),
         ]
     if kind == "adamw":
@@ -691,15 +675,7 @@ def update_differences(params: ParameterSet, ours: dict[int, torch.Tensor], thei
 
 def muon_group() -> dict[str, Any]:
     """The Muon param group ``dtensor_muon.Muon`` builds with this benchmark's arguments (what its rule reads)."""
-    opt = Muon(
-        [("w", nn.Parameter(torch.zeros(2, 2)))],
-        lr=LR,
-        weight_decay=WEIGHT_DECAY,
-        momentum=MOMENTUM,
-        nesterov=True,
-        ns_steps=NS_STEPS,
-        adjust_lr_fn=None,
-    )
+    opt = Muon([("w", nn.Parameter(torch.zeros(2, 2)))], **MUON_ARGS)
     return next(g for g in opt.param_groups if g["use_muon"])
 
 
