@@ -17,6 +17,8 @@ timing certain; in a real run the collective is one that finishes while the inte
 
 With ``--end-with-helper`` rank 0 instead ends with :func:`dtensor_muon.exit_without_finalization`: the exit
 handlers run (rank 1 sees the file), output is flushed, and the process ends before finalization, with code 0.
+Rank 1 always leaves before finalization (``os._exit`` after destroying its process group): it could otherwise
+hit the same abort when rank 0's exit closes the connection while rank 1 finalizes.
 """
 
 import atexit
@@ -62,7 +64,9 @@ def rank_main(rank: int, work_dir: Path, end_with_helper: bool) -> None:
             time.sleep(0.01)
         dist.all_reduce(torch.ones(1024))
         print("rank 1: all_reduce done", flush=True)
-        return
+        # rank 1 is not the subject: it leaves before finalization, so rank 0's exit cannot abort it either
+        dist.destroy_process_group()
+        os._exit(0)
     tensor = torch.ones(1024)
     work = dist.all_reduce(tensor, async_op=True)
     del tensor, work  # the queued Work now holds the tensor's last reference
