@@ -473,7 +473,7 @@ def weight_update_rms(before: list[Tensor], after: list[Tensor], lr: float, weig
 
 @pytest.mark.parametrize("previous", [False, True], ids=["defaults", "previous-defaults"])
 def test_update_rms_metric_follows_each_soap_step(previous):
-    """SOAP on the MLP above at lr 1e-2, 6 steps: ``muon/update_rms/muon`` / lr is, on every step, the RMS of
+    """SOAP on the MLP above at lr 1e-2, 6 steps: ``muon/update_rms/soap`` / lr is, on every step, the RMS of
     the update recovered from the weights, (θ_{t−1}·(1 − γλ) − θ_t)/γ over the four matrices (within 1e-4
     relative, + 1e-6 for the float32 rounding of the decayed weights: the skipped first step's update is 0).
     With the defaults it is 0 on step 1 and at most 1 after (the clip; measured 0.86–1.0); with the previous
@@ -492,7 +492,7 @@ def test_update_rms_metric_follows_each_soap_step(previous):
             loss.backward()
             before = [w.detach().clone() for w in weights]
             opt.step()
-            reported.append(opt.metrics["muon/update_rms/muon"] / lr)
+            reported.append(opt.metrics["muon/update_rms/soap"] / lr)
             recovered.append(weight_update_rms(before, [w.detach() for w in weights], lr, weight_decay))
     for step, (a, b) in enumerate(zip(reported, recovered), start=1):
         assert abs(a - b) <= 1e-4 * b + 1e-6, (step, reported, recovered)

@@ -199,14 +199,14 @@ def _backward(model: torch.nn.Module, seed: int) -> None:
              "10"],
             {"betas": (0.9, 0.99), "eps": 1e-8, "shampoo_beta": 0.9, "precondition_frequency": 2, "basis": "qr",
              "kl": False, "max_preconditioner_dim": 10, "correct_bias": True, "correct_shampoo_beta_bias": True,
-             "max_update_rms": 0.0, "match_update_rms": 0.0, "wire_dtype": torch.float32},
+             "max_update_rms": 1.0, "match_update_rms": 0.0, "skip_first_update": True, "wire_dtype": torch.float32},
         ),
         (
             "REKLS",
             ["--rekls.max_update_rms", "0.5", "--rekls.no-correct_bias"],
             {"betas": (0.9, 0.99), "eps": 1e-8, "shampoo_beta": 0.95, "precondition_frequency": 1, "basis": "eigh",
              "kl": True, "max_preconditioner_dim": 8192, "correct_bias": False, "correct_shampoo_beta_bias": True,
-             "max_update_rms": 0.5, "match_update_rms": 0.0, "wire_dtype": torch.float32},
+             "max_update_rms": 0.5, "match_update_rms": 0.0, "skip_first_update": True, "wire_dtype": torch.float32},
         ),
     ],
 )  # fmt: skip
@@ -238,7 +238,7 @@ def test_container_builds_the_registry_class_and_steps_as_the_class_itself(name,
     for (n, p), q in zip(model.named_parameters(), reference.parameters()):
         assert not torch.equal(p, before[n]), n
         assert torch.equal(p, q), n
-    assert "muon/update_rms/muon" in container.metrics
+    assert f"muon/update_rms/{direct.rule.name}" in container.metrics
 
 
 @pytest.mark.parametrize("name", ["MOP", "NorMuon", "KLSOAP"])

@@ -130,7 +130,10 @@ def optimizer_line(m: Mapping[str, float]) -> str | None:
     if not any(key.startswith("muon/") for key in m):
         return None
     parts = []
-    rms = [f"{kind} {m[f'muon/update_rms/{kind}']:.2e}" for kind in ("muon", "adamw") if f"muon/update_rms/{kind}" in m]
+    kinds = sorted(
+        (k.removeprefix("muon/update_rms/") for k in m if k.startswith("muon/update_rms/")), key="adamw".__eq__
+    )
+    rms = [f"{kind} {m[f'muon/update_rms/{kind}']:.2e}" for kind in kinds]  # the matrix rule's first, then AdamW
     if rms:
         parts.append("update_rms " + " ".join(rms))
     if "muon/skipped_steps" in m:

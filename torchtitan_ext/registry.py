@@ -125,6 +125,7 @@ def soap_kwargs(optimizer_config: "OptimizerConfig", soap_config: sections.SOAP)
         "correct_bias": soap_config.correct_bias,
         "correct_shampoo_beta_bias": soap_config.correct_shampoo_beta_bias,
         "max_update_rms": soap_config.max_update_rms,
+        "skip_first_update": soap_config.skip_first_update,
         "match_update_rms": soap_config.match_update_rms,
         **_engine_kwargs(soap_config),
     }

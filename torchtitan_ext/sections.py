@@ -237,8 +237,11 @@ class SOAP:
     correct_shampoo_beta_bias: bool = True
     """Bias-corrected factors (the first step's factor is G·Gᵀ itself)."""
 
-    max_update_rms: float = 0.0
-    """Clip each matrix's update to this RMS (0: no clip)."""
+    max_update_rms: float = 1.0
+    """Clip each matrix's update to this RMS (0: no clip); 1.0 as dtensor_muon.SOAP's default."""
+
+    skip_first_update: bool = True
+    """A matrix's first step only builds its factors and basis (no update), as dtensor_muon.SOAP's default."""
 
     match_update_rms: float = 0.0
     """Scale each matrix's update to exactly this RMS (0: off; e.g. 0.2 to reuse an AdamW lr and schedule)."""

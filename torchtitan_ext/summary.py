@@ -65,10 +65,14 @@ def summary_line(series: dict[str, list[tuple[int, float]]], tail: int = 5) -> s
     ]
     if step_time:
         parts.append(f"{sum(step_time) / len(step_time):.2f} s/step")
-    for tag in ("muon/update_rms/muon", "muon/update_rms/adamw"):
-        if tag in series:
-            parts.append(f"{tag.split('/', 1)[1]} {series[tag][-1][1]:.2e}")
+    for tag in update_rms_tags(series):
+        parts.append(f"{tag.split('/', 1)[1]} {series[tag][-1][1]:.2e}")
     return "summary: " + ", ".join(parts)
+
+
+def update_rms_tags(series: dict[str, list[tuple[int, float]]]) -> list[str]:
+    """The update-RMS tags logged: the matrix rule's (``muon/update_rms/muon``, ``…/soap``, …), then AdamW's."""
+    return sorted((t for t in series if t.startswith("muon/update_rms/")), key=lambda t: (t.endswith("/adamw"), t))
 
 
 def _xy(points: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
@@ -89,7 +93,7 @@ def plot(series: dict[str, list[tuple[int, float]]], png: Path, title: str = "")
     panels = []
     loss_tags = [t for t in ("loss_metrics/global_avg_loss", "loss_metrics/global_max_loss") if t in series]
     panels.append(("loss", loss_tags, False))
-    rms = [t for t in ("muon/update_rms/muon", "muon/update_rms/adamw") if t in series]
+    rms = update_rms_tags(series)
     if rms:
         panels.append(("update RMS", rms, True))
     sigma = [t for t in ("muon/sigma_min", "muon/sigma_max", "muon/orthogonality_error") if t in series]

@@ -366,7 +366,7 @@ class Engine:
             self._redistribute(self.entries, grads)
         step_number = self.steps_taken + 1
         diagnostics = self.diagnostics_interval > 0 and step_number % self.diagnostics_interval == 0
-        stats = metrics_lib.StepStats(sample_orthogonality=diagnostics)
+        stats = metrics_lib.StepStats(sample_orthogonality=diagnostics, rule=self.rule.name)
         transactional = bool(self.consensus_groups)
         ctx = StepContext(
             self.rule,
@@ -436,7 +436,7 @@ class Engine:
         """Warn (once per engine) if the last checked step's Newton–Schulz output of some matrix was not finite.
 
         Reads the scalar of :meth:`StepStats.start_nonfinite_check` (the squared update norms summed anyway
-        for ``muon/update_rms/muon``) without synchronizing the device: at once on the CPU; on CUDA at the
+        for ``muon/update_rms/<rule>``) without synchronizing the device: at once on the CPU; on CUDA at the
         next step once it has arrived, or when the metrics are read. ``wait=False``: leave it unread if it
         has not arrived. Only when it is set are the per-matrix norms sent, for the names (which
         can take one more step to arrive).

@@ -26,7 +26,8 @@ coefficients, ``adjust_lr_fn="match_rms_adamw"``) on one CPU process.
 - ``muon/plan_max_gflop``: the busiest rank's GFLOP per step in the plan, the rule's cost (worst mesh).
 - ``muon/plan_owner_state_mb``: the most owner state one rank keeps (MiB; rules with owner state only, e.g.
   NorMuon: 4 bytes per matrix row).
-- ``muon/update_rms/muon``: RMS of γ'·O over the matrices this rank orthogonalized. With
+- ``muon/update_rms/<rule>`` (``muon``, ``mop``, ``normuon``, ``soap``): RMS of γ'·O over the matrices this
+  rank computed (a run about to diverge shows here first: SOAP's is at most lr by default). For Muon, with
   ``adjust_lr_fn="match_rms_adamw"`` about 0.2·lr·(RMS of σ) (0.0018 at lr 1e-2); with the default
   ``"original"`` about lr·√(max(1, A/B)/max(A, B)) per A×B matrix, less where σ < 1.
 - ``muon/update_rms/adamw``: RMS of the AdamW parameter change on this rank (diagnostic steps only); a
@@ -77,8 +78,10 @@ class StepStats:
     host asynchronously, and the per-matrix norms are sent (also asynchronously) only when it is not finite.
     """
 
-    def __init__(self, sample_orthogonality: bool = False) -> None:
+    def __init__(self, sample_orthogonality: bool = False, rule: str = "muon") -> None:
         self.sample_orthogonality = sample_orthogonality
+        self.rule = rule
+        """The matrix rule's name: the key of its update RMS (``muon/update_rms/<rule>``)."""
         self.orthogonality_error: float | None = None
         self.sigma_min: float | None = None
         self.sigma_max: float | None = None
@@ -109,7 +112,7 @@ class StepStats:
         norms = torch.linalg.vector_norm(o, dim=(-2, -1), dtype=torch.float32).reshape(-1)
         self._unit_norms.append(norms)
         self._unit_scales.append(lr_adjusted)
-        self.count["muon"] += o.numel()
+        self.count[self.rule] += o.numel()
         self.muon_names.extend(names)
         if self.sample_orthogonality and self.orthogonality_error is None and bool(torch.isfinite(norms[0])):
             sigma = torch.linalg.svdvals((o if o.ndim == 2 else o[0]).detach().to(torch.float64))
@@ -117,7 +120,7 @@ class StepStats:
             self.sigma_min, self.sigma_max = float(sigma.min()), float(sigma.max())
 
     def _sum_units(self) -> None:
-        """Σ over matrices of (γ'·‖O‖)² into ``sq_sum["muon"]``, from every unit's norms: a few operations per
+        """Σ over matrices of (γ'·‖O‖)² into ``sq_sum[rule]``, from every unit's norms: a few operations per
         step, whatever the number of units."""
         if not self._unit_norms:
             return
@@ -130,7 +133,7 @@ class StepStats:
             per_unit = [torch.as_tensor(s, dtype=torch.float32, device=norms.device) for s in self._unit_scales]
             scales = torch.cat([s.reshape(1).expand(k) for s, k in zip(per_unit, sizes)])
         self.muon_norms = norms
-        self.sq_sum["muon"] = (norms * scales).square().sum()
+        self.sq_sum[self.rule] = (norms * scales).square().sum()
         self._unit_norms, self._unit_scales = [], []
 
     def add_flops(self, flops: int) -> None:
@@ -142,7 +145,7 @@ class StepStats:
         for the update RMS) copied to the host without waiting. It is not finite exactly when some update is
         (a finite one has ‖O‖ ≤ 1.2·√min(m, n)), so one scalar copy tells whether any was."""
         self._sum_units()
-        total = self.sq_sum.get("muon")
+        total = self.sq_sum.get(self.rule)
         if isinstance(total, Tensor):
             self._muon_sq_sum = _to_host_async(total)
 
