@@ -228,3 +228,22 @@ def test_bad_types_and_parameters_raise():
         Muon([{"params": [("bias", torch.randn(4, requires_grad=True))], "use_muon": True}])
     with pytest.raises(ValueError, match="lr"):
         Muon([{"params": [torch.randn(4, 4, requires_grad=True)], "lr": -3.0}])
+
+
+def test_update_rms_max_is_the_largest_matrix_update():
+    """``muon/update_rms_max/muon`` is the largest RMS of one matrix's applied update (γ'·O = θ_before − θ_after
+    with no weight decay), and ``muon/update_rms/muon`` the RMS over all of them."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(shape, generator=g, requires_grad=True) for shape in ((8, 8), (4, 32), (3, 6, 10))]
+    opt = Muon([{"params": params, "use_muon": True}], lr=0.02, weight_decay=0.0, adjust_lr_fn="original")
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    updates = [(b - p.detach()).reshape(-1, *p.shape[-2:]) for b, p in zip(before, params)]
+    per_matrix = [u.square().mean().sqrt() for us in updates for u in us]
+    overall = torch.cat([u.reshape(-1) for u in updates]).square().mean().sqrt()
+    m = opt.metrics
+    assert m["muon/update_rms_max/muon"] == pytest.approx(float(max(per_matrix)), rel=1e-4)
+    assert m["muon/update_rms/muon"] == pytest.approx(float(overall), rel=1e-4)
+    assert float(max(per_matrix)) > 1.1 * float(min(per_matrix))  # the matrices differ: the max is not the mean

@@ -82,6 +82,12 @@ def test_optimizer_line_shows_sampled_and_nonzero_values_only():
                "muon/nonfinite_updates": 3.0}  # fmt: skip
     assert metrics.optimizer_line(sampled).endswith("σ [0.680, 1.150]  orth_err 0.320  nonfinite 3")
     assert metrics.optimizer_line({"loss": 1.0}) is None
+    soap = {"muon/update_rms/adamw": 2e-4, "muon/update_rms/soap": 3e-3, "muon/update_rms_max/soap": 9e-3}
+    assert metrics.optimizer_line(soap) == "optimizer: update_rms soap 3.00e-03 (max 9.00e-03) adamw 2.00e-04"
+    assert metrics.reduction_of("muon/update_rms_max/soap") == "max"
+    assert metrics.combine([{"muon/update_rms_max/soap": 1.0}, {"muon/update_rms_max/soap": 4.0}]) == {
+        "muon/update_rms_max/soap": 4.0
+    }
 
 
 def test_container_metrics_combine_the_parts_of_a_rank():

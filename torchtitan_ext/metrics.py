@@ -31,6 +31,7 @@ from torchtitan.tools.logging import logger
 REDUCTIONS: tuple[tuple[str, str, str], ...] = (
     # (key or key prefix, over the model parts of one rank, over ranks)
     ("muon/update_rms/", "rms", "rms"),  # root mean square of the ranks that report it (exact for equal sizes)
+    ("muon/update_rms_max/", "max", "max"),  # the largest single matrix's
     ("muon/time_", "sum", "max"),  # the parts step one after another; the slowest rank sets the step
     ("muon/bytes_sent", "sum", "max"),  # the busiest rank's bytes
     ("muon/optimizer_flops", "sum", "sum"),  # all the Newton–Schulz FLOPs of the step
@@ -133,7 +134,10 @@ def optimizer_line(m: Mapping[str, float]) -> str | None:
     kinds = sorted(
         (k.removeprefix("muon/update_rms/") for k in m if k.startswith("muon/update_rms/")), key="adamw".__eq__
     )
-    rms = [f"{kind} {m[f'muon/update_rms/{kind}']:.2e}" for kind in kinds]  # the matrix rule's first, then AdamW
+    rms = []  # the matrix rule's first (with its largest single matrix's), then AdamW's
+    for kind in kinds:
+        peak = m.get(f"muon/update_rms_max/{kind}")
+        rms.append(f"{kind} {m[f'muon/update_rms/{kind}']:.2e}" + (f" (max {peak:.2e})" if peak is not None else ""))
     if rms:
         parts.append("update_rms " + " ".join(rms))
     if "muon/skipped_steps" in m:

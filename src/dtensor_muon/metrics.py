@@ -30,6 +30,8 @@ coefficients, ``adjust_lr_fn="match_rms_adamw"``) on one CPU process.
   rank computed (a run about to diverge shows here first: SOAP's is at most lr by default). For Muon, with
   ``adjust_lr_fn="match_rms_adamw"`` about 0.2·lr·(RMS of σ) (0.0018 at lr 1e-2); with the default
   ``"original"`` about lr·√(max(1, A/B)/max(A, B)) per A×B matrix, less where σ < 1.
+- ``muon/update_rms_max/<rule>``: the largest RMS(γ'·O) of one matrix this rank computed: one matrix blowing
+  up shows here even when the mean over many matrices hides it.
 - ``muon/update_rms/adamw``: RMS of the AdamW parameter change on this rank (diagnostic steps only); a
   fraction of lr (0.0035–0.0084 at lr 1e-2 over the debugmodel's first 12 steps).
 - ``muon/sigma_min``, ``muon/sigma_max``, ``muon/orthogonality_error`` (diagnostic steps only, every
@@ -93,6 +95,9 @@ class StepStats:
         self.muon_names: list[str] = []
         self._unit_norms: list[Tensor] = []
         self._unit_scales: list[float | Tensor] = []
+        self._unit_matrix_numel: list[int] = []
+        self.max_matrix_rms: Tensor | None = None
+        """max over this rank's matrices of RMS(γ'·O), on the device (after :meth:`start_nonfinite_check`)."""
         self._muon_sq_sum: tuple[Tensor, torch.cuda.Event | None] | None = None
         self._bad_matrices: tuple[Tensor, torch.cuda.Event | None] | None = None
         self._nonfinite: list[str] | None = None
@@ -112,6 +117,7 @@ class StepStats:
         norms = torch.linalg.vector_norm(o, dim=(-2, -1), dtype=torch.float32).reshape(-1)
         self._unit_norms.append(norms)
         self._unit_scales.append(lr_adjusted)
+        self._unit_matrix_numel.append(o.numel() // norms.numel())
         self.count[self.rule] += o.numel()
         self.muon_names.extend(names)
         if self.sample_orthogonality and self.orthogonality_error is None and bool(torch.isfinite(norms[0])):
@@ -120,8 +126,8 @@ class StepStats:
             self.sigma_min, self.sigma_max = float(sigma.min()), float(sigma.max())
 
     def _sum_units(self) -> None:
-        """Σ over matrices of (γ'·‖O‖)² into ``sq_sum[rule]``, from every unit's norms: a few operations per
-        step, whatever the number of units."""
+        """Σ over matrices of (γ'·‖O‖)² into ``sq_sum[rule]`` and the largest matrix's RMS(γ'·O) into
+        ``max_matrix_rms``, from every unit's norms: a few operations per step, whatever the number of units."""
         if not self._unit_norms:
             return
         norms = torch.cat(self._unit_norms)
@@ -133,8 +139,13 @@ class StepStats:
             per_unit = [torch.as_tensor(s, dtype=torch.float32, device=norms.device) for s in self._unit_scales]
             scales = torch.cat([s.reshape(1).expand(k) for s, k in zip(per_unit, sizes)])
         self.muon_norms = norms
-        self.sq_sum[self.rule] = (norms * scales).square().sum()
-        self._unit_norms, self._unit_scales = [], []
+        scaled = norms * scales
+        self.sq_sum[self.rule] = scaled.square().sum()
+        inverse_sqrt_numel = torch.tensor(
+            [k**-0.5 for k, n in zip(self._unit_matrix_numel, sizes) for _ in range(n)], dtype=torch.float32
+        )
+        self.max_matrix_rms = (scaled * inverse_sqrt_numel.to(norms.device, non_blocking=True)).max()
+        self._unit_norms, self._unit_scales, self._unit_matrix_numel = [], [], []
 
     def add_flops(self, flops: int) -> None:
         """Count Newton–Schulz FLOPs run on this rank."""
@@ -214,6 +225,8 @@ def summarize(timer: PhaseTimer, stats: StepStats, plans: list[Plan], skipped_st
             out["muon/plan_owner_state_mb"] = owner_state / 2**20
     for kind, total in stats.sq_sum.items():
         out[f"muon/update_rms/{kind}"] = (float(total) / max(1, stats.count[kind])) ** 0.5
+    if stats.max_matrix_rms is not None:
+        out[f"muon/update_rms_max/{stats.rule}"] = float(stats.max_matrix_rms)
     if stats.orthogonality_error is not None:
         out["muon/orthogonality_error"] = stats.orthogonality_error
         out["muon/sigma_min"] = stats.sigma_min
