@@ -18,7 +18,9 @@ pytest.importorskip("torchtitan")
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+\w.]+)")
-OPTIMIZER_LINE = re.compile(r"optimizer: update_rms muon \S+( adamw \S+)?  skipped 0  time \S+ms  exchange \S+")
+OPTIMIZER_LINE = re.compile(
+    r"optimizer: update_rms muon \S+ \(max \S+\)( adamw \S+)?  skipped 0  time \S+ms  exchange \S+"
+)
 SMALL = [
     "--training.local_batch_size",
     "2",
