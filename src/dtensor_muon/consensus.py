@@ -109,12 +109,17 @@ def raise_difference(description: Description, group: Any, what: str) -> None:
     raise OptionMismatchError(f"{what}: {first_difference(gathered, ranks)}; no rank changed anything")
 
 
-def check_same_everywhere(description: Description, group: Any, device: torch.device, what: str) -> None:
-    """Compare ``description``'s digest across ``group``; on a difference every rank raises naming it."""
-    mine = torch.tensor([digest(description)], dtype=torch.int64, device=device)
+def distinct_across(value: int, group: Any, device: torch.device) -> int:
+    """How many different ``value`` s the ranks of ``group`` hold (one all-gather of an int64 each)."""
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
-    if len({int(t.item()) for t in gathered}) != 1:
+    return len({int(t.item()) for t in gathered})
+
+
+def check_same_everywhere(description: Description, group: Any, device: torch.device, what: str) -> None:
+    """Compare ``description``'s digest across ``group``; on a difference every rank raises naming it."""
+    if distinct_across(digest(description), group, device) != 1:
         raise_difference(description, group, what)
 
 

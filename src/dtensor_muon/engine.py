@@ -162,15 +162,6 @@ class Engine:
         self.skip_nonfinite = skip_nonfinite
         self.diagnostics_interval = diagnostics_interval
         self.overlap = overlap
-        self.options = dict(
-            wire_dtype=wire_dtype,
-            bucket_bytes=bucket_bytes,
-            exchange=exchange,
-            skip_nonfinite=skip_nonfinite,
-            diagnostics_interval=diagnostics_interval,
-            overlap=overlap,
-            ns_cuda_graphs=ns_cuda_graphs,
-        )
         # Newton–Schulz on owners: replayed from CUDA graphs where that pays (ns_graphs.py), else eager.
         self.ns_runner = NewtonSchulzGraphs() if ns_cuda_graphs else newton_schulz
         self.pending: PendingUpdates | None = None
@@ -247,6 +238,19 @@ class Engine:
             comm = mesh_group(entries[0].param.device_mesh, entries[0].layout.mesh_rank)
             if comm.world_size > 1:  # a one-rank mesh has nothing to agree on: no collective, no host sync
                 self.consensus_groups.append(ConsensusGroup(entries, comm))
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The engine options every rank must share (compared at construction, :mod:`.consensus`)."""
+        return dict(
+            wire_dtype=self.wire_dtype_option,
+            bucket_bytes=self.bucket_bytes,
+            exchange=self.exchange,
+            skip_nonfinite=self.skip_nonfinite,
+            diagnostics_interval=self.diagnostics_interval,
+            overlap=self.overlap,
+            ns_cuda_graphs=isinstance(self.ns_runner, NewtonSchulzGraphs),
+        )
 
     def consensus_meshes(self) -> list[tuple[Any, torch.device]]:
         """(process group, device of its parameters) of every mesh of more than one rank, in consensus order."""
@@ -615,14 +619,11 @@ def _check_same_plan_everywhere(plan: Plan, comm: MeshGroup) -> None:
     """Compare the plan digest across the mesh's ranks; raise on every rank if any differs."""
     if comm.group is None:
         return
-    mine = torch.tensor([int(plan.digest[:15], 16)], dtype=torch.int64)
     backend = dist.get_backend(comm.group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    gathered = [torch.zeros_like(mine, device=device) for _ in range(comm.world_size)]
-    dist.all_gather(gathered, mine.to(device), group=comm.group)
-    values = {int(t.item()) for t in gathered}
-    if len(values) != 1:
+    digests = consensus.distinct_across(int(plan.digest[:15], 16), comm.group, device)
+    if digests != 1:
         raise RuntimeError(
-            f"the plan differs across ranks ({len(values)} different digests): the ranks were given different "
+            f"the plan differs across ranks ({digests} different digests): the ranks were given different "
             "parameter names, shapes, placements or options"
         )
