@@ -131,20 +131,23 @@ class StepStats:
         if not self._unit_norms:
             return
         norms = torch.cat(self._unit_norms)
-        sizes = [n.numel() for n in self._unit_norms]
+        device = norms.device
+        sizes = torch.tensor([n.numel() for n in self._unit_norms], device=device)
         if all(not isinstance(s, Tensor) for s in self._unit_scales):
-            scales = torch.tensor([s for s, k in zip(self._unit_scales, sizes) for _ in range(k)], dtype=torch.float32)
-            scales = scales.to(norms.device, non_blocking=True)
+            per_unit = torch.tensor(self._unit_scales, dtype=torch.float32, device=device)
         else:  # a Tensor lr: its γ' stay on the device (no sync)
-            per_unit = [torch.as_tensor(s, dtype=torch.float32, device=norms.device) for s in self._unit_scales]
-            scales = torch.cat([s.reshape(1).expand(k) for s, k in zip(per_unit, sizes)])
+            per_unit = torch.stack(
+                [torch.as_tensor(s, dtype=torch.float32, device=device).reshape(()) for s in self._unit_scales]
+            )
+        inverse_sqrt_numel = torch.tensor(
+            [k**-0.5 for k in self._unit_matrix_numel], dtype=torch.float32, device=device
+        )
+        # per unit → per matrix; output_size given, so no host sync on the device
+        scales = per_unit.repeat_interleave(sizes, output_size=norms.numel())
         self.muon_norms = norms
         scaled = norms * scales
         self.sq_sum[self.rule] = scaled.square().sum()
-        inverse_sqrt_numel = torch.tensor(
-            [k**-0.5 for k, n in zip(self._unit_matrix_numel, sizes) for _ in range(n)], dtype=torch.float32
-        )
-        self.max_matrix_rms = (scaled * inverse_sqrt_numel.to(norms.device, non_blocking=True)).max()
+        self.max_matrix_rms = (scaled * inverse_sqrt_numel.repeat_interleave(sizes, output_size=norms.numel())).max()
         self._unit_norms, self._unit_scales, self._unit_matrix_numel = [], [], []
 
     def add_flops(self, flops: int) -> None:

@@ -67,21 +67,22 @@ def _compute_block(ctx: StepContext, work: MeshWork, e: Entry, specs: list[Matri
     sl = relative_slices(block, e.layout.local_box)
     shape = specs[0].shape
     stacked = u[sl].reshape((len(specs), *shape) if len(specs) > 1 else shape).contiguous()
-    o = ctx.compute_unit(specs, stacked)
+    _deliver(ctx, work, e, sl, ctx.compute_unit(specs, stacked), shape)
+
+
+def _compute_pieces(ctx: StepContext, work: MeshWork, e: Entry, specs: list[MatrixSpec], u: Tensor) -> None:
+    """A unit of matrices that no one view of the local shard holds (views of a fused parameter)."""
+    slices = [relative_slices(spec.box, e.layout.local_box) for spec in specs]
+    for spec, sl, o in zip(specs, slices, ctx.compute([(spec, u[sl]) for spec, sl in zip(specs, slices)])):
+        _deliver(ctx, work, e, sl, o, spec.shape)
+
+
+def _deliver(
+    ctx: StepContext, work: MeshWork, e: Entry, sl: tuple[slice, ...], o: Tensor, shape: tuple[int, int]
+) -> None:
+    """O of the region ``sl`` of the local shard: applied to a fully local parameter, else into its update buffer."""
     if e.index in work.fully_local:
         ctx.apply_local(e, local(e.param)[sl], o, shape)
     else:
         target = ctx.updates[e.index][sl]
         target.copy_(o.reshape(target.shape))
-
-
-def _compute_pieces(ctx: StepContext, work: MeshWork, e: Entry, specs: list[MatrixSpec], u: Tensor) -> None:
-    """A unit of matrices that no one view of the local shard holds (views of a fused parameter)."""
-    jobs = [(spec, u[relative_slices(spec.box, e.layout.local_box)]) for spec in specs]
-    for spec, o in zip(specs, ctx.compute(jobs)):
-        sl = relative_slices(spec.box, e.layout.local_box)
-        if e.index in work.fully_local:
-            ctx.apply_local(e, local(e.param)[sl], o, spec.shape)
-        else:
-            target = ctx.updates[e.index][sl]
-            target.copy_(o.reshape(target.shape))
