@@ -422,6 +422,11 @@ def mlp_data() -> tuple[Tensor, Tensor]:
 
 def mlp_losses(make: Any, steps: int = MLP_STEPS) -> Tensor:
     """The full-batch cross-entropy before each of ``steps`` steps and after the last (one thread)."""
+    return mlp_train(make, steps)[0]
+
+
+def mlp_train(make: Any, steps: int) -> tuple[Tensor, torch.nn.Module]:
+    """:func:`mlp_losses` and the trained model."""
     x, y = mlp_data()
     model = mlp(1)
     opt = make(model)
@@ -435,7 +440,7 @@ def mlp_losses(make: Any, steps: int = MLP_STEPS) -> Tensor:
             opt.step()
         with torch.no_grad():
             losses.append(torch.nn.functional.cross_entropy(model(x), y))
-    return torch.stack(losses)
+    return torch.stack(losses), model
 
 
 MLP_OPTIMIZERS = [SOAP, KLSOAP, REKLS]
@@ -542,19 +547,11 @@ def test_mlp_under_fsdp2_on_2_ranks_equals_one_process():
     bit for bit those of one process. The skipped first step and the clip act per matrix on its owner, from
     the matrix's own step count, so the world size does not change them."""
     results = run_distributed(mlp_fsdp, 2, MLP_FSDP_STEPS)
-    x, y = mlp_data()
     for optimizer in MLP_OPTIMIZERS:
-        model = mlp(1)
-        opt = optimizer(model.named_parameters())
-        losses = []
-        with single_thread():
-            for _ in range(MLP_FSDP_STEPS):
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-                losses.append(loss.detach())
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        want = torch.stack(losses)
+        losses, model = mlp_train(
+            lambda model, optimizer=optimizer: optimizer(model.named_parameters()), MLP_FSDP_STEPS
+        )
+        want = losses[:-1]  # before each step, as the ranks report them
         assert want[-1] < want[0]
         for rank, result in enumerate(results):
             got = result[optimizer.__name__]
