@@ -1,4 +1,4 @@
-"""Session-wide set-up: the gloo worker pools of ``dist_harness`` end with the session."""
+"""Set-up for the whole pytest run: the gloo worker pools of ``dist_harness`` end with the run."""
 
 from collections.abc import Iterator
 

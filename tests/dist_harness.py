@@ -2,7 +2,7 @@
 
 Starting a process and initializing gloo takes seconds on a small machine, so the processes are kept: per
 world size, a pool of workers with gloo initialized is started at first use and reused by every later call
-of the test session. Between calls each worker puts back what a function may have changed (default dtype,
+of the pytest run. Between calls each worker puts back what a function may have changed (default dtype,
 thread count, grad mode, environment, working directory, warning filters, DTensor caches; torch's global RNG
 gets a new non-deterministic seed, as in a fresh process) and destroys the process groups the function
 created, so a call sees what a freshly spawned process would. Pooled workers are forked from a server
@@ -125,7 +125,7 @@ def _process_groups() -> list[dist.ProcessGroup]:
 
 def _destroy_groups_since(known: set[dist.ProcessGroup]) -> None:
     """Destroy the groups created after ``known`` was taken (meshes' and ``new_group``'s): each holds
-    gloo threads and sockets, and a session creates hundreds."""
+    gloo threads and sockets, and one pytest run creates hundreds."""
     for group in _process_groups():
         if group not in known:
             dist.destroy_process_group(group)
@@ -372,7 +372,7 @@ def run_distributed(
 
     ``fn`` must be a module-level function. The call raises :class:`DistributedRunError` if it runs past
     ``timeout`` seconds or any rank raises. ``fresh`` runs on newly spawned processes (gloo timeout
-    ``pg_timeout_s``) that end with the call, instead of the session's shared ones.
+    ``pg_timeout_s``) that end with the call, instead of the shared ones of the pytest run.
     """
     if fresh:
         pool = _Pool.start(world_size, timeout, pg_timeout_s, fresh=True)
@@ -397,7 +397,7 @@ def run_distributed(
 
 
 def shutdown_pools() -> None:
-    """Close every pooled worker (at the end of the test session)."""
+    """Close every pooled worker (at the end of the pytest run)."""
     while _pools:
         _pools.popitem()[1].close()
 

@@ -37,7 +37,7 @@ def gradient(step: int) -> list[torch.Tensor]:
 
 @functools.cache
 def one_process() -> list[torch.Tensor]:
-    """The reference, computed once per session on one thread as the gloo workers run (the test process's
+    """The reference, computed once per pytest run on one thread as the gloo workers run (the test process's
     thread count is put back after)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
