@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dtensor_muon import Muon
+from dtensor_muon import Muon, exit_without_finalization
 
 LAYER_SHAPES = [(512, 512), (512, 512), (128, 512), (512, 512), (1024, 512), (512, 1024)]
 QUICK_LAYER_SHAPES = [(32, 32), (8, 32), (64, 32), (32, 64)]
@@ -116,6 +116,7 @@ def worker(
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+    exit_without_finalization()  # a spawned child finalizes CPython; gloo can abort it there (README, Limits)
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from common import benchmark_parser, markdown_table, median, write_result
 from torch import nn
 
-from dtensor_muon import Muon
+from dtensor_muon import Muon, exit_without_finalization
 
 QUICK = {
     "world_size": 2,
@@ -139,6 +139,7 @@ def worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace)
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+    exit_without_finalization()  # a spawned child finalizes CPython; gloo can abort it there (README, Limits)
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dtensor_muon import Muon
+from dtensor_muon import Muon, exit_without_finalization
 
 SHAPES = [
     ("tok_embeddings.weight", (1000, 256)),
@@ -116,6 +116,7 @@ def spawned(rank: int, world: int, init_file: str, args) -> None:
     """A process of ``--world-size`` started by this script (no torchrun)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     ranked(args, f"file://{init_file}")
+    exit_without_finalization()  # a spawned child finalizes CPython; gloo can abort it there (README, Limits)
 
 
 def ranked(args, init_method: str | None = None) -> None:
