@@ -29,6 +29,8 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
+from ..kernels.elementwise import decay_and_add_
+
 Group = dict[str, Any]
 NewtonSchulzRunner = Callable[..., Tensor]
 
@@ -119,13 +121,17 @@ class MatrixRule(ABC):
     def apply(self, param: Tensor, update: Tensor, scalars: ApplyScalars) -> None:
         """θ ← θ·(1 − γλ) − γ'·O in place on a shard (each region with its own γ')."""
         lr = _to_scalar(scalars.lr)
-        param.mul_(1 - lr * scalars.weight_decay)
-        for sl, lr_adjusted in scalars.regions:
-            target, source = (param, update) if sl is None else (param[sl], update[sl])
+        decay = 1 - lr * scalars.weight_decay
+        pieces = [(param, update) if sl is None else (param[sl], update[sl]) for sl, _ in scalars.regions]
+        if sum(target.numel() for target, _ in pieces) == param.numel():  # the regions tile the shard
+            for (target, source), (_, lr_adjusted) in zip(pieces, scalars.regions):
+                decay_and_add_(target, source, decay, -_to_scalar(lr_adjusted))
+            return
+        param.mul_(decay)
+        for (target, source), (_, lr_adjusted) in zip(pieces, scalars.regions):
             target.add_(source, alpha=-_to_scalar(lr_adjusted))
 
     def apply_region(self, target: Tensor, update: Tensor, group: Group, shape: tuple[int, int]) -> None:
         """:meth:`apply` on one matrix's region alone (the same element-wise operations, so the same bits)."""
         lr = _to_scalar(group["lr"])
-        target.mul_(1 - lr * group["weight_decay"])
-        target.add_(update, alpha=-_to_scalar(self.adjusted_lr(group, shape)))
+        decay_and_add_(target, update, 1 - lr * group["weight_decay"], -_to_scalar(self.adjusted_lr(group, shape)))

@@ -21,6 +21,7 @@ from torch.optim.optimizer import _to_scalar
 
 from ..distributed_newton_schulz import distributed_newton_schulz
 from ..kernels import resolve_ns_algorithm
+from ..kernels.elementwise import momentum_step
 from ..newton_schulz import resolve_coefficients, resolve_ns_dtype
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
 
@@ -36,20 +37,19 @@ def ns_iteration_flops(shape: tuple[int, int]) -> int:
 
 def momentum_input(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
     """U from the step's B (see the module formula), leaving the momentum buffer as it is."""
-    advanced = momentum_buffer.lerp(grad, 1 - momentum)
-    return grad.lerp(advanced, momentum) if nesterov else advanced
+    return momentum_step(grad, momentum_buffer, momentum, nesterov, write_buffer=False, want_input=True)
 
 
 def advance_momentum(grad: Tensor, momentum_buffer: Tensor, momentum: float) -> None:
     """B ← B + (1 − μ)·(g − B) in place: the same operation :func:`momentum_input` runs out of place, so the
     buffer gets the bits U was computed from."""
-    momentum_buffer.lerp_(grad, 1 - momentum)
+    momentum_step(grad, momentum_buffer, momentum, False, write_buffer=True, want_input=False)
 
 
 def advance_momentum_to_input(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
-    """:func:`advance_momentum`, then U from the advanced buffer: :func:`momentum_input`'s bits in two passes."""
-    momentum_buffer.lerp_(grad, 1 - momentum)
-    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+    """:func:`advance_momentum`, then U from the advanced buffer: :func:`momentum_input`'s bits in one pass
+    (one kernel on the GPU, :mod:`dtensor_muon.kernels.elementwise`)."""
+    return momentum_step(grad, momentum_buffer, momentum, nesterov, write_buffer=True, want_input=True)
 
 
 def adjusted_lr(lr: float | Tensor, adjust_lr_fn: AdjustLrFn, matrix_shape: tuple[int, int]) -> float | Tensor:

@@ -1,0 +1,141 @@
+"""Muon's fused element-wise kernels (dtensor_muon.kernels.elementwise) against torch's own operations.
+
+Under the Triton interpreter (a child process started with ``TRITON_INTERPRET=1``, as in test_kernels.py) the
+kernels run on the CPU; the interpreter rounds a fused multiply-add twice, so there they agree with torch's
+``lerp_``/``lerp``/``mul_``/``add_`` within two fp32 roundings per entry. On a GPU they must give torch's
+bits exactly (the GPU test below), and the step's entry points take them only there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dtensor_muon.kernels.elementwise import decay_and_add_, momentum_step
+
+MOMENTUM_CASES = [(0.95, True), (0.95, False), (0.3, True)]  # 0.3: the large-weight branch of the first lerp
+
+
+def torch_momentum(grad, buffer, momentum, nesterov):
+    """B' and U by torch's operations, as torch.optim.Muon computes them."""
+    advanced = buffer.lerp(grad, 1 - momentum)
+    return advanced, grad.lerp(advanced, momentum) if nesterov else advanced
+
+
+def torch_apply(param, update, decay, alpha):
+    out = param.clone()
+    out.mul_(decay)
+    out.add_(update, alpha=alpha)
+    return out
+
+
+def _inputs(dtype: torch.dtype, device: str, n: int = 5000) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    g, b, o = (torch.randn(n, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
+    return g, b, o
+
+
+def _interpreter_checks() -> dict[str, float]:
+    """Largest difference from torch's operations of each kernel, per entry relative to the largest of the
+    result and the inputs of that entry (a difference of roundings, not of cancellation), in units of the
+    dtype's epsilon."""
+    from test_kernels import _patch_interpreter_bf16
+
+    from dtensor_muon.kernels.elementwise import _launch_decay_and_add, _launch_momentum
+
+    _patch_interpreter_bf16()  # the interpreter truncates fp32 → bf16; the GPU rounds to nearest even
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        g, b, o = _inputs(dtype, "cpu")
+        eps = torch.finfo(dtype).eps
+
+        scale = torch.stack([g.double().abs(), b.double().abs(), o.double().abs()]).amax(0)
+
+        def ulps(x: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor = scale, eps: float = eps) -> float:
+            size = torch.maximum(ref.double().abs(), scale)
+            return float(((x.double() - ref.double()).abs() / size).max() / eps)
+
+        for momentum, nesterov in MOMENTUM_CASES:
+            ref_b, ref_u = torch_momentum(g, b, momentum, nesterov)
+            buffer, u = b.clone(), torch.empty_like(b)
+            _launch_momentum(g, buffer, u, momentum, nesterov, True, True)
+            key = f"{dtype}_{momentum}_{nesterov}"
+            out[f"buffer_{key}"] = ulps(buffer, ref_b)
+            out[f"input_{key}"] = ulps(u, ref_u)
+            untouched = b.clone()
+            _launch_momentum(g, untouched, u, momentum, nesterov, False, True)
+            out[f"buffer_kept_{key}"] = float((untouched != b).sum())
+        for decay, alpha in ((0.998, -0.02), (1.0, -3e-3)):
+            p = b.clone()
+            _launch_decay_and_add(p, o.to(torch.bfloat16), decay, alpha)
+            out[f"apply_{dtype}_{decay}"] = ulps(p, torch_apply(b, o.to(torch.bfloat16), decay, alpha))
+    return out
+
+
+@pytest.fixture(scope="module")
+def interp() -> dict[str, float]:
+    proc = subprocess.run(
+        [sys.executable, __file__],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("momentum,nesterov", MOMENTUM_CASES)
+def test_momentum_kernel_matches_torch_within_two_roundings(interp, dtype, momentum, nesterov) -> None:
+    key = f"{dtype}_{momentum}_{nesterov}"
+    assert interp[f"buffer_{key}"] <= 2 and interp[f"input_{key}"] <= 2
+    assert interp[f"buffer_kept_{key}"] == 0  # U alone leaves the buffer as it was
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decay", [0.998, 1.0])
+def test_decay_and_add_kernel_matches_torch_within_two_roundings(interp, dtype, decay) -> None:
+    assert interp[f"apply_{dtype}_{decay}"] <= 2
+
+
+def test_off_gpu_the_entry_points_are_torchs_operations() -> None:
+    g, b, o = _inputs(torch.float32, "cpu")
+    for momentum, nesterov in MOMENTUM_CASES:
+        ref_b, ref_u = torch_momentum(g, b, momentum, nesterov)
+        buffer = b.clone()
+        u = momentum_step(g, buffer, momentum, nesterov, write_buffer=True, want_input=True)
+        assert torch.equal(buffer, ref_b) and torch.equal(u, ref_u)
+    p = b.clone()
+    decay_and_add_(p, o, 0.998, -0.02)
+    assert torch.equal(p, torch_apply(b, o, 0.998, -0.02))
+    with pytest.raises(ValueError, match="nothing to write"):
+        momentum_step(g, b, 0.9, True, write_buffer=False, want_input=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_gpu_the_kernels_give_torchs_bits(dtype) -> None:
+    g, b, o = _inputs(dtype, "cuda", n=1 << 20)
+    for momentum, nesterov in MOMENTUM_CASES:
+        ref_b, ref_u = torch_momentum(g, b, momentum, nesterov)
+        buffer = b.clone()
+        u = momentum_step(g, buffer, momentum, nesterov, write_buffer=True, want_input=True)
+        assert torch.equal(buffer, ref_b), (momentum, nesterov)
+        assert torch.equal(u, ref_u), (momentum, nesterov)
+        assert torch.equal(momentum_step(g, b.clone(), momentum, nesterov, write_buffer=False, want_input=True), ref_u)
+    update = o.to(torch.bfloat16)
+    for decay, alpha in ((0.998, -0.02), (1.0, -3e-3)):
+        p = b.clone()
+        decay_and_add_(p, update, decay, alpha)
+        assert torch.equal(p, torch_apply(b, update, decay, alpha)), decay
+
+
+if __name__ == "__main__":
+    print(json.dumps(_interpreter_checks()))
