@@ -121,15 +121,16 @@ def wire_is_lossless(wire: torch.dtype, input_dtype: torch.dtype) -> bool:
 
 def apply_regions(e: Entry) -> list[tuple[tuple[slice, ...] | None, tuple[int, int]]]:
     """The parts of ``e``'s local shard with their own γ': one (None, shape) when all its matrices share a
-    shape, else (slices relative to the local shard, shape) per matrix that meets the shard."""
+    shape, else (slices relative to the local shard, shape) per matrix (per part of a grouped split's matrix,
+    with the whole matrix's shape) that meets the shard."""
     specs = matrices_of(e.index, e.layout, e.split)
-    if len({s.shape for s in specs}) == 1:
-        return [(None, specs[0].shape)]
+    if len({s.whole_shape for s in specs}) == 1:
+        return [(None, specs[0].whole_shape)]
     out = []
     for s in specs:
         part = intersect(s.box, e.layout.local_box)
         if part is not None:
-            out.append((relative_slices(part, e.layout.local_box), s.shape))
+            out.append((relative_slices(part, e.layout.local_box), s.whole_shape))
     return out
 
 
@@ -302,7 +303,7 @@ class Engine:
                 if spec.key not in held:
                     if id(e.param) in loaded:
                         missing.append(spec.name)
-                    held[spec.key] = self.rule.init_owner_state(spec.shape, e.group, local(e.param).device)
+                    held[spec.key] = self.rule.init_owner_state(spec.whole_shape, e.group, local(e.param).device)
             for e in work.entries:
                 held = self.state[e.param][OWNER_STATE_KEY]
                 for key in [k for k in held if k not in keep[e.index]]:

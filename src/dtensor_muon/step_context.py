@@ -151,11 +151,16 @@ class StepContext:
     def compute_unit(self, specs: list[MatrixSpec], stacked: Tensor) -> Tensor:
         """The rule's direction for one unit given whole: ``stacked`` is ``[m, n]`` (one matrix) or ``[B, m, n]``
         (B same-shape matrices of one parameter, ``specs`` in order); returns O shaped like ``stacked``. Host
-        work is per unit: one owner-state lookup per matrix, one norm over the batch for the metrics."""
-        first = specs[0]
+        work is per unit: one owner-state lookup per matrix, one norm over the batch for the metrics.
+
+        The ``[P, r, c]`` parts of one grouped-split matrix (``specs[0].parts == P > 1``) are computed as the one
+        ``[P·r, c]`` matrix their rows stack into, with its one owner state and γ'."""
+        first, shape, given = specs[0], specs[0].whole_shape, stacked.shape
+        if first.parts > 1:
+            specs, stacked = [first], stacked.reshape(shape)
         group = self.entries[first.param_index].group
         if self.failure is not None:  # the step fails anyway: keep the exchanges going, skip the work
-            return torch.zeros_like(stacked)
+            return torch.zeros(given, dtype=stacked.dtype, device=stacked.device)
         states = [self.owner_state(spec) for spec in specs]
         staged = self.transactional and self.rule.has_owner_state
         if staged:
@@ -168,12 +173,12 @@ class StepContext:
             rank = dist.get_rank() if dist.is_initialized() else 0
             self.failure = DirectionFailure(first.name, len(specs), rank, f"{type(exc).__name__}: {exc}")
             self.exception = exc
-            return torch.zeros_like(stacked)
+            return torch.zeros(given, dtype=stacked.dtype, device=stacked.device)
         if staged:
             self._staged.extend(zip(specs, states))
-        self.stats.add_flops(self.rule.cost(group, first.shape).flops * len(specs))
-        self.stats.add_orthogonal(out, self.rule.adjusted_lr(group, first.shape), [spec.name for spec in specs])
-        return out
+        self.stats.add_flops(self.rule.cost(group, shape).flops * len(specs))
+        self.stats.add_orthogonal(out, self.rule.adjusted_lr(group, shape), [spec.name for spec in specs])
+        return out.reshape(given)
 
     def input_itemsize(self, spec: MatrixSpec) -> int:
         """Bytes per element of a matrix's input where its direction runs."""

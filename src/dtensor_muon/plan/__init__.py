@@ -41,17 +41,28 @@ small against a rank's share of the work and whole-expert shards of up to 1/8 of
 
 @dataclass(frozen=True)
 class MatrixSpec:
-    """One matrix: ``box`` inside parameter ``param_index``, viewed as ``shape``; ``key`` names it there."""
+    """One matrix: ``box`` inside parameter ``param_index``, viewed as ``shape``; ``key`` names it there.
+
+    A part of a grouped split's matrix (``parts > 1``, :class:`~dtensor_muon.views.MatrixView`) is a spec of its
+    own (its box travels like any matrix); its unit holds all ``parts`` of the matrix, in order, and computes
+    them as the one ``whole_shape`` matrix their rows stack into."""
 
     name: str
     param_index: int
     box: Box
     shape: tuple[int, int]
     key: str = "m0"
+    part: int = 0
+    parts: int = 1
 
     @property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
+
+    @property
+    def whole_shape(self) -> tuple[int, int]:
+        """The shape of the matrix the rule computes: ``shape``, or for a part ``(parts·rows, cols)``."""
+        return (self.parts * self.shape[0], self.shape[1])
 
     @property
     def cost(self) -> int:
@@ -66,7 +77,7 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 
 def matrices_of(param_index: int, layout: ParamLayout, split: MatrixSplit | None = None) -> list[MatrixSpec]:
     """The matrices of one parameter (see :mod:`dtensor_muon.views`), named ``name``, ``name[e]`` (expert e)
-    and ``name/j`` (view j of a split)."""
+    and ``name/j`` (matrix j of a split; the parts of a grouped split's matrix share its name)."""
     shape = layout.global_shape
     views = parameter_matrices(layout.name, shape, split)
     per_base = len(views) // (shape[0] if len(shape) == 3 else 1)
@@ -76,8 +87,8 @@ def matrices_of(param_index: int, layout: ParamLayout, split: MatrixSplit | None
         if len(shape) == 3:
             name = f"{name}[{i // per_base}]"
         if split is not None:
-            name = f"{name}/{i % per_base}"
-        out.append(MatrixSpec(name, param_index, view.box, view.shape, view.key))
+            name = f"{name}/{(i % per_base) // view.parts}"
+        out.append(MatrixSpec(name, param_index, view.box, view.shape, view.key, view.part, view.parts))
     return out
 
 
@@ -215,15 +226,21 @@ def _holder_boxes(spec: MatrixSpec, boxes: torch.Tensor) -> list[tuple[int, Box]
 
 def group_units(specs: Sequence[MatrixSpec], batchable: set[int]) -> list[list[int]]:
     """Indices of ``specs`` (in parameter order) grouped into units (see the module docstring), in order;
-    only the matrices of parameters in ``batchable`` are stacked."""
+    only the matrices of parameters in ``batchable`` are stacked. The parts of one grouped-split matrix
+    (consecutive specs) are one unit of their own: one matrix, never a batch."""
     count: dict[tuple[int, tuple[int, int]], int] = {}
     for spec in specs:
-        if spec.param_index in batchable and batching_pays(spec.shape):
+        if spec.parts == 1 and spec.param_index in batchable and batching_pays(spec.shape):
             key = (spec.param_index, spec.shape)
             count[key] = count.get(key, 0) + 1
     open_groups: dict[tuple[int, tuple[int, int]], list[int]] = {}
     groups: list[list[int]] = []
     for i, spec in enumerate(specs):
+        if spec.parts > 1:
+            if spec.part == 0:
+                groups.append([])
+            groups[-1].append(i)
+            continue
         key = (spec.param_index, spec.shape)
         size = 1
         while key in count and size * 2 <= min(MAX_BATCH, count[key] // UNITS_PER_PARAMETER):
@@ -252,7 +269,8 @@ def build_plan(
 
     ``splits[k]`` cuts parameter k into views; ``batchable[k]``: whether its rule may stack its matrices
     (default: yes); ``cost_fn(k, shape)`` gives (FLOPs, owner-state bytes) of one
-    matrix of parameter k (default: one Newton–Schulz iteration, no state). ``gather_all``: units that are not
+    matrix of parameter k (default: one Newton–Schulz iteration, no state), counted on the first part of a
+    grouped split's matrix at its whole shape. ``gather_all``: units that are not
     local are computed on every rank. ``tensor_parallel[k]``: (``tp_mode``: "duplicated", "distributed" or
     "auto"; TP layout) to compute parameter k's units on one TP group where :func:`tensor_parallel_mode` says
     so, the group chosen per unit by least busiest-member load, before the owned units are balanced around
@@ -268,7 +286,12 @@ def build_plan(
         if layout.world_size != world:
             raise ValueError(f"parameter {layout.name!r}: world size {layout.world_size} != {world}")
         for spec in matrices_of(index, layout, splits[k]):
-            flops, nbytes = cost_fn(k, spec.shape) if cost_fn is not None else (spec.cost, 0)
+            if spec.part > 0:
+                flops, nbytes = 0, 0
+            elif cost_fn is not None:
+                flops, nbytes = cost_fn(k, spec.whole_shape)
+            else:
+                flops, nbytes = ns_iteration_flops(spec.whole_shape), 0
             specs.append(spec)
             costs.append(flops)
             state_bytes.append(nbytes)
@@ -449,7 +472,10 @@ def tensor_parallel_mode(requested: str, spec: MatrixSpec, tpl: TensorParallelLa
     """How one matrix of a ``tp_mode`` group is computed: ``"duplicated"`` as requested; ``"distributed"``
     when requested and TP splits the matrix's long side (so the Gram matrix is the short side squared), else
     ``"duplicated"``; for ``"auto"``, ``"distributed"`` where it splits the long side and
-    :func:`distributed_pays`, else ``"owned"``."""
+    :func:`distributed_pays`, else ``"owned"``. The parts of a grouped split's matrix are never distributed
+    (``"auto"``: owned; otherwise duplicated)."""
+    if spec.parts > 1:
+        return "owned" if requested == "auto" else "duplicated"
     dim = _matrix_dim(spec, tpl.dim, len(spec.box))
     long_side = dim is not None and spec.shape[dim] >= spec.shape[1 - dim]
     if requested == "auto":

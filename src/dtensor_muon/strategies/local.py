@@ -74,7 +74,7 @@ def _compute_pieces(ctx: StepContext, work: MeshWork, e: Entry, specs: list[Matr
     """A unit of matrices that no one view of the local shard holds (views of a fused parameter)."""
     slices = [relative_slices(spec.box, e.layout.local_box) for spec in specs]
     for spec, sl, o in zip(specs, slices, ctx.compute([(spec, u[sl]) for spec, sl in zip(specs, slices)])):
-        _deliver(ctx, work, e, sl, o, spec.shape)
+        _deliver(ctx, work, e, sl, o, spec.whole_shape)
 
 
 def _deliver(
