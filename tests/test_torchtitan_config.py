@@ -9,6 +9,10 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan")
+from torchtitan_ext.version import LINE, VERSION
+
+if LINE != "0.2":
+    pytest.skip(f"torchtitan 0.2.x tests; the installed torchtitan is {VERSION}", allow_module_level=True)
 
 from torchtitan.config import ConfigManager
 from torchtitan.protocols.train_spec import get_train_spec

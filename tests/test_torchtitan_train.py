@@ -15,6 +15,10 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torchtitan")
+from torchtitan_ext.version import LINE, VERSION
+
+if LINE != "0.2":
+    pytest.skip(f"torchtitan 0.2.x tests; the installed torchtitan is {VERSION}", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+\w.]+)")

@@ -1,23 +1,33 @@
-"""torchtitan 0.2.x glue for dtensor_muon.
+"""torchtitan glue for dtensor_muon, for torchtitan 0.2.x and 0.3.x; the adapter follows the installed version
+(:data:`torchtitan_ext.version.LINE`).
 
-Importing this package (``[experimental] custom_import = "torchtitan_ext"``) registers train specs
-for llama3, deepseek_v3, qwen3 and llama4 whose optimizer builder understands the matrix optimizers
-``[optimizer] name = "Muon"``, ``"MOP"`` and ``"NorMuon"`` besides torchtitan's Adam and AdamW (see
-:mod:`torchtitan_ext.spec`), each configured by its own section (``[muon]``, ``[mop]``, ``[normuon]``).
-Modules:
+Shared by both lines (no torchtitan 0.2 or 0.3 API in them):
 
-- :mod:`torchtitan_ext.registry`: the matrix optimizers, one entry each (name, section, class, keyword
-  mapping); the ``[optimizer] name`` choices, the JobConfig sections and the builders' dispatch derive from it;
-- :mod:`torchtitan_ext.sections`: the ``[muon]``, ``[mop]`` and ``[normuon]`` dataclasses and their checks;
-- :mod:`torchtitan_ext.job_config`: the JobConfig extension holding those sections;
-- :mod:`torchtitan_ext.optimizer`: the optimizer builders and container;
-- :mod:`torchtitan_ext.metrics`: the optimizer's diagnostics, reduced over ranks, in torchtitan's logs;
-- :mod:`torchtitan_ext.summary`: one line and a plot of a run (``python -m torchtitan_ext.summary DUMP --plot``);
-- :mod:`torchtitan_ext.cpu`: running torchtitan on CPU with gloo;
-- :mod:`torchtitan_ext.train`: the launcher (``python -m torchtitan_ext.train``);
-- :mod:`torchtitan_ext.data`: offline dataset and tokenizer (``python -m torchtitan_ext.data``).
+- :mod:`torchtitan_ext.registry`: the matrix optimizers, one entry each (name, option section, class, keyword
+  mapping);
+- :mod:`torchtitan_ext.sections`: the option dataclasses (``Muon``, ``MOP``, ``NorMuon``, ``SOAP``, ``KLSOAP``,
+  ``REKLS``) and their checks;
+- :mod:`torchtitan_ext.metrics`: the reduction of the optimizer's diagnostics over ranks and the optimizer and
+  FLOPs log lines;
+- :mod:`torchtitan_ext.data`: offline dataset and tokenizer (``python -m torchtitan_ext.data``);
+- :mod:`torchtitan_ext.summary`: one line and a plot of a run from its TensorBoard events.
+
+torchtitan 0.2.x (``[optimizer] name = "Muon"`` in TOML, ``--optimizer.name``): importing this package
+(``[experimental] custom_import = "torchtitan_ext"``) registers train specs for llama3, deepseek_v3, qwen3 and
+llama4 whose optimizer builder understands the registry's names (:mod:`torchtitan_ext.spec`), with the
+sections of :mod:`torchtitan_ext.job_config`, the builders of :mod:`torchtitan_ext.optimizer`, the CPU/gloo
+shim of :mod:`torchtitan_ext.cpu` and the launcher ``python -m torchtitan_ext.train``.
+
+torchtitan 0.3.x (``--module``/``--config``, ``--override.imports``): :mod:`torchtitan_ext.titan03`; importing
+this package registers nothing there (0.3 finds configs and overrides by module path).
 """
 
-from torchtitan_ext.spec import register_all
+from torchtitan_ext.version import LINE
 
-REGISTERED_MODELS = register_all()
+REGISTERED_MODELS: list[str] = []
+"""The torchtitan 0.2 models whose train specs were replaced (empty on other lines)."""
+
+if LINE == "0.2":
+    from torchtitan_ext.spec import register_all
+
+    REGISTERED_MODELS = register_all()
