@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from dtensor_muon import MatrixSplit, Muon, NorMuon
+from dtensor_muon import MatrixSplit, Muon, NorMuon, grouped_qkv_splits
 
 N_HEADS, N_KV, HEAD_DIM, DIM = 9, 3, 2, 8
 PER_KV = N_HEADS // N_KV
@@ -213,3 +213,27 @@ def test_grouped_split_under_fsdp_and_tensor_parallel_equals_separate_parameters
             key, _, _, per = label.split("/")
             expected = want[(key, per)]
             assert torch.equal(got, expected), f"rank {rank}, {label}: max diff {(got - expected).abs().max().item()}"
+
+
+class FusedQKV(nn.Module):
+    """The attributes torchtitan 0.3's FusedQKVLinear has: ``wqkv``, ``heads_per_kv``, ``head_dim``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wqkv = nn.Linear(DIM, ROWS, bias=False)
+        self.heads_per_kv, self.head_dim = PER_KV, HEAD_DIM
+
+
+def test_grouped_qkv_splits_finds_every_fused_weight_of_a_model():
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module(), nn.Module()])
+    for layer in model.layers:
+        layer.attention = nn.Module()
+        layer.attention.qkv_linear = FusedQKV()
+        layer.attention.wo = nn.Linear(N_HEADS * HEAD_DIM, DIM, bias=False)
+    split = MatrixSplit.grouped_qkv(N_HEADS, N_KV, HEAD_DIM)
+    assert grouped_qkv_splits(model) == {f"layers.{i}.attention.qkv_linear.wqkv.weight": split for i in (0, 1)}
+    assert set(grouped_qkv_splits(model, per="head").values()) == {MatrixSplit(0, block=HEAD_DIM)}
+    model.layers[1].attention.qkv_linear.head_dim = 4  # 30 rows are not groups of 4 heads of 4 rows
+    with pytest.raises(ValueError, match=r"layers\.1\.attention\.qkv_linear\.wqkv\.weight"):
+        grouped_qkv_splits(model)

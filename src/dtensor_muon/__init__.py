@@ -5,7 +5,7 @@ from .optim.mop import MOP
 from .optim.muon import Muon
 from .optim.normuon import NorMuon
 from .optim.soap import KLSOAP, REKLS, SOAP
-from .param_groups import muon_param_groups
+from .param_groups import grouped_qkv_splits, muon_param_groups
 from .process_exit import exit_without_finalization
 from .views import MatrixSplit
 
@@ -19,6 +19,7 @@ __all__ = [
     "Muon",
     "NorMuon",
     "exit_without_finalization",
+    "grouped_qkv_splits",
     "muon_param_groups",
     "newton_schulz",
     "polar_factor",

@@ -7,6 +7,8 @@ from typing import Any
 
 from torch import nn
 
+from .views import MatrixSplit
+
 
 def muon_param_groups(
     model: nn.Module,
@@ -62,3 +64,31 @@ def muon_param_groups(
     if adamw:
         groups.append({"params": adamw, "use_muon": False})
     return groups
+
+
+def grouped_qkv_splits(model: nn.Module, per: str = "projection") -> dict[str, MatrixSplit]:
+    """``{parameter name: MatrixSplit}`` for every fused, KV-group-interleaved QKV weight of ``model``, for the
+    ``matrix_splits`` keyword: ``Muon(model.named_parameters(), matrix_splits=grouped_qkv_splits(model))``.
+
+    A module counts when it has a ``wqkv`` submodule with a ``weight`` and the ints ``heads_per_kv`` (h) and
+    ``head_dim`` (d), as torchtitan 0.3's ``FusedQKVLinear``: its weight's rows are n_kv groups of h query
+    heads, one key head and one value head of d rows each, so n_kv = rows / ((h + 2)·d) (the global row count
+    of a DTensor). Each gets :meth:`MatrixSplit.grouped_qkv` (n_kv·h, n_kv, d, ``per``): W_q, W_k, W_v
+    (``"projection"``) or every head (``"head"``) as separate parameters would be updated.
+    """
+    out: dict[str, MatrixSplit] = {}
+    for name, module in model.named_modules():
+        fused = getattr(module, "wqkv", None)
+        h, d = getattr(module, "heads_per_kv", None), getattr(module, "head_dim", None)
+        weight = getattr(fused, "weight", None)
+        if not (isinstance(fused, nn.Module) and isinstance(h, int) and isinstance(d, int) and weight is not None):
+            continue
+        rows = weight.shape[0]
+        if rows % ((h + 2) * d):
+            raise ValueError(
+                f"{name}.wqkv.weight: {rows} rows are not KV groups of {h} query heads, one key and one value head "
+                f"of head_dim {d}"
+            )
+        n_kv = rows // ((h + 2) * d)
+        out[f"{name}.wqkv.weight" if name else "wqkv.weight"] = MatrixSplit.grouped_qkv(n_kv * h, n_kv, d, per=per)
+    return out
