@@ -17,7 +17,8 @@ the step bitwise equal to ``torch.optim.Muon``.
 
 from __future__ import annotations
 
-import numpy as np
+import struct
+
 import torch
 from torch import Tensor
 
@@ -82,13 +83,14 @@ if triton is not None:
 
 def _fp32(value: float) -> float:
     """``value`` as the fp32 number a kernel receives (Python's double rounded to nearest)."""
-    return float(np.float32(value))
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def _lerp_weights(weight: float) -> tuple[float, float, bool]:
-    """(w, 1 − w, |w| < 0.5) in fp32, as ATen's lerp computes them for a scalar weight."""
-    w = np.float32(weight)
-    return float(w), float(np.float32(1) - w), bool(abs(w) < 0.5)
+    """(w, 1 − w, |w| < 0.5) in fp32, as ATen's lerp computes them for a scalar weight (1 − w: the fp32
+    difference, exact in double and rounded once)."""
+    w = _fp32(weight)
+    return w, _fp32(1.0 - w), abs(w) < 0.5
 
 
 def _kernel_applies(*tensors: Tensor) -> bool:
