@@ -44,7 +44,9 @@ def test_tensor_and_expert_parallel_layouts_follow_torchtitan():
     assert [b[0] for b in boxes] == [(0, 3), (5, 8), (3, 5), (8, 10)]
 
 
-@pytest.mark.parametrize("model, tp, ep", [("llama3:debugmodel", 2, 1), ("deepseek_v3:debugmodel", 2, 2)])
+@pytest.mark.parametrize(
+    "model, tp, ep", [("llama3:debugmodel", 2, 1), ("deepseek_v3:debugmodel", 2, 2), ("qwen3:debugmodel_moe", 2, 2)]
+)
 def test_tensor_and_expert_parallel_plans_keep_the_total_work(model, tp, ep):
     """Owned mode computes every matrix once whatever the layout: the same total as FSDP alone."""
     (plain,) = simulate(model, [8])

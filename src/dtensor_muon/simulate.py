@@ -40,6 +40,7 @@ from .routing import uses_muon
 MODEL_FAMILIES = {
     "llama3": ("torchtitan.models.llama3", "Transformer", "llama3_args"),
     "deepseek_v3": ("torchtitan.models.deepseek_v3", "DeepSeekV3Model", "deepseekv3_args"),
+    "qwen3": ("torchtitan.models.qwen3", "Qwen3Model", "qwen3_args"),
 }
 
 
