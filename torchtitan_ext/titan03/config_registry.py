@@ -1,0 +1,80 @@
+"""Ready torchtitan 0.3 configs with a matrix optimizer: ``--module torchtitan_ext.titan03 --config <name>``.
+
+    torchrun --nproc_per_node 2 -m torchtitan_ext.titan03.train --module torchtitan_ext.titan03 \
+        --config llama3_muon [--optimizer.name SOAP] [--training.steps 20] [--optimizer.muon.ns-steps 4]
+
+torchtitan finds this module as ``<module>.config_registry``. Each function is a stock debug config of
+torchtitan (its model, loss and parallelism) with:
+
+- the optimizer :class:`~torchtitan_ext.titan03.container.MatrixOptimizersContainer` (Muon by default,
+  ``--optimizer.name`` picks another entry of the registry), lr 1e-2 for every parameter (AdamW's parameters
+  too: the matrices' lr is scaled to AdamW's update RMS);
+- the metrics of :class:`~torchtitan_ext.titan03.metrics.OptimizerMetricsProcessor`, TensorBoard on;
+- the offline corpus and tokenizer of :mod:`torchtitan_ext.data` (the launcher builds them when missing);
+- small CPU-friendly batches (4 × 256 tokens), 300 steps, warm-up 20 and cosine decay; no activation
+  checkpointing; ``spmd_backend = "partial_dtensor"`` (FSDP2 ``Shard(0)`` and TP/EP DTensors, the layouts the
+  library plans for);
+- where no GPU is present, float32 parameters and a float32 Newton–Schulz (CPUs without AVX-512 BF16 run
+  bfloat16 matrix products many times slower).
+
+``llama3_muon`` (Llama3 debug model), ``qwen3_muon`` (Qwen3 debug), ``deepseek_v3_muon`` (DeepSeek-V3 debug:
+MLA and 8 routed experts), ``qwen3_moe_muon`` (Qwen3 MoE debug: 64 experts). The MoE configs keep the model
+spec's load-balancing hook (``post_optimizer_build_fn``), which the trainer registers on this container.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+from torchtitan.models.llama3.config_registry import llama3_debugmodel
+from torchtitan.models.qwen3.config_registry import qwen3_debugmodel, qwen3_moe_debug
+from torchtitan.trainer import Trainer
+
+from torchtitan_ext import data
+from torchtitan_ext.titan03.container import matrix_optimizer_config
+from torchtitan_ext.titan03.metrics import OptimizerMetricsProcessor
+
+LR = 1e-2
+"""lr of the ready configs (Muon with ``adjust_lr_fn = "match_rms_adamw"`` and AdamW alike)."""
+
+
+def with_matrix_optimizer(config: Trainer.Config, run_name: str, name: str = "Muon") -> Trainer.Config:
+    """``config`` (a stock config) changed as the module docstring says; outputs under ``outputs/<run_name>``."""
+    on_cpu = not torch.cuda.is_available()
+    config.optimizer = matrix_optimizer_config(config.optimizer, name, {"lr": LR})
+    if on_cpu:
+        for section in (config.optimizer.muon, config.optimizer.normuon):
+            section.ns_dtype, section.wire_dtype = "float32", "float32"
+        config.training.mixed_precision_param = "float32"
+    config.metrics = OptimizerMetricsProcessor.Config(log_freq=10, enable_tensorboard=True, save_tb_folder="tb")
+    config.hf_assets_path = str(data.tokenizer_dir(data.DEFAULT_OUT))
+    config.dataloader.dataset_path = str(data.corpus_dir(data.DEFAULT_OUT))
+    config.dump_folder = f"outputs/{run_name}"
+    config.training.local_batch_size, config.training.seq_len, config.training.steps = 4, 256, 300
+    config.lr_scheduler.warmup_steps, config.lr_scheduler.decay_type = 20, "cosine"
+    config.lr_scheduler.decay_ratio, config.lr_scheduler.min_lr_factor = None, 0.1
+    config.activation_checkpoint = None
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.checkpoint.interval = 100
+    config.validator.enable = False
+    return config
+
+
+def llama3_muon() -> Trainer.Config:
+    """torchtitan's Llama3 debug model (6 layers, dim 256, fused interleaved QKV) with Muon."""
+    return with_matrix_optimizer(llama3_debugmodel(), "llama3_muon")
+
+
+def qwen3_muon() -> Trainer.Config:
+    """torchtitan's Qwen3 debug model with Muon."""
+    return with_matrix_optimizer(qwen3_debugmodel(), "qwen3_muon")
+
+
+def deepseek_v3_muon() -> Trainer.Config:
+    """torchtitan's DeepSeek-V3 debug model (MLA, 8 routed experts and a shared expert) with Muon."""
+    return with_matrix_optimizer(deepseek_v3_debugmodel(), "deepseek_v3_muon")
+
+
+def qwen3_moe_muon() -> Trainer.Config:
+    """torchtitan's Qwen3 MoE debug model (64 routed experts) with Muon."""
+    return with_matrix_optimizer(qwen3_moe_debug(), "qwen3_moe_muon")
