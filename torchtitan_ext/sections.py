@@ -21,7 +21,7 @@ from dtensor_muon.optim.base import TP_MODES
 from dtensor_muon.rules.mop import MOP_SCALES
 from dtensor_muon.rules.soap import SOAP_BASES
 
-ADJUST_LR_CHOICES = ("match_rms_adamw", "original")
+ADJUST_LR_CHOICES = ("match_rms_adamw", "original", "spectral_unclamped")
 EXCHANGE_CHOICES = ("owner", "gather_all")
 WIRE_DTYPES = ("bfloat16", "float32")
 MOP_WIRE_DTYPES = ("float32",)
@@ -79,9 +79,10 @@ class Muon:
     """Newton–Schulz form: "gram" iterates on X·Xᵀ (fewer FLOPs on rectangular matrices), "auto" uses it where
     it is faster on the GPU backend, with the "simple" (Keller) coefficients."""
 
-    adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
-    """Per-matrix learning-rate scaling: "match_rms_adamw" (0.2·√max(A, B): the same [optimizer] lr
-    suits both Muon and AdamW parameters) or "original" (√max(1, A/B))."""
+    adjust_lr_fn: Literal["match_rms_adamw", "original", "spectral_unclamped"] = "match_rms_adamw"
+    """Per-matrix learning-rate scaling of an A×B matrix: "match_rms_adamw" (γ·0.2·√max(A, B): the same
+    [optimizer] lr suits both Muon and AdamW parameters), "original" (γ·√max(1, A/B)) or "spectral_unclamped"
+    (γ·√(A/B), below γ for wide matrices; torch.optim.Muon's and torchtitan DistMuon's name)."""
 
     wire_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of matrices on the wire between shard holders and owners."""
@@ -164,9 +165,9 @@ class MOP:
     """Step size of the polar factor O: "nuclear" (lr · the nuclear norm ΣS of the momentum) or "shape"
     (lr scaled by the matrix shape as Muon's, see adjust_lr_fn)."""
 
-    adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    adjust_lr_fn: Literal["match_rms_adamw", "original", "spectral_unclamped"] = "match_rms_adamw"
     """With scale = "shape": "match_rms_adamw" (0.2·√max(A, B): the same [optimizer] lr suits both MOP and
-    AdamW parameters) or "original" (√max(1, A/B)). Unused with scale = "nuclear"."""
+    AdamW parameters), "original" (√max(1, A/B)) or "spectral_unclamped" (√(A/B)). Unused with scale = "nuclear"."""
 
     wire_dtype: Literal["bfloat16", "float32"] = "float32"
     """Dtype of matrices on the wire between shard holders and owners: "float32" only (the SVD runs in

@@ -33,7 +33,8 @@ class MOP(MatrixOptimizer):
         nesterov: use g + μ·(B − g) instead of B.
         scale: "nuclear" (ΣS, the default) or "shape" (Muon's γ', see ``adjust_lr_fn``).
     Keyword-only:
-        adjust_lr_fn: with ``scale="shape"``: None/"original", "match_rms_adamw" or a callable, as in Muon.
+        adjust_lr_fn: with ``scale="shape"``: None/"original", "match_rms_adamw", "spectral_unclamped" or a
+            callable, as in Muon.
         adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.
         wire_dtype: dtype of the exchange; float32 by default, since the SVD runs in float32 (a 16-bit wire
             is refused for DTensor parameters: it would round the SVD's input).

@@ -62,7 +62,8 @@ class Muon(MatrixOptimizer):
             :data:`dtensor_muon.newton_schulz.NAMED_COEFFICIENTS`.
         eps: Frobenius-normalization floor of Newton–Schulz.
         ns_steps: Newton–Schulz iterations, 1 to 99.
-        adjust_lr_fn: None/"original" (√max(1, A/B)), "match_rms_adamw" (0.2·√max(A, B)), or a callable
+        adjust_lr_fn: None/"original" (γ·√max(1, A/B)), "match_rms_adamw" (γ·0.2·√max(A, B)),
+            "spectral_unclamped" (γ·√(A/B), torch.optim.Muon's from torch 2.14), or a callable
             ``(lr, (A, B)) -> lr`` for an A×B matrix.
     Keyword-only:
         adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.

@@ -26,7 +26,7 @@ from ..newton_schulz import resolve_coefficients, resolve_ns_dtype
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
 
 AdjustLrFn = None | str | Callable[[float, tuple[int, int]], float]
-ADJUST_LR_NAMES = ("original", "match_rms_adamw")
+ADJUST_LR_NAMES = ("original", "match_rms_adamw", "spectral_unclamped")
 
 
 def ns_iteration_flops(shape: tuple[int, int]) -> int:
@@ -53,13 +53,16 @@ def advance_momentum_to_input(grad: Tensor, momentum_buffer: Tensor, momentum: f
 
 
 def adjusted_lr(lr: float | Tensor, adjust_lr_fn: AdjustLrFn, matrix_shape: tuple[int, int]) -> float | Tensor:
-    """γ' for a matrix of shape (A, B): "original" √max(1, A/B), "match_rms_adamw" 0.2·√max(A, B), or a callable."""
+    """γ' for a matrix of shape (A, B): "original" γ·√max(1, A/B), "match_rms_adamw" γ·0.2·√max(A, B),
+    "spectral_unclamped" γ·√(A/B) (torch.optim.Muon's names and float operations), or a callable (γ, (A, B)) → γ'."""
     rows, cols = matrix_shape
     lr = _to_scalar(lr)  # a Tensor lr of shape [1] or [1, 1] as a 0-d tensor, as torch.optim.Muon does
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
+        return lr * (0.2 * math.sqrt(max(rows, cols)))
+    if adjust_lr_fn == "spectral_unclamped":
+        return lr * math.sqrt(rows / cols)
     if callable(adjust_lr_fn):
         return float(adjust_lr_fn(lr, (rows, cols)))
     raise ValueError(f"adjust_lr_fn: expected None, {ADJUST_LR_NAMES} or a callable, got {adjust_lr_fn!r}")
