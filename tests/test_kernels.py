@@ -193,6 +193,14 @@ def _interpreter_checks() -> Numbers:
     zero_scale = torch.empty(1)  # written in place
     cast_and_scale_into(torch.zeros(5, 7), torch.empty(5, 7, dtype=bf16), 1e-7, zero_scale)
     out["cast_zero_scale_times_eps"] = zero_scale.item() * 1e-7
+    # Each launch ends in its scale through ticket counters that it leaves zeroed: a second launch on the same
+    # counters gives the same bits.
+    from dtensor_muon.kernels.normalize import _COUNTERS
+
+    out["counters_left_zero"] = float(all(int(c.abs().sum()) == 0 for c in _COUNTERS.values()))
+    g = torch.randn(3, 50, 90)
+    first, again = (cast_and_scale_into(g, torch.empty_like(g, dtype=bf16), 1e-7) for _ in range(2))
+    out["cast_scale_repeat_absdiff"] = absdiff(first, again.to(f64))
 
     # Products times a per-matrix scale s (s² for the Gram matrix), batched with a different s per matrix.
     x = torch.randn(2, 40, 72).to(bf16)
@@ -365,6 +373,11 @@ def test_cast_and_scale_reads_g_once(interp: Numbers, name: str) -> None:
 
 def test_cast_and_scale_of_a_zero_matrix_is_one_over_eps(interp: Numbers) -> None:
     assert abs(interp["cast_zero_scale_times_eps"] - 1.0) < 1e-6
+
+
+def test_one_launch_scales_leave_their_counters_zero(interp: Numbers) -> None:
+    assert interp["counters_left_zero"] == 1.0
+    assert interp["cast_scale_repeat_absdiff"] == 0.0
 
 
 def test_products_times_a_per_matrix_scale(interp: Numbers) -> None:

@@ -3,17 +3,21 @@
     normalize_into:       s_b = 1 / max(‖G_b‖_F, eps),  X₀_b = round(s_b · G_b)
     cast_and_scale_into:  X̃_b = round(G_b),  s_b = 1 / max(‖G_b‖_F, eps),  X₀_b = s_b · X̃_b
 
-``normalize_into`` takes an fp32 norm pass over G, then one Triton kernel that reads G again and writes
-X₀ rounded once (instead of torch's cast, norm of the cast and in-place division by a broadcast device
-scalar: 0.92 ms of prologue on 64×2048×1408 on the H200, of which 0.57 the non-vectorized division). X₀
-differs from torch's by at most one rounding of the working dtype per entry (torch rounds G, then the
-quotient).
+``normalize_into`` takes two Triton kernels: an fp32 sum-of-squares pass over G that ends in s, then one
+that reads G again and writes X₀ rounded once (instead of torch's cast, norm of the cast and in-place
+division by a broadcast device scalar: 0.92 ms of prologue on 64×2048×1408 on the H200, of which 0.57 the
+non-vectorized division). X₀ differs from torch's by at most one rounding of the working dtype per entry
+(torch rounds G, then the quotient).
 
-``cast_and_scale_into`` reads G once: one kernel writes X̃ = round(G) and each block's fp32 sum of
-squares of G, a second (one program per matrix) sums a matrix's blocks in a fixed order (deterministic)
-into s. The caller folds s into the first products (A₀ = s²·X̃·X̃ᵀ, P₀·X₀ = (s·P₀)·X̃), so X₀ is never
-written: one read of G instead of two. Each entry of X̃ is G's rounded once; X₀ = s·X̃ is within one
-rounding of G / ‖G‖ as above.
+``cast_and_scale_into`` reads G once, in one kernel that writes X̃ = round(G) and ends in s. The caller
+folds s into the first products (A₀ = s²·X̃·X̃ᵀ, P₀·X₀ = (s·P₀)·X̃), so X₀ is never written: one read of G
+instead of two. Each entry of X̃ is G's rounded once; X₀ = s·X̃ is within one rounding of G / ‖G‖ as above.
+
+How a kernel ends in s without a second launch: each program stores its block's fp32 sum of squares, then
+takes a ticket from its matrix's counter (an atomic add with acquire-release order); the program that draws
+the last ticket sums the matrix's block sums in a fixed order (deterministic, whichever program finishes
+last), writes s and sets the counter back to zero. The counters are zeroed once per device and stream
+(:func:`_counters`) and left zeroed by every launch.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from torch import Tensor
 from .shapes import matrix_count
 
 BLOCK = 4096
+CHUNK = 1024
+_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
 
 
 @triton.jit
@@ -41,27 +47,71 @@ def _scale_cast_kernel(g_ptr, scale_ptr, out_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _cast_sum_squares_kernel(g_ptr, out_ptr, partial_ptr, N, BLOCK: tl.constexpr):
-    """out[b, i] = round(g[b, i]); partial[b, block] = Σ g[b, i]² (fp32) over the block's entries."""
+def _sum_squares_scale_kernel(
+    g_ptr,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    scale_ptr,
+    N,
+    eps,
+    WRITE_CAST: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """partial[b, block] = Σ g[b, i]² (fp32) over the block's entries, out[b, i] = round(g[b, i]) when
+    WRITE_CAST; the last program of matrix b to finish writes scale[b] = 1 / max(√Σ_j partial[b, j], eps),
+    summed chunk by chunk in a fixed order, and zeroes counter[b] (module docstring)."""
     matrix = tl.program_id(1).to(tl.int64)
     block = tl.program_id(0)
+    blocks = tl.num_programs(0)
     offsets = block * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < N
     values = tl.load(g_ptr + matrix * N + offsets, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out_ptr + matrix * N + offsets, values.to(out_ptr.dtype.element_ty), mask=inside)
-    tl.store(partial_ptr + matrix * tl.num_programs(0) + block, tl.sum(values * values, axis=0))
+    if WRITE_CAST:
+        tl.store(out_ptr + matrix * N + offsets, values.to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(partial_ptr + matrix * blocks + block, tl.sum(values * values, axis=0))
+    ticket = tl.atomic_add(counter_ptr + matrix, 1, sem="acq_rel")
+    if ticket == blocks - 1:
+        total = tl.zeros((CHUNK,), dtype=tl.float32)
+        for start in range(0, blocks, CHUNK):
+            index = start + tl.arange(0, CHUNK)
+            total += tl.load(partial_ptr + matrix * blocks + index, mask=index < blocks, other=0.0, volatile=True)
+        norm = tl.sqrt(tl.sum(total, axis=0))
+        tl.store(scale_ptr + matrix, 1.0 / tl.maximum(norm, eps))
+        tl.store(counter_ptr + matrix, 0)
 
 
-@triton.jit
-def _scale_from_partials_kernel(partial_ptr, scale_ptr, NUM_PARTIALS, eps, CHUNK: tl.constexpr):
-    """scale[b] = 1 / max(sqrt(Σ_j partial[b, j]), eps), summed chunk by chunk in a fixed order."""
-    matrix = tl.program_id(0).to(tl.int64)
-    total = tl.zeros((CHUNK,), dtype=tl.float32)
-    for start in range(0, NUM_PARTIALS, CHUNK):
-        index = start + tl.arange(0, CHUNK)
-        total += tl.load(partial_ptr + matrix * NUM_PARTIALS + index, mask=index < NUM_PARTIALS, other=0.0)
-    norm = tl.sqrt(tl.sum(total, axis=0))
-    tl.store(scale_ptr + matrix, 1.0 / tl.maximum(norm, eps))
+def _counters(device: torch.device, matrices: int) -> Tensor:
+    """Zeroed int32 ticket counters for ``matrices`` matrices on ``device``, one set per stream (launches on
+    one stream run in order, so they never share a counter at the same time); every launch leaves them zero."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < matrices:
+        counters = _COUNTERS[key] = torch.zeros(max(matrices, 64), dtype=torch.int32, device=device)
+    return counters
+
+
+def _sum_squares_into(g: Tensor, scale: Tensor, eps: float, cast_out: Tensor | None) -> None:
+    """scale[b] = 1 / max(‖G_b‖_F, eps) per matrix of ``g`` in one launch, and round(G) into ``cast_out`` when given."""
+    matrices = matrix_count(g)
+    per_matrix = g.size(-2) * g.size(-1)
+    blocks = triton.cdiv(per_matrix, BLOCK)
+    partials = torch.empty(matrices, blocks, device=g.device, dtype=torch.float32)
+    _sum_squares_scale_kernel[(blocks, matrices)](
+        g,
+        g if cast_out is None else cast_out,
+        partials,
+        _counters(g.device, matrices),
+        scale,
+        per_matrix,
+        float(eps),
+        WRITE_CAST=cast_out is not None,
+        BLOCK=BLOCK,
+        CHUNK=CHUNK,
+        num_warps=4,
+    )
 
 
 def require_scale(scale: Tensor, matrices: int, device: torch.device, caller: str) -> None:
@@ -95,8 +145,8 @@ def normalize_into(g: Tensor, out: Tensor, eps: float) -> None:
 
     ``g`` and ``out`` must be contiguous and of one shape (:func:`scale_cast_applies`)."""
     _require_kernel_layout(g, out, "normalize_into")
-    norms = torch.linalg.vector_norm(g, dim=(-2, -1), dtype=torch.float32)
-    scale = norms.clamp(min=eps).reciprocal().reshape(-1)
+    scale = torch.empty(matrix_count(g), device=g.device, dtype=torch.float32)
+    _sum_squares_into(g, scale, eps, None)
     per_matrix = g.size(-2) * g.size(-1)
     grid = (triton.cdiv(per_matrix, BLOCK), scale.numel())
     _scale_cast_kernel[grid](g, scale, out, per_matrix, BLOCK=BLOCK, num_warps=4)
@@ -114,9 +164,5 @@ def cast_and_scale_into(g: Tensor, out: Tensor, eps: float, scale: Tensor | None
         scale = torch.empty(matrices, device=g.device, dtype=torch.float32)
     else:
         require_scale(scale, matrices, g.device, "cast_and_scale_into")
-    per_matrix = g.size(-2) * g.size(-1)
-    blocks = triton.cdiv(per_matrix, BLOCK)
-    partials = torch.empty(matrices, blocks, device=g.device, dtype=torch.float32)
-    _cast_sum_squares_kernel[(blocks, matrices)](g, out, partials, per_matrix, BLOCK=BLOCK, num_warps=4)
-    _scale_from_partials_kernel[(matrices,)](partials, scale, blocks, float(eps), CHUNK=1024, num_warps=4)
+    _sum_squares_into(g, scale, eps, out)
     return scale
