@@ -52,6 +52,10 @@ SPMD_BACKEND = "partial_dtensor"
 ``full_dtensor``), gives ``fully_shard`` plain-tensor parameters with ``dp_mesh_dims`` under torch 2.13 and
 stops there; ``partial_dtensor`` (DTensors for tensor and expert parallelism, FSDP2 on its own mesh) runs."""
 
+CPU_ARGS = ("--parallelism.spmd_backend", SPMD_BACKEND, "--training.disable_cuda_graphs")
+"""Arguments the launcher puts before the user's on CPU: :data:`SPMD_BACKEND`, and no CUDA graphs (without that,
+torchtitan refuses expert parallelism with its all-to-all token dispatcher when it checks the config)."""
+
 
 def _keep_start_up_timeouts(*args: Any, **kwargs: Any) -> None:
     """Replaces ``set_pg_timeouts`` on CPU (its barrier takes CUDA device ids)."""

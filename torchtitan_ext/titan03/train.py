@@ -3,8 +3,9 @@
 Runs torchtitan's own ``torchtitan.train.main`` and its ``Trainer`` unchanged, with three preparations:
 
 - where no GPU is present, the CPU path of :mod:`torchtitan_ext.titan03.cpu` (device globals, dense
-  attention, and FSDP2 SUM reductions through the model spec's ``parallelize_fn``); the config's
-  ``parallelism.spmd_backend`` becomes ``partial_dtensor`` (see :data:`~torchtitan_ext.titan03.cpu.SPMD_BACKEND`);
+  attention, and FSDP2 SUM reductions through the model spec's ``parallelize_fn``), and the command line
+  starts with :data:`~torchtitan_ext.titan03.cpu.CPU_ARGS` (``partial_dtensor``, no CUDA graphs; later
+  arguments still win);
 - a config whose metrics are torchtitan's plain ``MetricsProcessor.Config`` logs through
   :class:`~torchtitan_ext.titan03.metrics.OptimizerMetricsProcessor` (the optimizer and FLOPs lines; with
   torchtitan's own optimizers it logs as torchtitan does), so ``--override.imports
@@ -19,6 +20,7 @@ After a successful run the process leaves through :func:`dtensor_muon.exit_witho
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -38,17 +40,16 @@ def adapt(config: Any, on_cpu: bool) -> Any:
 
     if type(config.metrics) is MetricsProcessor.Config:
         config.metrics = derive(config.metrics, OptimizerMetricsProcessor.Config)
-    if on_cpu:
-        config.parallelism.spmd_backend = cpu.SPMD_BACKEND
-        if config.model_spec is not None:
-            config.model_spec.parallelize_fn = cpu.with_sum_reduction(config.model_spec.parallelize_fn)
+    if on_cpu and config.model_spec is not None:
+        config.model_spec.parallelize_fn = cpu.with_sum_reduction(config.model_spec.parallelize_fn)
     return config
 
 
 def _adapting(parse_args: Callable[..., Any], on_cpu: bool) -> Callable[..., Any]:
     @functools.wraps(parse_args)
     def adapted(self: Any, args: list[str] | None = None) -> Any:
-        config = parse_args(self, args)
+        args = sys.argv[1:] if args is None else args
+        config = parse_args(self, [*cpu.CPU_ARGS, *args] if on_cpu else args)
         self.config = adapt(config, on_cpu)
         return self.config
 
