@@ -13,7 +13,7 @@ torchtitan (its model, loss and parallelism) with:
 - the offline corpus and tokenizer of :mod:`torchtitan_ext.data` (the launcher builds them when missing);
 - small CPU-friendly batches (4 × 256 tokens), 300 steps, warm-up 20 and cosine decay; no activation
   checkpointing; ``spmd_backend = "partial_dtensor"`` (FSDP2 ``Shard(0)`` and TP/EP DTensors, the layouts the
-  library plans for);
+  library plans for); seed 0;
 - where no GPU is present, float32 parameters and a float32 Newton–Schulz (CPUs without AVX-512 BF16 run
   bfloat16 matrix products many times slower).
 
@@ -57,6 +57,7 @@ def with_matrix_optimizer(config: Trainer.Config, run_name: str, name: str = "Mu
     config.parallelism.spmd_backend = "partial_dtensor"
     config.checkpoint.interval = 100
     config.validator.enable = False
+    config.debug.seed = 0
     return config
 
 

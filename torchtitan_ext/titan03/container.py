@@ -8,6 +8,10 @@ part, one instance of the registry's class (:class:`dtensor_muon.Muon`, ``MOP``,
 key them). Routing is the library's, by name and shape: matrices (2-D, MoE experts ``[E, m, n]`` as E
 matrices) take the matrix update; embeddings, ``lm_head``, norms and biases take AdamW (torch's AdamW math,
 the same lr: the matrices' lr is scaled to AdamW's update RMS by default). ``param_groups`` is not used.
+A fused ``attention.qkv_linear.wqkv.weight`` (llama3's and qwen3's, rows interleaved by KV group) is cut into
+its W_q, W_k and W_v by default, each updated as a separate parameter would be
+(:meth:`dtensor_muon.MatrixSplit.grouped_qkv`; ``fused_qkv = "head"``: one matrix per head, ``"whole"``: one
+matrix).
 
 Stepping, hooks (the MoE load-balancing pre-hook that the model spec's ``post_optimizer_build_fn`` registers)
 and checkpointing are the base class's: ``state_dict()`` is torchtitan's flat, name-keyed optimizer state
@@ -30,6 +34,7 @@ from torch import nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
 
+from dtensor_muon import MatrixSplit
 from torchtitan_ext import sections
 from torchtitan_ext.metrics import combine
 from torchtitan_ext.registry import REGISTRY, MatrixOptimizerEntry
@@ -44,6 +49,27 @@ if set(OptimizerName.__args__) != set(REGISTRY):
 
 SHARED_OPTIONS = ("lr", "weight_decay", "beta1", "beta2", "eps")
 """Hyperparameters every entry takes from the container's config (AdamW's too); the rest is per section."""
+
+CONTAINER_OPTIONS = ("fused_qkv",)
+"""Options of the container itself (how parameters are cut into matrices), the same for every entry."""
+
+FUSED_QKV_CHOICES = ("projection", "head", "whole")
+
+
+def fused_qkv_splits(model: nn.Module, per: str) -> dict[str, MatrixSplit]:
+    """``{parameter name: MatrixSplit}`` for every fused, KV-group-interleaved ``wqkv`` weight of ``model``
+    (torchtitan 0.3's ``FusedQKVLinear`` under an attention module with ``n_heads``, ``n_kv_heads`` and
+    ``head_dim``), split ``per`` ``"projection"`` or ``"head"``; empty for ``"whole"``."""
+    from torchtitan.models.common.attention import FusedQKVLinear
+
+    if per == "whole":
+        return {}
+    splits = {}
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "qkv_linear", None), FusedQKVLinear):
+            weight = canonical_fqn(f"{name}.qkv_linear.wqkv.weight" if name else "qkv_linear.wqkv.weight")
+            splits[weight] = MatrixSplit.grouped_qkv(module.n_heads, module.n_kv_heads, module.head_dim, per=per)
+    return splits
 
 
 def _check_shared(config: Any) -> None:
@@ -106,11 +132,16 @@ class MatrixOptimizersContainer(OptimizersContainer):
         rekls: sections.REKLS = field(default_factory=sections.REKLS)
         """Options of ``name = "REKLS"``."""
 
+        fused_qkv: Literal["projection", "head", "whole"] = "projection"
+        """A fused, KV-group-interleaved ``wqkv`` weight as its W_q, W_k, W_v ("projection", exactly as separate
+        parameters), one matrix per head ("head"), or one matrix ("whole")."""
+
         def __post_init__(self) -> None:
             """Reject bad shared values and any ``param_groups`` (routing is by name, see the module docstring)."""
             if self.name not in REGISTRY:
                 raise ValueError(f"optimizer.name = {self.name!r} is not valid; choose one of: {', '.join(REGISTRY)}")
             _check_shared(self)
+            sections.check_choice("optimizer", "fused_qkv", self.fused_qkv, FUSED_QKV_CHOICES)
             if self.param_groups:
                 raise ValueError(
                     f"optimizer.param_groups is not used by {self.name}: matrices take {self.name}, embeddings, "
@@ -138,7 +169,8 @@ class MatrixOptimizersContainer(OptimizersContainer):
         all_params: list[nn.Parameter] = []
         for part, model in enumerate(model_parts):
             named = [(canonical_fqn(name), p) for name, p in model.named_parameters() if p.requires_grad]
-            optimizer = entry.optimizer_cls(named, **kwargs)
+            splits = fused_qkv_splits(model, config.fused_qkv)
+            optimizer = entry.optimizer_cls(named, **kwargs, matrix_splits=splits)
             if kwargs.get("overlap"):
                 optimizer.attach(model)
             self.optimizers.append(optimizer)
@@ -155,8 +187,9 @@ class MatrixOptimizersContainer(OptimizersContainer):
 
 
 def option_keys(name: str) -> tuple[str, ...]:
-    """The keys an override of ``name`` accepts: the shared hyperparameters, then its section's options."""
-    return (*SHARED_OPTIONS, *(f.name for f in fields(REGISTRY[name].section_cls)))
+    """The keys an override of ``name`` accepts: the shared hyperparameters, the container's options, then its
+    section's options."""
+    return (*SHARED_OPTIONS, *CONTAINER_OPTIONS, *(f.name for f in fields(REGISTRY[name].section_cls)))
 
 
 def check_option_keys(name: str, options: dict[str, Any]) -> None:
@@ -198,6 +231,9 @@ def matrix_optimizer_config(
     check_option_keys(name, options)
     entry = REGISTRY[name]
     shared = {**shared_defaults(stock), **{k: options.pop(k) for k in SHARED_OPTIONS if k in options}}
+    if isinstance(stock, MatrixOptimizersContainer.Config):
+        shared["fused_qkv"] = stock.fused_qkv
+    shared.update({k: options.pop(k) for k in CONTAINER_OPTIONS if k in options})
     section_fields = {f.name for f in fields(entry.section_cls)}
     base_section = getattr(stock, entry.section, None) if isinstance(stock, MatrixOptimizersContainer.Config) else None
     values = {f: getattr(base_section, f) for f in section_fields} if base_section is not None else {}
