@@ -19,16 +19,17 @@ from dataclasses import field, fields, is_dataclass, make_dataclass
 from typing import Any
 
 from torchtitan_ext.registry import OPTIMIZER_NAMES, REGISTRY, check_optimizer_name
-from torchtitan_ext.sections import MOP, Muon, NorMuon
+from torchtitan_ext.sections import MOP, BatchScaling, Muon, NorMuon
 
 JobConfig = make_dataclass(
     "JobConfig",
-    [(entry.section, entry.section_cls, field(default_factory=entry.section_cls)) for entry in REGISTRY.values()],
+    [(entry.section, entry.section_cls, field(default_factory=entry.section_cls)) for entry in REGISTRY.values()]
+    + [(BatchScaling.SECTION, BatchScaling, field(default_factory=BatchScaling))],
 )
 JobConfig.__module__ = __name__
 JobConfig.__doc__ = (
     "Extension merged into torchtitan's JobConfig: one section per matrix optimizer of the registry "
-    f"({', '.join(f'[{entry.section}]' for entry in REGISTRY.values())})."
+    f"({', '.join(f'[{entry.section}]' for entry in REGISTRY.values())}) and [batch_scaling]."
 )
 
 
@@ -83,6 +84,7 @@ __all__ = [
     "HELP_COMMAND",
     "MOP",
     "OPTIMIZER_NAMES",
+    "BatchScaling",
     "JobConfig",
     "Muon",
     "NorMuon",

@@ -311,3 +311,24 @@ class REKLS(KLSOAP):
 
     basis: Literal["qr", "eigh"] = "eigh"
     """Eigenbasis refresh: "eigh" (a full eigendecomposition) or "qr"."""
+
+
+@dataclass
+class BatchScaling:
+    """Scale ``[optimizer] lr`` to this run's global batch by the square-root rule (any ``[optimizer] name``):
+    lr · √(B / B_ref), B = global batch × seq_len tokens (:func:`dtensor_muon.batch_scaled_lr`)."""
+
+    SECTION: ClassVar[str] = "batch_scaling"
+
+    reference_batch_size: int = 0
+    """The global batch, in sequences, that ``[optimizer] lr`` was tuned at; 0 turns the scaling off."""
+
+    reference_seq_len: int = 0
+    """The sequence length of that batch; 0: this run's ``[training] seq_len``."""
+
+    def __post_init__(self) -> None:
+        """Reject bad values."""
+        for name in ("reference_batch_size", "reference_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"[{self.SECTION}] {name} = {value!r} is not valid; it must be an integer >= 0")

@@ -28,6 +28,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.models import _supported_models
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
+from torchtitan_ext.batch_scaling import apply_batch_scaling
 from torchtitan_ext.cpu import use_sum_reduction
 from torchtitan_ext.metrics import OptimizerMetricsProcessor
 from torchtitan_ext.optimizer import REPLACEMENTS
@@ -43,10 +44,11 @@ def build_metrics_processor(
     model_args: object | None = None,
     tag: str | None = None,
 ) -> OptimizerMetricsProcessor:
-    """Check ``[optimizer] name``, attach the matrix optimizers' sections to ``[optimizer]``, and build the
-    metrics processor."""
+    """Check ``[optimizer] name``, attach the matrix optimizers' sections to ``[optimizer]``, scale its lr to the
+    global batch (``[batch_scaling]``, :mod:`torchtitan_ext.batch_scaling`), and build the metrics processor."""
     check_optimizer_name(job_config.optimizer.name)
     attach_sections(job_config)
+    apply_batch_scaling(job_config, parallel_dims)
     return OptimizerMetricsProcessor(job_config, parallel_dims, tag)
 
 

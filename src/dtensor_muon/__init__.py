@@ -1,5 +1,6 @@
 """dtensor_muon: exact owner-rank distributed matrix optimizers (Muon, MOP, NorMuon, SOAP) for PyTorch FSDP2/DTensor."""
 
+from .lr_scaling import batch_scaled_lr
 from .newton_schulz import NAMED_COEFFICIENTS, newton_schulz, polar_factor
 from .optim.mop import MOP
 from .optim.muon import Muon
@@ -18,6 +19,7 @@ __all__ = [
     "MatrixSplit",
     "Muon",
     "NorMuon",
+    "batch_scaled_lr",
     "exit_without_finalization",
     "grouped_qkv_splits",
     "muon_param_groups",
