@@ -135,6 +135,10 @@ def test_on_the_gpu_the_kernels_give_torchs_bits(dtype) -> None:
         p = b.clone()
         decay_and_add_(p, update, decay, alpha)
         assert torch.equal(p, torch_apply(b, update, decay, alpha)), decay
+    square, transposed = b.reshape(1024, 1024), update.reshape(1024, 1024).mT  # O of a tall matrix: a view
+    p = square.clone()
+    decay_and_add_(p, transposed, 0.998, -0.02)
+    assert torch.equal(p, torch_apply(square, transposed, 0.998, -0.02))
 
 
 if __name__ == "__main__":

@@ -74,3 +74,21 @@ def test_optimizer_steps_equal_with_and_without_graphs():
 
     for with_graphs, without in zip(train(True), train(False)):
         assert torch.equal(with_graphs, without)
+
+
+@cuda
+def test_a_borrowed_output_is_the_graphs_own_buffer():
+    """``borrow=True``: the same bits as a copied result, in the buffer that the next replay overwrites."""
+    runner = NewtonSchulzGraphs()
+    inputs = [
+        torch.randn(2, 1536, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(s)) for s in range(3)
+    ]
+    with use_backend("syrk"):
+        runner(inputs[0])  # eager, then captured
+        copied = runner(inputs[1])
+        borrowed = runner(inputs[1], borrow=True)
+        assert torch.equal(borrowed, copied)
+        kept = borrowed.clone()
+        again = runner(inputs[2], borrow=True)
+        assert again.data_ptr() == borrowed.data_ptr() and not torch.equal(borrowed, kept)
+        assert torch.equal(again, newton_schulz(inputs[2]))

@@ -10,7 +10,8 @@ Per call, with the graph of that signature captured:
     start from G                  written eagerly into the graph's start buffers (X₀, or round(G) and the
                                   per-matrix scale the first products fold in: ``Backend.start_into``)
     replay                        the iterations, exactly the kernels and configs of the eager call
-    O = copy of the graph's output (the next replay overwrites it)
+    O = copy of the graph's output (the next replay overwrites it), or the output itself for a caller that
+        uses it at once (``borrow=True``)
 
 so the result equals :func:`.newton_schulz.newton_schulz`'s bit for bit. The first call of a signature runs
 eagerly (it tunes and compiles every kernel the graph will hold) and then captures. Graphs are used only on
@@ -75,7 +76,12 @@ class NewtonSchulzGraphs:
         eps: float = 1e-7,
         dtype: torch.dtype = torch.bfloat16,
         algorithm: str = "auto",
+        *,
+        borrow: bool = False,
     ) -> Tensor:
+        """O for ``g``. With ``borrow`` a replayed call returns the graph's own output buffer instead of a copy
+        (one pass and one launch less): the caller must have enqueued everything that reads it before the
+        next call of the same signature overwrites it."""
         schedule = iteration_schedule(g, coefficients, steps)
         if not g.is_cuda or torch.cuda.is_current_stream_capturing():
             return newton_schulz(g, coefficients, steps, eps, dtype, algorithm)
@@ -87,7 +93,7 @@ class NewtonSchulzGraphs:
             return newton_schulz(g, coefficients, steps, eps, dtype, algorithm)
         captured.backend.start_into(g, captured.start, captured.x, eps, captured.scale)
         captured.graph.replay()
-        return in_layout_of(captured.out.clone(), captured.start)
+        return in_layout_of(captured.out if borrow else captured.out.clone(), captured.start)
 
     def _first_call(
         self, key: tuple, g: Tensor, schedule: tuple, eps: float, dtype: torch.dtype, algorithm: str

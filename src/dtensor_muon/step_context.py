@@ -14,6 +14,7 @@ agrees on the outcome across ranks and either :meth:`StepContext.commit` s all o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from .exchange import MeshGroup
 from .layout import ParamLayout
 from .metrics import PhaseTimer, StepStats
+from .ns_graphs import NewtonSchulzGraphs
 from .plan import MatrixSpec, Plan
 from .rules.base import ApplyScalars, MatrixRule, NewtonSchulzRunner
 from .views import MatrixSplit
@@ -148,10 +150,12 @@ class StepContext:
         out = self.compute_unit([spec for spec, _ in jobs], mats[0] if len(mats) == 1 else torch.stack(mats))
         return [out] if len(mats) == 1 else list(out.unbind(0))
 
-    def compute_unit(self, specs: list[MatrixSpec], stacked: Tensor) -> Tensor:
+    def compute_unit(self, specs: list[MatrixSpec], stacked: Tensor, *, used_at_once: bool = False) -> Tensor:
         """The rule's direction for one unit given whole: ``stacked`` is ``[m, n]`` (one matrix) or ``[B, m, n]``
         (B same-shape matrices of one parameter, ``specs`` in order); returns O shaped like ``stacked``. Host
         work is per unit: one owner-state lookup per matrix, one norm over the batch for the metrics.
+        ``used_at_once``: the caller applies O before it computes another unit, so O may be the CUDA graph's
+        own output buffer (:class:`~.ns_graphs.NewtonSchulzGraphs`, ``borrow``), not a copy of it.
 
         The ``[P, r, c]`` parts of one grouped-split matrix (``specs[0].parts == P > 1``) are computed as the one
         ``[P·r, c]`` matrix their rows stack into, with its one owner state and γ'."""
@@ -165,8 +169,11 @@ class StepContext:
         staged = self.transactional and self.rule.has_owner_state
         if staged:
             states = [{name: t.clone() for name, t in s.items()} for s in states]
+        runner = self.runner
+        if used_at_once and isinstance(runner, NewtonSchulzGraphs):
+            runner = functools.partial(runner, borrow=True)
         try:
-            out = self.rule.direction(stacked, states, group, self.runner)
+            out = self.rule.direction(stacked, states, group, runner)
         except Exception as exc:
             if not self.transactional:
                 raise

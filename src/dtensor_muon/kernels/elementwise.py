@@ -93,17 +93,20 @@ def _lerp_weights(weight: float) -> tuple[float, float, bool]:
     return w, _fp32(1.0 - w), abs(w) < 0.5
 
 
-def _kernel_applies(*tensors: Tensor) -> bool:
-    """Whether the kernels can take these tensors: Triton present, all on one CUDA device, contiguous, of one
-    shape, not empty, and floating."""
+def _kernel_applies(*tensors: Tensor, any_layout: int = 0) -> bool:
+    """Whether the kernels can take these tensors: Triton present, all on one CUDA device, of one shape, not
+    empty, floating, and contiguous (but for the last ``any_layout`` of them, which the caller makes so)."""
     first = tensors[0]
     return (
         triton is not None
         and first.is_cuda
         and first.numel() > 0
         and all(
-            t.is_contiguous() and t.shape == first.shape and t.device == first.device and t.is_floating_point()
-            for t in tensors
+            (i >= len(tensors) - any_layout or t.is_contiguous())
+            and t.shape == first.shape
+            and t.device == first.device
+            and t.is_floating_point()
+            for i, t in enumerate(tensors)
         )
     )
 
@@ -165,12 +168,14 @@ def _momentum_step_torch(
 
 
 def decay_and_add_(param: Tensor, update: Tensor, decay: float | Tensor, alpha: float | Tensor) -> None:
-    """θ ← θ·decay + alpha·O in place (decay = 1 − γλ, alpha = −γ'): one kernel where it applies, else
-    ``mul_`` then ``add_(alpha=)``; a Tensor ``decay`` or ``alpha`` (a Tensor lr) takes the torch operations."""
-    if isinstance(decay, Tensor) or isinstance(alpha, Tensor) or not _kernel_applies(param, update):
+    """θ ← θ·decay + alpha·O in place (decay = 1 − γλ, alpha = −γ'): one kernel where it applies (``update``
+    in any layout: copied to a contiguous one first), else ``mul_`` then ``add_(alpha=)``; a Tensor ``decay``
+    or ``alpha`` (a Tensor lr) takes the torch operations."""
+    if isinstance(decay, Tensor) or isinstance(alpha, Tensor) or not _kernel_applies(param, update, any_layout=1):
         param.mul_(decay)
         param.add_(update, alpha=alpha)
         return
+    update = update.contiguous()  # O of a tall matrix arrives as a transposed view: one copy, the same kernel
     with torch.cuda.device(param.device):
         _launch_decay_and_add(param, update, decay, alpha)
 

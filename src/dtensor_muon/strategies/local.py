@@ -67,7 +67,8 @@ def _compute_block(ctx: StepContext, work: MeshWork, e: Entry, specs: list[Matri
     sl = relative_slices(block, e.layout.local_box)
     shape = specs[0].shape
     stacked = u[sl].reshape((len(specs), *shape) if len(specs) > 1 else shape).contiguous()
-    _deliver(ctx, work, e, sl, ctx.compute_unit(specs, stacked), shape)
+    applied_now = e.index in work.fully_local and not ctx.transactional  # _deliver applies O before the next unit
+    _deliver(ctx, work, e, sl, ctx.compute_unit(specs, stacked, used_at_once=applied_now), shape)
 
 
 def _compute_pieces(ctx: StepContext, work: MeshWork, e: Entry, specs: list[MatrixSpec], u: Tensor) -> None:
