@@ -99,6 +99,7 @@ from torch import nn
 from torch.autograd import DeviceType
 
 from dtensor_muon import Muon
+from dtensor_muon.kernels.elementwise import decay_and_add_
 from dtensor_muon.layout import box_shape
 from dtensor_muon.newton_schulz import newton_schulz
 from dtensor_muon.ns_graphs import NewtonSchulzGraphs
@@ -801,7 +802,7 @@ class ShareWork:
         self.newton_schulz()
         decay = 1 - LR * WEIGHT_DECAY
         for param, _, _, update, lr_adjusted in self.shards:
-            param.mul_(decay).add_(update, alpha=-float(lr_adjusted))
+            decay_and_add_(param, update, decay, -float(lr_adjusted))  # the optimizer's apply
         if self.adamw is not None:
             self.adamw.step()
 
