@@ -24,6 +24,8 @@ def muon_param_groups(
     - those of every module that is an instance of a type in ``adamw_modules``;
     - those of the module ``model.get_output_embeddings()`` returns, when the model has that method
       (Hugging Face models: the output head, tied or not);
+    - those of the output layer of an ``nn.Sequential`` model (:func:`sequential_output_linear`: its last
+      ``nn.Linear`` when nothing but parameter-free modules follow it, nested Sequentials included);
     - those named in ``adamw_names``: a module's qualified name (``"output"``: all its parameters) or a
       parameter's (``"output.weight"``); a name that matches nothing raises, so typos do not pass silently.
 
@@ -51,8 +53,14 @@ def muon_param_groups(
     adamw_ids: set[int] = set()
     head = getattr(model, "get_output_embeddings", None)
     head_module = head() if callable(head) else None
+    last_linear = sequential_output_linear(model)
     for name, module in modules.items():
-        if isinstance(module, (nn.Embedding, *types)) or module is head_module or name in adamw_names:
+        if (
+            isinstance(module, (nn.Embedding, *types))
+            or module is head_module
+            or module is last_linear
+            or name in adamw_names
+        ):
             adamw_ids.update(id(p) for p in module.parameters())
     adamw_ids.update(id(p) for n, p in named if n in adamw_names)
 
@@ -64,6 +72,24 @@ def muon_param_groups(
     if adamw:
         groups.append({"params": adamw, "use_muon": False})
     return groups
+
+
+def sequential_output_linear(model: nn.Module) -> nn.Linear | None:
+    """The ``nn.Linear`` that produces an ``nn.Sequential`` model's output, where the structure says so: walking
+    the Sequential's children from the last, parameter-free ones (activations, dropout, flatten) are passed
+    over, a Linear is the answer, a nested Sequential is searched the same way; anything else (a module with
+    parameters whose forward is not known) ends the search with None, as does a model that is not a Sequential."""
+    if not isinstance(model, nn.Sequential):
+        return None
+    for child in reversed(list(model.children())):
+        if isinstance(child, nn.Linear):
+            return child
+        has_parameters = any(True for _ in child.parameters())
+        if isinstance(child, nn.Sequential) and has_parameters:
+            return sequential_output_linear(child)
+        if has_parameters:
+            return None
+    return None
 
 
 def grouped_qkv_splits(model: nn.Module, per: str = "projection") -> dict[str, MatrixSplit]:

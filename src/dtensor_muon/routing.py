@@ -11,7 +11,10 @@ The rule, applied to each parameter in this order (the first that applies decide
    a ≥4-D weight viewed as ``(shape[0], -1)`` (convolutions).
 
 Parameters given without names (``model.parameters()``) skip step 3, so an embedding or output head among
-them goes to Muon; the optimizer then warns (:func:`unnamed_lookalikes` says which ones it names). Name them
+them goes to Muon; the optimizer then warns (:func:`unnamed_lookalikes` says which ones it names). An
+``nn.Sequential`` model names its layers by position (``"6.weight"``), so its output layer goes to Muon
+too; the optimizer warns about it (:func:`sequential_output_layer`), and
+:func:`dtensor_muon.muon_param_groups` routes a Sequential's last ``nn.Linear`` to AdamW. Name them
 (``model.named_parameters()``), route them by module type with :func:`dtensor_muon.muon_param_groups`, or
 put them in a group with ``"use_muon"`` set. Parameters with ``requires_grad=False`` are routed the same way
 but get no optimizer state until they require a gradient (see :class:`dtensor_muon.Muon`). The optimizer logs
@@ -20,7 +23,9 @@ the outcome (logger ``dtensor_muon``: one INFO line per rule, the full table at 
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from collections.abc import Sequence
 
 from torch import Tensor
@@ -95,6 +100,34 @@ def unnamed_lookalikes(
         if long == longest and long > LOOKALIKE_ASPECT * short:
             found.append(f"{label} ({p.shape[0]}×{p.shape[1]})")
     return found
+
+
+SEQUENTIAL_WEIGHT = re.compile(r"(\d+\.)+weight")
+"""The name of a layer's weight in a model that is an ``nn.Sequential`` (nested ones too): positions only."""
+
+
+def sequential_output_layer(named: Sequence[tuple[str, Tensor]]) -> tuple[str, Tensor] | None:
+    """Of ``named`` (an optimizer's named parameters), the 2-D one whose name is positions only
+    (:data:`SEQUENTIAL_WEIGHT`: ``"6.weight"``, ``"2.1.weight"``) at the largest position: the output layer of
+    an ``nn.Sequential`` model whose last layer is a Linear. None when no name has that form."""
+    found = [(name, p) for name, p in named if p.ndim == 2 and SEQUENTIAL_WEIGHT.fullmatch(name)]
+    if not found:
+        return None
+    return max(found, key=lambda item: tuple(int(part) for part in item[0].split(".")[:-1]))
+
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` issued by the function calling this point at the first
+    frame outside this package (the user's line, not the library's)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(PACKAGE_DIR + os.sep):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def name_patterns(members: list[tuple[str, Tensor]]) -> str:

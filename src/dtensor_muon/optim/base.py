@@ -38,7 +38,7 @@ from torch import Tensor
 from ..engine import EXCHANGE_MODES, Engine
 from ..layout import read_layout, tensor_parallel_blocks
 from ..overlap import attach_hooks
-from ..routing import name_patterns, unnamed_lookalikes, uses_muon
+from ..routing import caller_stacklevel, name_patterns, sequential_output_layer, unnamed_lookalikes, uses_muon
 from ..rules import adamw as adamw_rule
 from ..rules.base import MatrixRule
 from ..step_context import OWNER_STATE_KEY, Entry, local
@@ -179,6 +179,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._engine: Engine | None = None
         self._hook_handles: list = []
         self._unnamed_default: set[int] = set()  # ids of unnamed matrices routed to the rule by default
+        self._named_default: set[int] = set()  # ids of named 2-D matrices routed to the rule by default
         self._stateless: list[Tensor] = []  # parameters without state (frozen at construction)
         # this library's group options (torch adds "differentiable" to defaults on load: not one of them)
         self._option_keys = (*defaults, "use_muon", "matrix_split", "tp_mode")
@@ -244,8 +245,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             for name, p in part:
                 if p.requires_grad:
                     self.state[p] = self._fresh_state(p, use_muon)
-                if use_muon and name is None and group["use_muon"] is None and p.ndim == 2:
-                    self._unnamed_default.add(id(p))
+                if use_muon and group["use_muon"] is None and p.ndim == 2:
+                    (self._unnamed_default if name is None else self._named_default).add(id(p))
                 added.append(p)
         if self._engine is not None:
             self.flush()
@@ -391,7 +392,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _report_routing(self, params: list[Tensor]) -> None:
         """Log where ``params`` go (INFO: one line per rule; DEBUG: one line per parameter) and warn when
-        unnamed matrices routed to the matrix rule look like an embedding or an output head."""
+        unnamed matrices routed to the matrix rule look like an embedding or an output head, or when the last
+        layer of an ``nn.Sequential`` model is routed to it (each warning points at the caller's line)."""
         chosen = {id(p) for p in params}
         rows = [(label, p, group) for label, p, group in self._labelled() if id(p) in chosen]
         if logger.isEnabledFor(logging.INFO):
@@ -440,7 +442,19 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 f'param group with "use_muon": False (or "use_muon": True to keep them on {type(self).__name__} without '
                 "this warning).",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=caller_stacklevel(),
+            )
+        last = sequential_output_layer([(label, p) for label, p, _ in self._labelled()])
+        if last is not None and id(last[1]) in self._named_default and id(last[1]) in chosen:
+            me, (label, p) = type(self).__name__, last
+            warnings.warn(
+                f"{me}: {label} ({p.shape[0]}×{p.shape[1]}) is the last layer of an nn.Sequential (its name is positions only) and goes to {me}. "
+                "If it is the output layer (the classifier or head feeding the loss), it belongs to AdamW: build the "
+                "groups with dtensor_muon.muon_param_groups(model), which routes a Sequential's last Linear to "
+                f'AdamW, or put it in a param group with "use_muon": False ("use_muon": True keeps it on {me} '
+                "without this warning).",
+                UserWarning,
+                stacklevel=caller_stacklevel(),
             )
 
     # ---------------------------------------------------------------- copies and checkpoints
@@ -475,6 +489,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if "_engine" not in self.__dict__:  # a copy: no engine, hooks or overlap attachment came with it
             self._hook_handles = []
             self._unnamed_default = set()
+            self._named_default = set()
             self._engine = None
             self._engine = self._build_engine()
             self._register_hooks()
