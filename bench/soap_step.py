@@ -3,6 +3,7 @@ of one rank computing every matrix, and of the busiest rank of the plan at 8 and
 
     PYTHONPATH=src python bench/soap_step.py                         # Llama3-8B, 16 layers: 112 matrices
     PYTHONPATH=src python bench/soap_step.py --variants SOAP KLSOAP REKLS --world-sizes 1 8 64 512
+    PYTHONPATH=src python bench/soap_step.py --layers 4 --variants SOAP SOAP-cholqr --float32-matmul-precision high
     PYTHONPATH=src python bench/soap_step.py --quick                 # tiny shapes on CPU, under a minute
 
 Matrices: the Muon-routed parameters of the torchtitan Llama3 8B model's first ``--layers`` layers (per layer
@@ -22,12 +23,22 @@ the exchange. Each variant's plan gives its own set (a QR and an eigh refresh we
 Muon (``dtensor_muon.Muon`` defaults: momentum 0.95, Nesterov, 5 bf16 Newton–Schulz iterations) is timed on
 every distinct set, side by side.
 
-Variants (``--variants``; default SOAP and REKLS): ``dtensor_muon.SOAP`` (Shampoo factors, one power
-iteration + QR per refresh), ``KLSOAP`` (KL-Shampoo factors, QR) and ``REKLS`` (KL-Shampoo factors, eigh per
-refresh), with the front ends' defaults: betas (0.9, 0.95), shampoo_beta 0.95, precondition_frequency 1 (the
-basis is refreshed every step; at frequency f the refresh column divides by f), max_preconditioner_dim 8192.
-SOAP's products run in float32 at torch's default precision ("highest": no TF32) unless
-``--float32-matmul-precision high`` is given; Muon's Newton–Schulz runs in bf16 either way.
+Variants (``--variants``; default SOAP, SOAP-cholqr and REKLS): ``dtensor_muon.SOAP`` (Shampoo factors, one
+power iteration + Householder QR per refresh), ``SOAP-cholqr`` (``dtensor_muon.SOAP(basis="cholqr")``: the
+power iteration orthogonalized by Cholesky QR on matrix products, :mod:`dtensor_muon.eigenbasis`), ``KLSOAP``
+(KL-Shampoo factors, QR) and ``REKLS`` (KL-Shampoo factors, eigh per refresh), with the front ends' defaults:
+betas (0.9, 0.95), shampoo_beta 0.95, precondition_frequency ``--precondition-frequency`` (default 1: the basis
+is refreshed every step), max_preconditioner_dim 8192. SOAP's factor, projection and rotation products run in
+float32 at torch's default precision ("highest": no TF32) unless ``--float32-matmul-precision high`` is given
+(SOAP-cholqr's refresh products run in float32-accurate split TF32 and its first Gram matrix in TF32 on CUDA
+either way); Muon's Newton–Schulz runs in bf16 either way.
+
+heavyball's SOAP (``heavyball.SOAP`` 3.x, eager: ``heavyball.utils.compile_mode = None``), when importable and
+unless ``--no-heavyball``: on the one-rank set only (it has no owner per matrix: under FSDP2 every rank
+computes every matrix, so its per-rank step is the one-rank step), at the same settings: lr 3e-3, betas
+(0.9, 0.95), shampoo_beta 0.95, eps 1e-8, weight_decay 0.1, the same precondition frequency, max_precond_dim
+8192 (the same sides left unpreconditioned), no schedule for the frequency, ``consume_grad`` off (it keeps the
+gradient as ours do, so every timed step has one). Step ms and memory only (its phases are not separable).
 
 Measured, per (set, optimizer), after ``--warmup`` untimed steps (so SOAP's first-step eigh, Muon's CUDA-graph
 captures and the allocator's warm-up are not counted), medians over ``--repeats`` steady-state steps:
@@ -55,8 +66,10 @@ under ``sets``).
 from __future__ import annotations
 
 import gc
+import importlib
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -73,10 +86,14 @@ from dtensor_muon.simulate import fsdp_layout
 
 VARIANTS: dict[str, type[MatrixOptimizer]] = {
     "SOAP": dtensor_muon.SOAP,
+    "SOAP-cholqr": dtensor_muon.SOAP,
     "KLSOAP": dtensor_muon.KLSOAP,
     "REKLS": dtensor_muon.REKLS,
 }
-DEFAULT_VARIANTS = ("SOAP", "REKLS")
+VARIANT_OPTIONS: dict[str, dict[str, Any]] = {"SOAP-cholqr": {"basis": "cholqr"}}
+"""Options a variant adds to its class's defaults."""
+DEFAULT_VARIANTS = ("SOAP", "SOAP-cholqr", "REKLS")
+HEAVYBALL = "heavyball-SOAP"
 FAMILY, FLAVOR = "llama3", "8B"
 QUICK_MAX_PRECONDITIONER_DIM = 128
 BUCKET_BYTES = 64 * 2**20
@@ -197,16 +214,19 @@ def time_step(opt: torch.optim.Optimizer, clock: Clock, warmup: int, repeats: in
 
 
 def measure_step(
-    cls: type[MatrixOptimizer], options: dict[str, Any], params: ParameterSet, warmup: int, repeats: int
+    make: Callable[[list[tuple[str, torch.nn.Parameter]]], torch.optim.Optimizer],
+    params: ParameterSet,
+    warmup: int,
+    repeats: int,
 ) -> dict[str, float | None]:
-    """Step ms (median, min) and memory of ``cls(params.named, **options)``; its state is freed after."""
+    """Step ms (median, min) and memory of the optimizer ``make(params.named)``; its state is freed after."""
     device = params.device
     params.reset()
     free(device)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    opt = cls(params.named, **options)
+    opt = make(params.named)
     clock = Clock(device)
     clock.sync()
     before = torch.cuda.memory_allocated(device) / GIB if cuda else None
@@ -255,6 +275,38 @@ def measure_phases(group: dict[str, Any], params: ParameterSet, warmup: int, rep
     return out
 
 
+def ours(cls: type[MatrixOptimizer], options: dict[str, Any]) -> Callable[..., torch.optim.Optimizer]:
+    return lambda named: cls(named, **options)
+
+
+def heavyball_soap(
+    precondition_frequency: int, max_preconditioner_dim: int
+) -> Callable[..., torch.optim.Optimizer] | None:
+    """heavyball's SOAP at this benchmark's settings (see the module docstring), eager; None if not importable."""
+    try:
+        heavyball = importlib.import_module("heavyball")
+    except ImportError:
+        return None
+    heavyball.utils.compile_mode = None
+
+    def make(named: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+        opt = heavyball.SOAP(
+            [p for _, p in named],
+            lr=SOAP_LR,
+            betas=(0.9, 0.95),
+            shampoo_beta=0.95,
+            eps=1e-8,
+            weight_decay=WEIGHT_DECAY,
+            precondition_frequency=precondition_frequency,
+            max_precond_dim=max_preconditioner_dim,
+            use_precond_schedule=False,
+        )
+        opt.consume_grad = False  # it would set p.grad = None after a step; here every step reuses the gradient
+        return opt
+
+    return make
+
+
 def case_label(world_size: int, n_matrices: int) -> str:
     return f"all {n_matrices} matrices (1 rank)" if world_size == 1 else f"busiest of {world_size} ranks"
 
@@ -269,6 +321,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (step 1 is SOAP's eigh)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps, medians (default 5; quick: 3)")
     parser.add_argument("--max-preconditioner-dim", type=int, default=None, help="SOAP's (default 8192; quick: 128)")
+    parser.add_argument("--precondition-frequency", type=int, default=1, help="steps between basis refreshes")
+    parser.add_argument("--no-heavyball", action="store_true", help="leave heavyball's SOAP out even if importable")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument(
         "--float32-matmul-precision",
@@ -286,8 +340,8 @@ def main() -> None:
         args.repeats = 3 if args.quick else 5
     if args.max_preconditioner_dim is None:
         args.max_preconditioner_dim = QUICK_MAX_PRECONDITIONER_DIM if args.quick else 8192
-    if args.warmup < 1 or args.repeats < 1:
-        parser.error("--warmup and --repeats must be >= 1")
+    if args.warmup < 1 or args.repeats < 1 or args.precondition_frequency < 1:
+        parser.error("--warmup, --repeats and --precondition-frequency must be >= 1")
     if any(w < 1 for w in args.world_sizes):
         parser.error("--world-sizes must be >= 1")
     if args.quick:
@@ -297,9 +351,16 @@ def main() -> None:
 
     matrices, shapes_from = llama3_matrices(args.layers, args.quick)
     soap_options = {
-        v: {"lr": SOAP_LR, "weight_decay": WEIGHT_DECAY, "max_preconditioner_dim": args.max_preconditioner_dim}
+        v: {
+            "lr": SOAP_LR,
+            "weight_decay": WEIGHT_DECAY,
+            "max_preconditioner_dim": args.max_preconditioner_dim,
+            "precondition_frequency": args.precondition_frequency,
+            **VARIANT_OPTIONS.get(v, {}),
+        }
         for v in args.variants
     }
+    heavyball = None if args.no_heavyball else heavyball_soap(args.precondition_frequency, args.max_preconditioner_dim)
     muon_options = {"lr": MUON_LR, "weight_decay": WEIGHT_DECAY}
     groups = {v: optimizer_group(VARIANTS[v], **soap_options[v]) for v in args.variants}
     muon_group = optimizer_group(dtensor_muon.Muon, **muon_options)
@@ -310,7 +371,8 @@ def main() -> None:
         f"Llama3 {QUICK_FLAVOR + ' (shrunk)' if args.quick else FLAVOR}, {args.layers} layers: {len(matrices)} "
         f"matrices, {n_values / 1e6:,.1f} M values, fp32, on {device}; shapes from the {shapes_from}; "
         f"medians of {args.repeats} steps after {args.warmup} untimed ones (step 1: SOAP's eigh); float32 "
-        f"matmul precision {args.float32_matmul_precision}"
+        f"matmul precision {args.float32_matmul_precision}; precondition_frequency {args.precondition_frequency}; "
+        f"heavyball's SOAP {'included (one-rank set)' if heavyball else 'not included (not importable or --no-heavyball)'}"
     )
     for s in sets:
         if s.world_size > 1:
@@ -340,7 +402,7 @@ def main() -> None:
                 **common,
                 "optimizer": "Muon",
                 "gflop": set_flops(matrices, indices, dtensor_muon.Muon, muon_group) / 1e9,
-                **measure_step(dtensor_muon.Muon, muon_options, params, args.warmup, args.repeats),
+                **measure_step(ours(dtensor_muon.Muon, muon_options), params, args.warmup, args.repeats),
             }
             muon["vs_muon"] = 1.0
             for v in variants:
@@ -348,18 +410,24 @@ def main() -> None:
                     **common,
                     "optimizer": v,
                     "gflop": set_flops(matrices, indices, VARIANTS[v], groups[v]) / 1e9,
-                    **measure_step(VARIANTS[v], soap_options[v], params, args.warmup, args.repeats),
+                    **measure_step(ours(VARIANTS[v], soap_options[v]), params, args.warmup, args.repeats),
                     **measure_phases(groups[v], params, args.warmup, args.repeats),
                 }
                 row["vs_muon"] = row["step_ms"] / muon["step_ms"]
                 rows.append(row)
                 print(f"  {row['case']}, {v}: {row['step_ms']:.2f} ms", flush=True)
+            if heavyball is not None and w == 1:
+                row = {**common, "optimizer": HEAVYBALL, **measure_step(heavyball, params, args.warmup, args.repeats)}
+                row["vs_muon"] = row["step_ms"] / muon["step_ms"]
+                rows.append(row)
+                print(f"  {row['case']}, {HEAVYBALL}: {row['step_ms']:.2f} ms", flush=True)
             rows.append(muon)
             print(f"  {muon['case']}, Muon ({'/'.join(variants)}'s set): {muon['step_ms']:.2f} ms", flush=True)
             del params
             free(device)
     for row in rows:
-        row["tflops"] = row["gflop"] / row["step_ms"]  # GFLOP / ms = TFLOP/s
+        if "gflop" in row:
+            row["tflops"] = row["gflop"] / row["step_ms"]  # GFLOP / ms = TFLOP/s
 
     print(
         markdown_table(

@@ -36,14 +36,15 @@ def check_busiest_set(
     assert sum(RULE.cost(group, shapes[n]).flops for n in names) == busiest
 
 
-@pytest.mark.parametrize("variant", ["SOAP", "REKLS"])
+@pytest.mark.parametrize("variant", ["SOAP", "SOAP-cholqr", "REKLS"])
 def test_busiest_sets_of_llama3_8b_are_subsets_costing_the_plans_busiest(variant):
     soap_step = bench_module("soap_step")
     matrices, _ = soap_step.llama3_matrices(16, quick=False)
     shapes = dict(matrices)
     assert len(matrices) == 112 and shapes["layers.15.feed_forward.w2.weight"] == (4096, 14336)
-    group = soap_step.optimizer_group(soap_step.VARIANTS[variant])
+    group = soap_step.optimizer_group(soap_step.VARIANTS[variant], **soap_step.VARIANT_OPTIONS.get(variant, {}))
     assert group["kl"] == (variant == "REKLS") and group["max_preconditioner_dim"] == 8192
+    assert group["basis"] == {"SOAP": "qr", "SOAP-cholqr": "cholqr", "REKLS": "eigh"}[variant]
     full = soap_step.busiest_set(variant, matrices, group, 1)
     assert full.indices == tuple(range(112))
     for world_size in (8, 64):
@@ -63,11 +64,13 @@ def test_soap_step_quick_rows_and_sets(tmp_path):
     shapes = {name: tuple(shape) for name, shape in result["shapes"].items()}
     assert len(shapes) == 14  # 2 layers × 7 matrices
     variants = result["args"]["variants"]
-    assert variants == ["SOAP", "REKLS"]
-    rows = result["rows"]
+    assert variants == ["SOAP", "SOAP-cholqr", "REKLS"]
+    rows = [r for r in result["rows"] if r["optimizer"] != soap_step.HEAVYBALL]
     assert {(r["world_size"], r["optimizer"]) for r in rows} == {
-        (w, o) for w in (1, 8, 64) for o in ("SOAP", "REKLS", "Muon")
+        (w, o) for w in (1, 8, 64) for o in ("SOAP", "SOAP-cholqr", "REKLS", "Muon")
     }
+    # heavyball's SOAP (where importable) runs on the one-rank set only
+    assert all(r["world_size"] == 1 for r in result["rows"] if r["optimizer"] == soap_step.HEAVYBALL)
     for row in rows:
         assert row["step_ms"] > 0 and 0 < row["min_ms"] <= row["step_ms"] and row["gflop"] > 0, row
         if row["optimizer"] != "Muon":

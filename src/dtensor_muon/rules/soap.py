@@ -21,6 +21,11 @@ the front end treats a parameter with empty state as frozen). Step t = 1, 2, …
 
        step 1, or basis="eigh":  Q = eigh(K), columns by decreasing eigenvalue
        basis="qr":               Q = qr(K·Q_old) of the sorted Q_old (one power iteration, Householder QR)
+       basis="cholqr":           Q = qr((K + ρ·2ᵉ·I)·Q_old) of the sorted Q_old by Cholesky QR on matrix
+                                 products, same-size factors of the call batched, M rotated as C_L·M·C_Rᵀ
+                                 with C = Q_newᵀ·Q_old (the same rotation in one product per side); see
+                                 :mod:`dtensor_muon.eigenbasis` for the shift, each phase's precision and
+                                 where it falls back to eigh
 
    and M is taken back to the parameter's basis with the old Q and into the new one,
    M ← Q_Lnewᵀ·Q_Lold·M·Q_Roldᵀ·Q_Rnew. The sort gives V's entry of the old column with the k-th largest d to
@@ -77,15 +82,20 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
+from ..eigenbasis import accurate_matmul, power_cholqr
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
 
-SOAP_BASES = ("qr", "eigh")
+SOAP_BASES = ("qr", "eigh", "cholqr")
 
 EIGH_FLOPS_PER_CUBE = 9
 """FLOPs of a symmetric eigendecomposition with eigenvectors, per side³ (Golub–Van Loan's symmetric QR: 9k³)."""
 
 QR_FLOPS_PER_CUBE = 8 / 3
 """Householder QR of a k×k matrix with Q formed: 4k³/3 for R and 4k³/3 to form Q."""
+
+CHOLQR_FLOPS_PER_CUBE = 2 + 2 * (2 + 1 / 3 + 1) + 2
+"""basis="cholqr" per side k, per k³: K·Q (2), two Cholesky QR passes (Gram 2, Cholesky 1/3, triangular solve
+1, each) and Q_newᵀ·Q_old (2); nominal products (on CUDA the float32-accurate ones run as 2–3 TF32 products)."""
 
 UPDATE_RMS_EPS = 1e-7
 """Added to the update's RMS before clipping it (Emerging-Optimizers' value)."""
@@ -201,13 +211,16 @@ class SOAPRule(MatrixRule):
         return state
 
     def can_batch(self, group: Group) -> bool:
-        return False
+        """basis="cholqr" takes a unit of same-shape matrices at once (its refresh is one batched operation per
+        factor size); the reference bases run one matrix at a time."""
+        return group["basis"] == "cholqr"
 
     def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
         """FLOPs per step: the factor products (2m²n + 2mn² each side, KL adds 4k³ per side for Λ and
         Q·Λ⁻¹·Qᵀ and 2mn·k for the extra product), the projections G' and O (4m²n + 4mn²) and, divided by
         ``precondition_frequency``, the refresh: the rotation of M (4m²n + 4mn²) and per side d = diag(Qᵀ·K·Q)
-        for the sort (2k³), then eigh (9k³) or K·Q and QR (2k³ + 8k³/3). Owner bytes: 4·(2mn + 2k² + k per
+        for the sort (2k³), then eigh (9k³) or K·Q and QR (2k³ + 8k³/3); basis="cholqr": the rotation
+        C_L·M·C_Rᵀ (2m²n + 2mn²) and ``CHOLQR_FLOPS_PER_CUBE``·k³ per side. Owner bytes: 4·(2mn + 2k² + k per
         preconditioned side k) + 8."""
         m, n = shape
         left, right = preconditioned_sides(group, shape)
@@ -222,8 +235,11 @@ class SOAPRule(MatrixRule):
             flops += sum(4 * k**3 for k in sides) + 2 * mn * (m * left + n * right)
         projections = 2 * mn * (m * left + n * right)
         flops += 2 * projections
-        per_side = 2 + (EIGH_FLOPS_PER_CUBE if group["basis"] == "eigh" else 2 + QR_FLOPS_PER_CUBE)
-        refresh = 2 * projections + sum(per_side * k**3 for k in sides)
+        if group["basis"] == "cholqr":
+            refresh = projections + sum(CHOLQR_FLOPS_PER_CUBE * k**3 for k in sides)
+        else:
+            per_side = 2 + (EIGH_FLOPS_PER_CUBE if group["basis"] == "eigh" else 2 + QR_FLOPS_PER_CUBE)
+            refresh = 2 * projections + sum(per_side * k**3 for k in sides)
         flops += refresh / group["precondition_frequency"]
         state_bytes = 4 * (2 * mn + sum(2 * k * k + k for k in sides)) + 8
         return MatrixCost(int(flops), state_bytes)
@@ -240,22 +256,27 @@ class SOAPRule(MatrixRule):
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner
     ) -> Tensor:
-        """The module formula's steps 1–3 on one matrix: :meth:`update_factors`, :meth:`refresh_basis` on the
-        steps :meth:`refreshes_at` names, :meth:`adam_in_basis` (at Adam's step τ; with ``skip_first_update``
-        a zero update on the matrix's step 1); then the matrix's step count advances. Everything is per
-        matrix, on its owner, from the owner state's ``step``: the same at every world size."""
-        (s,) = owner_states
-        g = u.to(torch.float32)
-        t = int(s["step"].item()) + 1
-        self.update_factors(g, s, group, t)
-        if self.refreshes_at(group, t):
-            self.refresh_basis(s, group, t)
-        if group["skip_first_update"]:  # step 1 builds the factors and basis only; Adam counts from step 2
-            update = torch.zeros_like(g) if t == 1 else self.adam_in_basis(g, s, group, t - 1)
-        else:
-            update = self.adam_in_basis(g, s, group, t)
-        s["step"].add_(1)
-        return update
+        """The module formula's steps 1–3 on one matrix (``u`` [m, n]) or a unit of them ([B, m, n], one state
+        each; basis="cholqr" only): :meth:`update_factors`, :meth:`refresh_bases` on the steps
+        :meth:`refreshes_at` names, :meth:`adam_in_basis` (at Adam's step τ; with ``skip_first_update`` a zero
+        update on the matrix's step 1); then each matrix's step count advances. Everything is per matrix (the
+        cholqr refresh batches the same-size factors of the unit, each computed as alone), on its owner, from
+        the owner state's ``step``: the same at every world size."""
+        grads = [u.to(torch.float32)] if u.dim() == 2 else list(u.to(torch.float32).unbind(0))
+        steps = [int(s["step"].item()) + 1 for s in owner_states]
+        for g, s, t in zip(grads, owner_states, steps):
+            self.update_factors(g, s, group, t)
+        refreshing = [(s, t) for s, t in zip(owner_states, steps) if self.refreshes_at(group, t)]
+        if refreshing:
+            self.refresh_bases([s for s, _ in refreshing], group, [t for _, t in refreshing])
+        updates = []
+        for g, s, t in zip(grads, owner_states, steps):
+            if group["skip_first_update"]:  # step 1 builds the factors and basis only; Adam counts from step 2
+                updates.append(torch.zeros_like(g) if t == 1 else self.adam_in_basis(g, s, group, t - 1))
+            else:
+                updates.append(self.adam_in_basis(g, s, group, t))
+            s["step"].add_(1)
+        return updates[0] if u.dim() == 2 else torch.stack(updates)
 
     @staticmethod
     def refreshes_at(group: Group, t: int) -> bool:
@@ -286,10 +307,51 @@ class SOAPRule(MatrixRule):
             if right:
                 s["R"].lerp_(g.mT @ g, weight)
 
+    def refresh_bases(self, states: list[dict[str, Tensor]], group: Group, steps: list[int]) -> None:
+        """Step 2 for matrices at steps ``steps``: :meth:`refresh_basis` one by one, or with basis="cholqr"
+        one :func:`dtensor_muon.eigenbasis.power_cholqr` per factor size over every factor of these matrices
+        past their step 1 (eigh on step 1, as the reference)."""
+        if group["basis"] != "cholqr":
+            for s, t in zip(states, steps):
+                self.refresh_basis(s, group, t)
+            return
+        by_size: dict[int, list[tuple[dict[str, Tensor], str, int]]] = {}
+        later = []
+        for s, t in zip(states, steps):
+            if t == 1:
+                self.refresh_basis(s, group, t)
+                continue
+            later.append(s)
+            for side, axis in (("L", 0), ("R", 1)):
+                if side in s:
+                    by_size.setdefault(s[side].shape[0], []).append((s, side, axis))
+        rotation: dict[tuple[int, str], Tensor] = {}
+        for jobs in by_size.values():
+            k = torch.stack([s[side] for s, side, _ in jobs])
+            q_old = torch.stack([s[f"Q_{side}"] for s, side, _ in jobs])
+            q_new, values, order, _ = power_cholqr(k, q_old, lambda k_i, q_i: eigh_descending(k_i, fallback=q_i))
+            c = accurate_matmul(q_new.mT, q_old)  # C = Q_newᵀ·Q_old
+            for i, (s, side, axis) in enumerate(jobs):
+                s["exp_avg_sq"].copy_(s["exp_avg_sq"].index_select(axis, order[i]))
+                s[f"Q_{side}"].copy_(q_new[i])
+                s[f"eig_{side}"].copy_(values[i])
+                rotation[(id(s), side)] = c[i]
+        for s in later:
+            momentum = s["exp_avg"]
+            if "Q_L" in s:
+                momentum = rotation[(id(s), "L")] @ momentum
+            if "Q_R" in s:
+                momentum = momentum @ rotation[(id(s), "R")].mT
+            s["exp_avg"].copy_(momentum)
+
     def refresh_basis(self, s: dict[str, Tensor], group: Group, t: int) -> None:
         """Step 2 at step t: V's axes sorted by the old bases' estimates d, new bases Q_L, Q_R from the factors
         (eigh, or one power iteration and QR, from the sorted old bases), the eigenvalue estimates, and M rotated
-        into the new basis, in place; never raises (see the module formula)."""
+        into the new basis, in place; never raises (see the module formula). With basis="cholqr" after step 1:
+        :meth:`refresh_bases` of this matrix alone."""
+        if t > 1 and group["basis"] == "cholqr":
+            self.refresh_bases([s], group, [t])
+            return
         momentum = self._to_parameter_basis(s["exp_avg"], s)
         for side, axis in (("L", 0), ("R", 1)):
             if side not in s:

@@ -1,0 +1,203 @@
+"""SOAP's eigenbasis refresh on matrix products: one power iteration from the previous basis, orthogonalized by
+Cholesky QR, batched over same-size factors (``basis="cholqr"`` of :class:`dtensor_muon.SOAP`).
+
+For a batch of symmetric positive semidefinite factors K (``[B, k, k]``) and their previous orthogonal bases
+Q_old, one refresh computes, per factor::
+
+    Y   = K·Q_old                                  the power-iteration product
+    d   = diag(Q_oldᵀ·K·Q_old) = Σ_rows (Q_old ∘ Y)  the eigenvalue estimates (Rayleigh quotients), read off Y
+    π   = argsort(d, descending)                   Q_s = Q_old[:, π], Y_s = Y[:, π] = K·Q_s
+    Ŷ   = (Y_s·2⁻ᵉ + ρ·Q_s)·D                      2ᵉ ≥ max d a power of two, ρ = SHIFT, D normalizes columns
+    Q_new = Ŷ·R⁻¹                                  R from Cholesky QR passes (below); values = d[π]
+
+so Q_new = qr((K + ρ·2ᵉ·I)·Q_s).Q: basis="qr"'s orthogonal iteration (one power step and a QR of the sorted old
+basis, the eigenvalue estimates sorted as there), on the shifted factor, with the QR computed from Gram
+matrices instead of Householder reflections.
+
+Why a triangular orthogonalization and not a polar one: Q_old is square and orthogonal, so Y_s = Q_s·A with
+A = Q_sᵀ·K·Q_s symmetric positive semidefinite, and polar(Y_s) = Q_s·polar(A) = Q_s: a polar (Newton–Schulz)
+step never moves the basis. The QR factor does (Q_new = Q_s·qr(A).Q), and Cholesky QR's R has a positive
+diagonal, so Q_new equals Householder QR's Q up to column signs, which SOAP's update does not depend on (a
+flipped column flips a row of the rotated moments and back).
+
+Why the shift ρ = 1e-5 (relative to max d, which is at least K's largest eigenvalue / k and at most the
+largest): K + ρ·2ᵉ·I has K's eigenvectors, and the power step converges at the rate (λ_{j+1} + ρ')/(λ_j + ρ')
+instead of λ_{j+1}/λ_j, which differs only for eigenvalues below ~ρ·λ_max; in float32 the product K·Q itself
+carries rounding of about √k·2⁻²⁴·λ_max (4e-6·λ_max at k = 4096), so those directions are rounding noise in
+basis="qr" too. The shift keeps them on their old columns (a zero or rank-deficient K keeps Q_s's columns
+for its null space instead of noise), and bounds cond(Ŷ) by about (1 + ρ)/ρ = 1e5, inside Cholesky QR's
+reach in float32 with a shifted first pass.
+
+Cholesky QR passes, each Q ← Q·R⁻¹ with RᵀR = Cholesky(G), G = QᵀQ:
+
+- pass 1, on Ŷ: G in TF32 on CUDA (one product on tensor cores; float32 on CPU), Cholesky in float32 on G,
+  where it fails on G + s·I, s = FIRST_PASS_SHIFT (G has a unit diagonal); triangular solve in float32. Its
+  only job is a well-conditioned Q (cond ≤ √(1 + s/σ_min(Ŷ)²)); R is triangular, so Q keeps Ŷ's nested
+  column spans (the power iteration's order) whatever its rounding.
+- passes 2 to 4: G in float32-accurate arithmetic (:func:`accurate_matmul`: on CUDA two TF32 products of a
+  high/low split, relative error ~2⁻²¹; float32 on CPU), η = max|G − I|, Cholesky and triangular solve in
+  float32. Passes 3 and 4 run only where η of the pass before exceeded ACCEPT_DEFECT (a basis far from K's
+  eigenvectors, e.g. a new gradient direction in a rank-deficient factor). A pass whose input had
+  η ≤ ACCEPT_DEFECT leaves a Q orthogonal to O(η²) plus float32 rounding (tests/test_soap_refresh.py measures
+  ≤ 1e-5 in float64 on the factors it draws).
+
+A factor gets ``eigh`` (:func:`dtensor_muon.rules.soap.eigh_descending`: the sorted old basis where that fails
+too) where the refresh cannot vouch for its basis: a non-finite Ŷ or Q, a failed Cholesky, or η of the last
+pass above ACCEPT_DEFECT. A zero factor, or one whose largest estimate is not finite, keeps its sorted old
+basis (Ŷ = Q_s), as eigh_descending does for a factor with an inf or NaN. The products that rotate SOAP's moments (Q_newᵀ·Q_old) use :func:`accurate_matmul`
+as well; nothing here depends on torch's float32 matmul precision setting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+SHIFT = 1e-5
+"""ρ: the power step runs on K + ρ·2ᵉ·I (2ᵉ ≥ the largest Rayleigh quotient); see the module docstring."""
+
+FIRST_PASS_SHIFT = 1e-3
+"""s of the first Cholesky QR pass where its TF32 Gram matrix (unit diagonal) is not positive definite: above
+TF32's rounding of a Gram entry (≤ 2·2⁻¹¹ for unit columns)."""
+
+ACCEPT_DEFECT = 1e-3
+"""Largest max|QᵀQ − I| (float32-accurate) the input of the last Cholesky QR pass may have; beyond it after
+``MAX_PASSES`` passes, eigh."""
+
+MAX_PASSES = 4
+"""Cholesky QR passes at most: the TF32 one and up to three float32-accurate ones (two where the first of them
+already met ``ACCEPT_DEFECT``)."""
+
+TF32_MASK = -8192
+"""Clears the 13 low mantissa bits of a float32 (0xFFFFE000): TF32's 10-bit mantissa."""
+
+TF32_ROUND = 4096
+"""Half of TF32's last place in float32's bits (0x1000): added before the mask, rounds to nearest."""
+
+
+@contextmanager
+def float32_matmul_precision(precision: str) -> Iterator[None]:
+    """torch.set_float32_matmul_precision(``precision``) inside, the previous setting restored after."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def tf32_split(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(hi, lo) with hi = x rounded to TF32 (10-bit mantissa, to nearest) and lo = x − hi (exact in float32)."""
+    hi = ((x.view(torch.int32) + TF32_ROUND) & TF32_MASK).view(torch.float32)
+    return hi, x - hi
+
+
+def accurate_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a·b (float32, batched) to float32's accuracy. On CUDA on tensor cores: with hi/lo the TF32 split of each,
+    a_hi·b_hi + (a_hi·b_lo + a_lo·b_hi) in TF32 with float32 accumulation (the dropped a_lo·b_lo and the TF32
+    rounding of lo are ≤ 2⁻²² of |a|·|b| per term), three products. Elsewhere a·b in float32."""
+    if not a.is_cuda:
+        with float32_matmul_precision("highest"):
+            return a @ b
+    return split_matmul(a, b)
+
+
+def split_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a_hi·b_hi + (a_hi·b_lo + a_lo·b_hi) with (hi, lo) = :func:`tf32_split`, at "high" float32 precision
+    (TF32 on CUDA; float32 elsewhere, where it differs from a·b by a_lo·b_lo and rounding)."""
+    a_hi, a_lo = tf32_split(a)
+    b_hi, b_lo = tf32_split(b)
+    with float32_matmul_precision("high"):
+        return a_hi @ b_hi + (a_hi @ b_lo + a_lo @ b_hi)
+
+
+def accurate_gram(q: Tensor) -> Tensor:
+    """QᵀQ to float32's accuracy, as :func:`accurate_matmul` (two TF32 products on CUDA: the cross term is
+    symmetric, q_hiᵀ·q_lo + (q_hiᵀ·q_lo)ᵀ)."""
+    if not q.is_cuda:
+        return accurate_matmul(q.mT, q)
+    hi, lo = tf32_split(q)
+    with float32_matmul_precision("high"):
+        cross = hi.mT @ lo
+        return hi.mT @ hi + (cross + cross.mT)
+
+
+def tf32_gram(q: Tensor) -> Tensor:
+    """QᵀQ in TF32 on CUDA (float32 elsewhere): the first pass's Gram matrix."""
+    with float32_matmul_precision("high" if q.is_cuda else "highest"):
+        return q.mT @ q
+
+
+def cholesky_qr_pass(q: Tensor, gram: Tensor, shift: float = 0.0) -> tuple[Tensor, Tensor]:
+    """One Cholesky QR step Q·R⁻¹ with RᵀR = Cholesky(G) (float32; where a batch member's Cholesky fails, of
+    G + shift·I when shift > 0), and per batch member whether its Cholesky succeeded."""
+    chol, info = torch.linalg.cholesky_ex(gram)
+    failed = info != 0
+    if shift > 0 and bool(failed.any()):
+        eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+        shifted, info_shifted = torch.linalg.cholesky_ex(gram[failed] + shift * eye)
+        chol[failed] = shifted
+        info[failed] = info_shifted
+    q_new = torch.linalg.solve_triangular(chol.mT, q, upper=True, left=False)
+    return q_new, info == 0
+
+
+def gram_defect(gram: Tensor) -> Tensor:
+    """max|G − I| per batch member (inf where G is not finite)."""
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    return (gram - eye).abs().amax(dim=(-2, -1)).nan_to_num(float("inf"))
+
+
+def power_of_two_at_least(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(a, b) with a·b = 2⁻ᵉ for the smallest power of two 2ᵉ ≥ x > 0 (two factors so neither overflows)."""
+    exponent = torch.frexp(x).exponent.to(torch.float32)  # x = m·2^exponent, m ∈ [0.5, 1)
+    first = torch.floor(exponent / 2)
+    return torch.exp2(-first), torch.exp2(first - exponent)
+
+
+def power_cholqr(
+    k: Tensor, q_old: Tensor, eigh: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The refresh of the module docstring on ``[B, k, k]`` factors and bases (float32, B ≥ 1).
+
+    Returns (Q_new, values, order, fallen_back): the new bases, their eigenvalue estimates (d sorted by
+    decreasing value, or eigh's eigenvalues where it took over), the permutation π of each old basis (for the
+    second moment's axis) and per member whether ``eigh(K, Q_s)`` gave its basis (``eigh`` returns (values,
+    basis) by decreasing value, Q_s where it fails, as :func:`dtensor_muon.rules.soap.eigh_descending`)."""
+    y = accurate_matmul(k, q_old)
+    d = (q_old * y).sum(dim=-2)
+    order = torch.argsort(d, dim=-1, descending=True)
+    index = order.unsqueeze(-2).expand_as(q_old)
+    q_sorted = q_old.gather(-1, index)
+    y_sorted = y.gather(-1, index)
+    values = d.gather(-1, order)
+    top = values[..., 0]
+    usable = torch.isfinite(top) & (top > 0)
+    a, b = power_of_two_at_least(torch.where(usable, top, torch.ones_like(top)))
+    scaled = (y_sorted * a[:, None, None]) * b[:, None, None]
+    # a factor without a positive finite estimate (zero, or not finite) keeps its sorted old basis: Ŷ = Q_s
+    y_hat = torch.where(usable[:, None, None], scaled + SHIFT * q_sorted, q_sorted)
+    y_hat = y_hat / torch.linalg.vector_norm(y_hat, dim=-2, keepdim=True)
+
+    ok = torch.isfinite(y_hat).flatten(1).all(dim=1)
+    q, chol_ok = cholesky_qr_pass(y_hat, tf32_gram(y_hat), FIRST_PASS_SHIFT)
+    ok = ok & chol_ok
+    defect = torch.full_like(top, float("inf"))
+    for _ in range(MAX_PASSES - 1):
+        gram = accurate_gram(q)
+        defect = gram_defect(gram)
+        q, chol_ok = cholesky_qr_pass(q, gram)
+        ok = ok & chol_ok
+        if bool((defect <= ACCEPT_DEFECT).all()):
+            break
+    ok = ok & (defect <= ACCEPT_DEFECT) & torch.isfinite(q).flatten(1).all(dim=1)
+    fallen_back = ~ok
+    if bool(fallen_back.any()):
+        for i in fallen_back.nonzero().flatten().tolist():
+            values_i, q_i = eigh(k[i], q_sorted[i])
+            q[i] = q_i
+            values[i] = values_i
+    return q, values, order, fallen_back
