@@ -43,8 +43,9 @@ CONFIG ?= train_configs/llama3_tiny.toml
 
 train: $(STAMP)
 	$(PY) -m torchtitan_ext.data
+	@$(PY) -m torchtitan_ext.train --check-config --job.config_file $(CONFIG) $(ARGS)
 	@NPROC=$$($(PY) -c "import torch; print(torch.cuda.device_count() or 2)"); \
-	echo "tiny Llama3 + Muon through torchtitan on $$NPROC process(es)"; \
+	echo "through torchtitan on $$NPROC process(es)"; \
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m torch.distributed.run --nproc_per_node $$NPROC \
 		--local-ranks-filter 0 -m torchtitan_ext.train --job.config_file $(CONFIG) $(ARGS)
 	$(PY) -m torchtitan_ext.summary --job.config_file $(CONFIG) $(ARGS)

@@ -86,3 +86,18 @@ def test_unnamed_lookalike_warning_points_at_the_callers_line(cls):
     with pytest.warns(UserWarning, match=r"params\[2\] \(400×8\)") as record:
         opt.add_param_group({"params": [nn.Parameter(torch.randn(400, 8))]})
     assert [w.filename for w in record] == [__file__]
+
+
+def test_routing_log_names_the_optimizer_that_runs(caplog):
+    """KLSOAP and REKLS run SOAP's rule: their routing line says which optimizer it is."""
+    import logging
+
+    from dtensor_muon import KLSOAP, REKLS
+
+    for cls, title in ((KLSOAP, "KLSOAP (soap rule)"), (REKLS, "REKLS (soap rule)"), (Muon, "muon")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dtensor_muon"):
+            cls([("w.weight", nn.Parameter(torch.randn(8, 8)))], lr=0.01)
+        assert [r.getMessage() for r in caplog.records if r.name == "dtensor_muon"] == [
+            f"{cls.__name__} routing: {title}: 1 parameter (64 elements): w.weight"
+        ]

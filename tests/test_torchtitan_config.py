@@ -78,9 +78,11 @@ def test_registry_names_are_the_optimizer_choices_and_its_sections_the_config_se
     for bad in ("Lion", "muon", "Normuon", ""):
         with pytest.raises(ValueError) as info:
             check_optimizer_name(bad)
+        same = {"muon": "Muon", "Normuon": "NorMuon"}.get(bad)
+        hint = f" (did you mean {same!r}? names are case-sensitive)" if same else ""
         assert str(info.value) == (
-            f"[optimizer] name = {bad!r} is not valid; choose one of: Adam, AdamW, Muon, MOP, NorMuon, SOAP, KLSOAP, "
-            "REKLS"
+            f"[optimizer] name = {bad!r} is not valid{hint}; choose one of: Adam, AdamW, Muon, MOP, NorMuon, SOAP, "
+            "KLSOAP, REKLS"
         )
     assert {name: (e.section, e.section_cls, e.optimizer_cls) for name, e in registry.REGISTRY.items()} == {
         "Muon": ("muon", sections.Muon, dtensor_muon.Muon),
@@ -98,6 +100,7 @@ def test_registry_names_are_the_optimizer_choices_and_its_sections_the_config_se
         "soap": sections.SOAP,
         "klsoap": sections.KLSOAP,
         "rekls": sections.REKLS,
+        "batch_scaling": sections.BatchScaling,
     }
     config = ConfigManager().parse_args(
         EXT + ["--optimizer.name", "NorMuon", "--normuon.beta2", "0.9", "--mop.scale", "shape", "--muon.ns_steps", "3"]

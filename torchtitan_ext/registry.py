@@ -149,9 +149,12 @@ OPTIMIZER_NAMES = (*TORCHTITAN_OPTIMIZERS, *REGISTRY)
 
 
 def check_optimizer_name(name: str) -> None:
-    """Fail with the valid choices when ``[optimizer] name`` is none of :data:`OPTIMIZER_NAMES`."""
+    """Fail with the valid choices when ``[optimizer] name`` is none of :data:`OPTIMIZER_NAMES` (names are
+    case-sensitive, as torchtitan's; a name that differs only in case is suggested)."""
     if name not in OPTIMIZER_NAMES:
-        raise ValueError(f"[optimizer] name = {name!r} is not valid; choose one of: {', '.join(OPTIMIZER_NAMES)}")
+        same = [n for n in OPTIMIZER_NAMES if n.lower() == str(name).lower()]
+        hint = f" (did you mean {same[0]!r}? names are case-sensitive)" if same else ""
+        raise ValueError(f"[optimizer] name = {name!r} is not valid{hint}; choose one of: {', '.join(OPTIMIZER_NAMES)}")
 
 
 def attach_sections(job_config: Any) -> None:

@@ -1,6 +1,8 @@
 """``python -m torchtitan_ext.train --job.config_file X.toml [overrides]`` (under torchrun).
 
-Runs torchtitan's own ``Trainer`` unchanged. Where no GPU is present it first points torchtitan at
+Runs torchtitan's own ``Trainer`` unchanged. It first checks the configuration (TOML sections and keys,
+section values, ``[optimizer] name``) and stops with one line from rank 0 and exit status 2 when it cannot
+run, before any model or process group exists (``--check-config``: only that). Where no GPU is present it points torchtitan at
 the CPU and gloo (:mod:`torchtitan_ext.cpu`). It also builds the offline dataset and tokenizer
 (:mod:`torchtitan_ext.data`) when they are missing. The job config always has the matrix
 optimizers' sections (``[muon]``, ``[mop]``, ``[normuon]``), an unknown TOML key is reported with
@@ -19,18 +21,79 @@ of a gloo worker thread freeing a tensor during finalization, a torch/CPython in
 :mod:`dtensor_muon.process_exit`). A run that raises leaves through the normal path, with its traceback.
 """
 
+import contextlib
+import io
+import os
+import sys
+
 import torch
 
 from dtensor_muon import exit_without_finalization
 from torchtitan_ext import cpu, data, job_config, metrics
+from torchtitan_ext.registry import check_optimizer_name
+
+CHECK_ONLY = "--check-config"
+"""``python -m torchtitan_ext.train --check-config [the job's arguments]``: check the configuration, print what
+the job will run (:func:`describe`) and exit (0 when it is valid); ``make train`` runs it before starting the
+processes."""
+
+
+def is_first_rank() -> bool:
+    """Rank 0 of the job (or no launcher at all), from torchrun's environment: decides which process speaks."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def describe(config: object) -> str:
+    """One line naming what a job runs: model and flavor, optimizer and lr, steps, dump folder."""
+    model, optimizer, training = config.model, config.optimizer, config.training
+    return (
+        f"{model.name} {model.flavor} + {optimizer.name} (lr {optimizer.lr:g}), {training.steps} steps, "
+        f"dump folder {config.job.dump_folder}"
+    )
+
+
+def parse(argv: list[str]) -> object:
+    """The job config torchtitan will build from ``argv`` (with the matrix optimizers' sections)."""
+    from torchtitan.config import ConfigManager
+
+    job_config.use_in_config_manager()
+    return ConfigManager().parse_args(argv)
+
+
+def config_problem(argv: list[str]) -> str | None:
+    """Why the job's configuration cannot run, in one line, or None: an unknown TOML section or key, a bad
+    section value (:mod:`torchtitan_ext.sections`), an unknown ``[optimizer] name`` (names are case-sensitive).
+    Parses the arguments as torchtitan will, before any model, process group or data exists. A command-line
+    error is tyro's: it prints its own message (rank 0 only here) and exits the process."""
+    quiet = contextlib.nullcontext() if is_first_rank() else contextlib.redirect_stderr(io.StringIO())
+    try:
+        with quiet:
+            config = parse(argv)
+        check_optimizer_name(config.optimizer.name)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def main() -> None:
-    """Prepare the device and the data, hand over to ``torchtitan.train.main``, then exit without finalization."""
+    """Check the configuration, prepare the device and the data, hand over to ``torchtitan.train.main``, then
+    exit without finalization. A configuration that cannot run ends every process here with exit status 2 and
+    one line from rank 0, before anything is built."""
+    argv = sys.argv[1:]
+    check_only = CHECK_ONLY in argv
+    argv = [a for a in argv if a != CHECK_ONLY]
+    problem = config_problem(argv)
+    if problem is not None:
+        if is_first_rank():
+            print(f"torchtitan_ext.train: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if check_only:
+        print(describe(parse(argv)), flush=True)
+        return
+    sys.argv = [sys.argv[0], *argv]
     if not torch.cuda.is_available():
         cpu.use_cpu_gloo()
     data.build(data.DEFAULT_OUT)
-    job_config.use_in_config_manager()
     import torchtitan.train
     from torchtitan.train import Trainer
     from torchtitan.train import main as torchtitan_main

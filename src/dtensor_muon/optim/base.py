@@ -403,7 +403,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 rule = "frozen" if not self.state.get(p) else (rule_name if group["use_muon"] else "adamw")
                 rules[rule].append((label, p))
             titles = {
-                rule_name: rule_name,
+                rule_name: rule_name if me.lower() == rule_name else f"{me} ({rule_name} rule)",
                 "adamw": "adamw",
                 "frozen": "frozen (requires_grad=False, no state until it requires grad)",
             }
