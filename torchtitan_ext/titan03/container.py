@@ -188,8 +188,10 @@ class MatrixOptimizersContainer(OptimizersContainer):
 
 def option_keys(name: str) -> tuple[str, ...]:
     """The keys an override of ``name`` accepts: the shared hyperparameters, the container's options, then its
-    section's options."""
-    return (*SHARED_OPTIONS, *CONTAINER_OPTIONS, *(f.name for f in fields(REGISTRY[name].section_cls)))
+    section's options (a key in both, NorMuon's ``beta2``, is the section's)."""
+    return tuple(
+        dict.fromkeys((*SHARED_OPTIONS, *CONTAINER_OPTIONS, *(f.name for f in fields(REGISTRY[name].section_cls))))
+    )
 
 
 def check_option_keys(name: str, options: dict[str, Any]) -> None:
@@ -224,17 +226,19 @@ def matrix_optimizer_config(
 ) -> MatrixOptimizersContainer.Config:
     """The container config for ``name`` that replaces ``stock``: the stock config's hyperparameters
     (:func:`shared_defaults`) and implementation, then ``options`` (shared keys and ``name``'s section keys,
-    checked: an unknown key or a bad value raises ``ValueError`` with the valid choices)."""
+    checked: an unknown key or a bad value raises ``ValueError`` with the valid choices). A key of both, NorMuon's
+    ``beta2``, sets the section's (AdamW's β₂ is ``--optimizer.beta2`` on the command line)."""
     if name not in REGISTRY:
         raise ValueError(f"{name!r} is not a matrix optimizer; choose one of: {', '.join(REGISTRY)}")
     options = dict(options or {})
     check_option_keys(name, options)
     entry = REGISTRY[name]
-    shared = {**shared_defaults(stock), **{k: options.pop(k) for k in SHARED_OPTIONS if k in options}}
+    section_fields = {f.name for f in fields(entry.section_cls)}
+    shared_keys = [k for k in SHARED_OPTIONS if k in options and k not in section_fields]
+    shared = {**shared_defaults(stock), **{k: options.pop(k) for k in shared_keys}}
     if isinstance(stock, MatrixOptimizersContainer.Config):
         shared["fused_qkv"] = stock.fused_qkv
     shared.update({k: options.pop(k) for k in CONTAINER_OPTIONS if k in options})
-    section_fields = {f.name for f in fields(entry.section_cls)}
     base_section = getattr(stock, entry.section, None) if isinstance(stock, MatrixOptimizersContainer.Config) else None
     values = {f: getattr(base_section, f) for f in section_fields} if base_section is not None else {}
     section = entry.section_cls(**{**values, **options})

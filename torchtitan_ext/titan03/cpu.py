@@ -94,7 +94,7 @@ def dense_attention(
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
         v = v.repeat_interleave(heads // v.shape[1], dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q @ k.transpose(-2, -1)).float() * scale
+    scores = (q @ k.transpose(-2, -1)).to(torch.promote_types(q.dtype, torch.float32)) * scale
     if score_mod is not None:
         scores = score_mod(scores, *_index_grid(batch, heads, q_len, kv_len, q.device))
     scores = scores.masked_fill(~mask, float("-inf"))

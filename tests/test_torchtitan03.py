@@ -1,0 +1,253 @@
+"""torchtitan 0.3: the matrix optimizers through the ready configs (``--module torchtitan_ext.titan03``) and
+through ``--override.imports`` on torchtitan's stock configs, trained by torchtitan's own trainer on CPU gloo
+processes (``torchrun -m torchtitan_ext.titan03.train``); checkpoints resumed through torchtitan 0.3's own
+optimizer checkpointing. Skipped unless the installed torchtitan is 0.3.x (``make test-titan03`` builds such
+an environment).
+
+Each training run is shared by the tests that read it (losses from rank 0's log lines, the optimizer and
+FLOPs lines, TensorBoard scalars), and each run has a deadline.
+"""
+
+import glob
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan_ext.version import LINE, VERSION
+
+if LINE != "0.3":
+    pytest.skip(f"torchtitan 0.3.x tests; the installed torchtitan is {VERSION}", allow_module_level=True)
+
+import torch
+from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
+from torchtitan.components.optimizer import default_adamw
+from torchtitan.config import ConfigManager
+from torchtitan.models.common.attention import get_causal_mask_mod, get_document_mask_mod
+
+from torchtitan_ext.titan03 import cpu
+from torchtitan_ext.titan03.container import MatrixOptimizersContainer, matrix_optimizer_config
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+\w.]+)")
+SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "128", "--metrics.log_freq", "1",
+         "--metrics.disable_color_printing", "--lr_scheduler.warmup_steps", "2"]  # fmt: skip
+STOCK = ["--hf_assets_path", "data/stdlib/tokenizer", "--dataloader.dataset_path", "data/stdlib/corpus",
+         "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard"]  # fmt: skip
+READY = ["--module", "torchtitan_ext.titan03"]
+CHECKPOINTS = ["--checkpoint.enable", "--checkpoint.interval", "3"]
+STEPS = 6
+
+
+def torchrun(dump: Path, *args: str, nproc: int = 2, timeout: int = 300) -> tuple[int, str, dict[int, float]]:
+    """Run the 0.3 launcher under torchrun with ``args``; return (returncode, rank 0's output, {step: loss}).
+    On failure the tail of every rank's stderr is appended."""
+    logs = dump / "ranks"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--local-ranks-filter", "0",
+        "--log-dir", str(logs), "--tee", "3", "-m", "torchtitan_ext.titan03.train", *args, "--dump_folder", str(dump),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        for log in sorted(logs.rglob("stderr.log")):
+            output += f"\n--- {log.relative_to(logs)} (tail) ---\n" + log.read_text(errors="replace")[-1500:]
+    return proc.returncode, output, {int(s): float(v) for s, v in LOSS_LINE.findall(output)}
+
+
+def falls(losses: dict[int, float], by: float) -> bool:
+    """True when the mean of the last third of the logged losses is ``by`` below the mean of the first third."""
+    values = [losses[k] for k in sorted(losses)]
+    third = max(len(values) // 3, 1)
+    return sum(values[-third:]) / third < sum(values[:third]) / third - by
+
+
+def optimizer_lines(output: str, rule: str) -> list[str]:
+    """The optimizer lines of ``output`` that report ``rule``'s update RMS."""
+    return [line for line in output.splitlines() if f"optimizer: update_rms {rule} " in line]
+
+
+def scalar_tags(dump: Path) -> set[str]:
+    """Scalar tags of the run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = glob.glob(str(dump / "tb" / "*"))
+    events = EventAccumulator(run)
+    events.Reload()
+    return set(events.Tags()["scalars"])
+
+
+class Run:
+    """One training run and, where asked for, its resume from the checkpoint at step 3."""
+
+    def __init__(self, root: Path, args: list[str], nproc: int = 2, resume: bool = False) -> None:
+        self.full = root / "full"
+        self.code, self.output, self.losses = torchrun(self.full, *args, nproc=nproc)
+        self.resumed: tuple[int, str, dict[int, float]] | None = None
+        if resume and self.code == 0:
+            shutil.copytree(self.full / "checkpoint" / "step-3", root / "resumed" / "checkpoint" / "step-3")
+            self.resumed = torchrun(root / "resumed", *args, nproc=nproc)
+
+    def check_trained(self, rule: str) -> None:
+        """The run ended well, every step logged a finite loss and an optimizer line of ``rule``, and the loss fell."""
+        assert self.code == 0, self.output[-4000:]
+        assert sorted(self.losses) == list(range(1, STEPS + 1)), self.losses
+        assert all(math.isfinite(v) for v in self.losses.values())
+        assert falls(self.losses, 0.2), self.losses
+        assert len(optimizer_lines(self.output, rule)) == STEPS, self.output[-3000:]
+
+    def check_resumed(self) -> None:
+        """Resumed from step 3, steps 4.. give the uninterrupted run's losses."""
+        assert self.resumed is not None
+        code, output, losses = self.resumed
+        assert code == 0, output[-4000:]
+        assert "Training starts at step 4" in output
+        assert losses == {s: self.losses[s] for s in range(4, STEPS + 1)}, (losses, self.losses)
+
+
+@pytest.fixture(scope="module")
+def llama3_ready_muon(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """Llama3 debug through ``--config llama3_muon`` (Muon), FSDP over 2 ranks, with checkpoints and a resume."""
+    args = [*READY, "--config", "llama3_muon", *SMALL, "--training.steps", str(STEPS), *CHECKPOINTS,
+            "--optimizer.muon.diagnostics-interval", "3"]  # fmt: skip
+    return Run(tmp_path_factory.mktemp("llama3_ready_muon"), args, resume=True)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_ready_config_trains_llama3_with_muon_and_logs_its_metrics(llama3_ready_muon):
+    run = llama3_ready_muon
+    run.check_trained("muon")
+    assert "Optimizer Muon (model_part=0)" in run.output
+    assert re.search(r"Muon routing: adamw: \d+ parameters .*tok_embeddings\.weight", run.output)
+    assert "lm_head.weight" in run.output.split("Muon routing: adamw:")[1].splitlines()[0]
+    lines = optimizer_lines(run.output, "muon")
+    assert [i + 1 for i, line in enumerate(lines) if "orth_err" in line] == [3, 6]
+    flops = [line for line in run.output.splitlines() if "flops: model " in line]
+    assert len(flops) == STEPS and all(line.endswith("mfu: not computed on CPU") for line in flops)
+    tags = scalar_tags(run.full)
+    assert {"loss_metrics/global_avg_loss", "muon/update_rms/muon", "muon/update_rms/adamw"} <= tags
+    assert {"muon/optimizer_tflops_per_step", "tflops_with_optimizer", "muon/orthogonality_error"} <= tags
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_ready_config_resumes_with_the_same_losses(llama3_ready_muon):
+    llama3_ready_muon.check_resumed()
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_override_puts_soap_on_the_stock_llama3_config(tmp_path):
+    override = 'torchtitan_ext.titan03.overrides.soap={"lr": 0.01, "precondition_frequency": 2}'
+    args = ["--module", "llama3", "--config", "llama3_debugmodel", *STOCK, *SMALL, "--training.steps", str(STEPS),
+            "--override.imports", override]  # fmt: skip
+    run = Run(tmp_path, args)
+    run.check_trained("soap")
+    assert "OptimizersContainer.Config -> MatrixOptimizersContainer.Config with lr=0.01, precondition_frequency=2" in (
+        run.output
+    )
+    assert "muon/update_rms/soap" in scalar_tags(run.full)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_ready_config_trains_soap_under_fsdp2_tp2_and_resumes(tmp_path):
+    args = [*READY, "--config", "llama3_muon", "--optimizer.name", "SOAP", *SMALL, "--training.steps", str(STEPS),
+            *CHECKPOINTS, "--parallelism.tensor_parallel_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "2"]  # fmt: skip
+    run = Run(tmp_path, args, nproc=4, resume=True)
+    run.check_trained("soap")
+    assert "tp=2" in run.output and "dp_shard=2" in run.output
+    run.check_resumed()
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_override_puts_muon_on_the_stock_moe_config_under_ep2_and_resumes(tmp_path):
+    """DeepSeek-V3's debug MoE (8 routed experts), experts over 2 expert-parallel ranks."""
+    args = ["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel", *STOCK, *SMALL, "--training.steps",
+            str(STEPS), *CHECKPOINTS, "--parallelism.expert_parallel_degree", "2",
+            "--override.imports", 'torchtitan_ext.titan03.overrides.muon={"lr": 0.01, "ns_dtype": "float32", '
+            '"wire_dtype": "float32"}']  # fmt: skip
+    run = Run(tmp_path, args, resume=True)
+    run.check_trained("muon")
+    assert "ep=2" in run.output
+    run.check_resumed()
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_ready_moe_config_trains_with_soap(tmp_path):
+    """DeepSeek-V3's debug MoE; sides above 512 keep the identity basis (a 4096-row eigendecomposition per MLA
+    projection and step would take minutes on 2 cores)."""
+    args = [*READY, "--config", "deepseek_v3_muon", "--optimizer.name", "SOAP", *SMALL, "--training.steps",
+            str(STEPS), "--optimizer.soap.max-preconditioner-dim", "512"]  # fmt: skip
+    Run(tmp_path, args).check_trained("soap")
+
+
+@pytest.mark.slow
+def test_override_with_an_unknown_key_stops_before_training_and_names_the_keys(tmp_path):
+    args = ["--module", "llama3", "--config", "llama3_debugmodel", *STOCK, *SMALL,
+            "--override.imports", 'torchtitan_ext.titan03.overrides.muon={"ns_step": 4}']  # fmt: skip
+    code, output, losses = torchrun(tmp_path, *args, nproc=1, timeout=120)
+    assert code != 0 and not losses
+    assert "Muon has no option 'ns_step' (did you mean 'ns_steps'?); its options: lr, weight_decay," in output
+
+
+def test_override_options_are_checked_and_keep_the_stock_hyperparameters():
+    stock = default_adamw(lr=3e-4, weight_decay=0.05)
+    config = matrix_optimizer_config(stock, "NorMuon", {"beta2": 0.9, "ns_steps": 3, "beta1": 0.8})
+    assert isinstance(config, MatrixOptimizersContainer.Config) and config.name == "NorMuon"
+    # NorMuon's own beta2 (its section's), not AdamW's
+    assert (config.lr, config.weight_decay, config.beta1, config.beta2) == (3e-4, 0.05, 0.8, 0.95)
+    assert config.normuon.beta2 == 0.9 and config.normuon.ns_steps == 3
+    kwargs = config.optimizer_kwargs()
+    assert kwargs["lr"] == 3e-4 and kwargs["beta2"] == 0.9 and kwargs["ns_steps"] == 3
+    with pytest.raises(ValueError, match=r"\[soap\] precondition_frequency = 0 is not valid"):
+        matrix_optimizer_config(stock, "SOAP", {"precondition_frequency": 0})
+    with pytest.raises(ValueError, match="'Lion' is not a matrix optimizer; choose one of: Muon, MOP"):
+        matrix_optimizer_config(stock, "Lion")
+    with pytest.raises(ValueError, match=r"\[optimizer\] fused_qkv"):
+        matrix_optimizer_config(stock, "Muon", {"fused_qkv": "rows"})
+
+
+def test_ready_configs_and_cli_options_parse():
+    manager = ConfigManager()
+    for name in ("llama3_muon", "qwen3_muon", "deepseek_v3_muon", "qwen3_moe_muon"):
+        config = manager.parse_args([*READY, "--config", name])
+        assert type(config.optimizer) is MatrixOptimizersContainer.Config and config.optimizer.name == "Muon"
+    config = manager.parse_args([*READY, "--config", "llama3_muon", "--optimizer.name", "REKLS",
+                                 "--optimizer.rekls.precondition-frequency", "5"])  # fmt: skip
+    assert config.optimizer.name == "REKLS" and config.optimizer.rekls.precondition_frequency == 5
+    assert config.optimizer.optimizer_kwargs()["basis"] == "eigh"
+
+
+def test_dense_attention_keeps_the_document_causal_mask():
+    """The CPU path's dense attention equals FlexAttention (eager) with torchtitan's causal ∧ document mask,
+    output and log-sum-exp, grouped-query heads included."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, dim = 2, 4, 2, 64, 16
+    positions = torch.cat([torch.arange(20), torch.arange(30), torch.arange(14)]).repeat(batch, 1)
+    mask_mod = and_masks(get_causal_mask_mod(), get_document_mask_mod(positions))
+    block_mask = create_block_mask(mask_mod, batch, None, length, length, device="cpu", BLOCK_SIZE=16)
+    q = torch.randn(batch, heads, length, dim, dtype=torch.float64)
+    k, v = (torch.randn(batch, kv_heads, length, dim, dtype=torch.float64) for _ in range(2))
+    expected, aux = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+    out, lse = cpu.dense_attention(q, k, v, block_mask, enable_gqa=True, return_lse=True)
+    # the eager FlexAttention reference rounds to ~1e-7 even in float64
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, aux.to(lse.dtype), rtol=1e-5, atol=1e-6)
+    plain, _ = cpu.dense_attention(q, k, v, block_mask, enable_gqa=True)
+    torch.testing.assert_close(plain, expected, rtol=1e-5, atol=1e-6)
+    # a token attends to nothing of the previous document
+    v_doc = v.clone()
+    v_doc[:, :, :20] += 100.0
+    moved, _ = cpu.dense_attention(q, k, v_doc, block_mask, enable_gqa=True)
+    torch.testing.assert_close(moved[:, :, 20:], out[:, :, 20:])
