@@ -11,7 +11,7 @@ from torchtitan_ext.version import LINE
 if LINE != "0.2":
     pytest.skip("torchtitan 0.2.x launcher", allow_module_level=True)
 
-from torchtitan_ext import train
+from torchtitan_ext import job_config, train
 
 MISSPELLED = '[job]\ncustom_config_module = "torchtitan_ext.job_config"\n[muon]\nns_step = 3\n'
 
@@ -52,7 +52,7 @@ def test_check_config_only_checks_and_names_what_the_job_runs(tmp_path, monkeypa
     args = ["--optimizer.name", "AdamW", "--model.name", "llama3", "--model.flavor", "debugmodel"]
     monkeypatch.setattr(sys, "argv", ["train", "--check-config", *args, "--training.steps", "7"])
     train.main()  # returns: nothing built, no trainer
-    assert "llama3 debugmodel + AdamW (lr " in capsys.readouterr().out and "7 steps" in train.describe(
+    assert "llama3 debugmodel + AdamW (lr " in capsys.readouterr().out and "7 steps" in job_config.describe(
         train.parse([*args, "--training.steps", "7"])
     )
     assert not (tmp_path / "data").exists()
@@ -71,8 +71,6 @@ def test_demo_configs_set_every_optimizer_section_alike():
     """--optimizer.name X on a demo config runs X with the demo's CPU choices: float32 Newton–Schulz and wire
     where X has them, the same diagnostics interval, MOP on Muon's lr scale."""
     from torchtitan.config import ConfigManager
-
-    from torchtitan_ext import job_config
 
     job_config.use_in_config_manager()
     for path in ("train_configs/llama3_tiny.toml", "train_configs/moe_tiny.toml"):

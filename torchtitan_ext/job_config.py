@@ -37,6 +37,15 @@ HELP_COMMAND = "python -m torchtitan_ext.train --help"
 """Prints every option of the job, the matrix optimizers' sections last (``--job.config_file X`` shows X's values as defaults)."""
 
 
+def describe(config: Any) -> str:
+    """One line naming what a job runs: model and flavor, optimizer and lr, steps, dump folder."""
+    model, optimizer, training = config.model, config.optimizer, config.training
+    return (
+        f"{model.name} {model.flavor} + {optimizer.name} (lr {optimizer.lr:g}), {training.steps} steps, "
+        f"dump folder {config.job.dump_folder}"
+    )
+
+
 def check_toml_keys(config_cls: type, values: dict[str, Any], path: tuple[str, ...] = ()) -> None:
     """Raise ``ValueError`` at the first TOML section or key that ``config_cls`` lacks, naming its section,
     the closest valid name and the valid names."""
@@ -90,5 +99,6 @@ __all__ = [
     "NorMuon",
     "check_optimizer_name",
     "check_toml_keys",
+    "describe",
     "use_in_config_manager",
 ]

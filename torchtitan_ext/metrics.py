@@ -28,6 +28,8 @@ from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.components.metrics import ensure_pp_loss_visible as titan_ensure_pp_loss_visible
 from torchtitan.tools.logging import logger
 
+from torchtitan_ext.job_config import describe
+
 REDUCTIONS: tuple[tuple[str, str, str], ...] = (
     # (key or key prefix, over the model parts of one rank, over ranks)
     ("muon/update_rms/", "rms", "rms"),  # root mean square of the ranks that report it (exact for equal sizes)
@@ -184,12 +186,26 @@ class _DerivingLogger(BaseLogger):
         self.inner.close()
 
 
+JOB_TAG = "job"
+"""TensorBoard text tag holding :func:`torchtitan_ext.job_config.describe` of the run (read by the summary)."""
+
+
+def record_job(metric_logger: BaseLogger, line: str) -> None:
+    """Write ``line`` as the text ``JOB_TAG`` into every TensorBoard writer of torchtitan's ``metric_logger``
+    (a ``LoggerContainer`` or one logger; ranks that do not log have none)."""
+    for inner in getattr(metric_logger, "_loggers", [metric_logger]):
+        writer = getattr(inner, "writer", None)
+        if writer is not None and hasattr(writer, "add_text"):
+            writer.add_text(JOB_TAG, line)
+
+
 class OptimizerMetricsProcessor(MetricsProcessor):
     """MetricsProcessor whose records also hold the optimizer's metrics of the latest step, reduced over
     ranks, and the FLOPs counting the optimizer; see the module docstring."""
 
     def __init__(self, job_config, parallel_dims, tag: str | None = None) -> None:
         super().__init__(job_config, parallel_dims, tag)
+        record_job(self.logger, describe(job_config))
         self.logger = _DerivingLogger(self.logger, self._flops_metrics)
 
     def optimizer_metrics(self) -> dict[str, float]:

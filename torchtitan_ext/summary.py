@@ -1,15 +1,19 @@
 """One line that sums up a torchtitan run from its TensorBoard events, and optionally a plot of it.
 
     python -m torchtitan_ext.summary DUMP [--plot [PNG]]
+    python -m torchtitan_ext.summary RUN [--plot [PNG]]        (a run folder DUMP/tb/<date-time>, or an event file)
     python -m torchtitan_ext.summary [--plot [PNG]] --job.config_file X.toml [torchtitan overrides ...]
 
-The second form finds the dump folder (and the TensorBoard folder in it) the way torchtitan does,
-from the config and the same overrides as the run (``make train`` passes its ``ARGS``). The newest
-event file of the newest run under ``DUMP/<save_tb_folder>`` is read (a run folder is named by the
-minute, so two runs within a minute share one: the newest file is the latest run). The line gives
-the steps, the first and last logged loss, the mean of the last logged losses, the time per step
+The last form finds the dump folder (and the TensorBoard folder in it) the way torchtitan does,
+from the config and the same overrides as the run (``make train`` passes its ``ARGS``). Given a dump
+folder, the newest event file of the newest run under ``DUMP/<save_tb_folder>`` is read (a run folder is
+named by the minute, so two runs within a minute share one: the newest file is the latest run); when
+the folder holds several runs the output says so, and a run folder (or an event file) picks one. The line
+gives the steps, the first and last logged loss, the mean of the last logged losses, the time per step
 and the optimizer's update RMS. ``--plot`` also draws the loss curve and the optimizer's metrics into a PNG
-(default ``DUMP/loss_curve.png``); it needs matplotlib (``pip install -e .[plot]``).
+(default ``DUMP/loss_curve.png``, or ``RUN/loss_curve.png`` for a run folder), titled with what the run
+trained (model, optimizer, lr, steps: the text the launcher's metrics processor records in the run's events,
+:data:`torchtitan_ext.metrics.JOB_TAG`); it needs matplotlib (``pip install -e .[plot]``).
 """
 
 from __future__ import annotations
@@ -19,18 +23,70 @@ import sys
 from pathlib import Path
 
 PLOT_NAME = "loss_curve.png"
+EVENTS_GLOB = "events.out.tfevents.*"
+JOB_TEXT_TAG = "job/text_summary"
+"""Where TensorBoard keeps the text :data:`torchtitan_ext.metrics.JOB_TAG`."""
 MISSING_MATPLOTLIB = "--plot needs matplotlib: pip install -e .[plot] (or pip install matplotlib)"
+
+
+def runs_under(dump: Path, tb_folder: str = "tb") -> list[Path]:
+    """The run folders under ``dump/tb_folder``, oldest first (named by date and minute)."""
+    return sorted(p for p in (dump / tb_folder).glob("*") if p.is_dir())
+
+
+def newest_events_in(folder: Path) -> Path:
+    """The newest event file in ``folder`` or below it."""
+    files = sorted(folder.rglob(EVENTS_GLOB), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no TensorBoard event file under {folder}")
+    return files[-1]
 
 
 def latest_events(dump: Path, tb_folder: str = "tb") -> Path:
     """The newest TensorBoard event file of the newest run folder under ``dump/tb_folder``."""
-    runs = sorted(p for p in (dump / tb_folder).glob("*") if p.is_dir())
+    runs = runs_under(dump, tb_folder)
     if not runs:
         raise FileNotFoundError(f"no TensorBoard run under {dump / tb_folder}")
-    files = sorted(runs[-1].rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
-    if not files:
-        raise FileNotFoundError(f"no TensorBoard event file under {runs[-1]}")
-    return files[-1]
+    return newest_events_in(runs[-1])
+
+
+def resolve_events(path: Path, tb_folder: str = "tb") -> Path:
+    """The event file ``path`` names: itself; the newest in it when it is a run folder (event files in it or
+    below it, but no ``tb_folder``); else the newest of the newest run of the dump folder ``path``."""
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is neither a dump folder, a run folder nor an event file")
+    if not (path / tb_folder).is_dir() and any(path.rglob(EVENTS_GLOB)):
+        return newest_events_in(path)
+    return latest_events(path, tb_folder)
+
+
+def job_text(events: Path) -> str | None:
+    """The run's description recorded by the launcher (model, optimizer, lr, steps), or None."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    accumulator = EventAccumulator(str(events), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    if JOB_TEXT_TAG not in accumulator.Tags()["tensors"]:
+        return None
+    value = tensor_util.make_ndarray(accumulator.Tensors(JOB_TEXT_TAG)[-1].tensor_proto)
+    text = value.reshape(-1)[0] if value.ndim else value.item()
+    return text.decode() if isinstance(text, bytes) else str(text)
+
+
+def title_of(series: dict[str, list[tuple[int, float]]], events: Path, text: str | None) -> str:
+    """The plot's title: what the run trained (its recorded description without the dump folder, else the
+    matrix rule read from the metric names, or AdamW), the steps logged, and the run folder."""
+    loss = series.get("loss_metrics/global_avg_loss", [])
+    steps = f"{loss[-1][0]} steps logged" if loss else "no loss logged"
+    if text:
+        what = text.split(", dump folder")[0]
+    else:
+        rules = [t.rsplit("/", 1)[1] for t in update_rms_tags(series) if not t.endswith("/adamw")]
+        what = f"{', '.join(rules)} rule" if rules else "Adam/AdamW (no matrix optimizer metrics)"
+    return f"{what}; {steps}; run {events.parent.name}"
 
 
 def dump_of_job(args: list[str]) -> tuple[Path, str]:
@@ -137,11 +193,26 @@ def main(argv: list[str] | None = None) -> None:
         dump, tb_folder = Path(rest[0]), "tb"
     else:
         parser.error("give the dump folder, or torchtitan's --job.config_file X.toml and the run's overrides")
-    events = latest_events(dump, tb_folder)
+    try:
+        events = resolve_events(dump, tb_folder)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"summary: {exc}") from None
     series = scalars(events)
+    if "loss_metrics/global_avg_loss" not in series:
+        raise SystemExit(f"summary: {events} holds no loss (a run that logged no step?)")
+    text = job_text(events)
+    runs = runs_under(dump, tb_folder) if (dump / tb_folder).is_dir() else []
     print(f"{summary_line(series)}; tensorboard --logdir {events.parent}", file=sys.stdout)
+    print(f"run: {events.parent}" + (f" ({text})" if text else ""), file=sys.stdout)
+    if len(runs) > 1:
+        print(
+            f"note: {len(runs)} runs under {dump / tb_folder}; this is the newest. Give a run folder "
+            f"(e.g. {runs[0]}) to read another, or a --job.dump_folder of its own to each run.",
+            file=sys.stdout,
+        )
     if args.plot is not None:
-        png = plot(series, Path(args.plot) if args.plot else dump / PLOT_NAME, title=str(events.parent))
+        default = (dump if (dump / tb_folder).is_dir() else events.parent) / PLOT_NAME
+        png = plot(series, Path(args.plot) if args.plot else default, title=title_of(series, events, text))
         print(f"plot: {png}", file=sys.stdout)
 
 

@@ -34,22 +34,13 @@ from torchtitan_ext.registry import check_optimizer_name
 
 CHECK_ONLY = "--check-config"
 """``python -m torchtitan_ext.train --check-config [the job's arguments]``: check the configuration, print what
-the job will run (:func:`describe`) and exit (0 when it is valid); ``make train`` runs it before starting the
+the job will run (:func:`torchtitan_ext.job_config.describe`) and exit (0 when it is valid); ``make train`` runs it before starting the
 processes."""
 
 
 def is_first_rank() -> bool:
     """Rank 0 of the job (or no launcher at all), from torchrun's environment: decides which process speaks."""
     return os.environ.get("RANK", "0") == "0"
-
-
-def describe(config: object) -> str:
-    """One line naming what a job runs: model and flavor, optimizer and lr, steps, dump folder."""
-    model, optimizer, training = config.model, config.optimizer, config.training
-    return (
-        f"{model.name} {model.flavor} + {optimizer.name} (lr {optimizer.lr:g}), {training.steps} steps, "
-        f"dump folder {config.job.dump_folder}"
-    )
 
 
 def parse(argv: list[str]) -> object:
@@ -88,7 +79,7 @@ def main() -> None:
             print(f"torchtitan_ext.train: {problem}", file=sys.stderr, flush=True)
         sys.exit(2)
     if check_only:
-        print(describe(parse(argv)), flush=True)
+        print(job_config.describe(parse(argv)), flush=True)
         return
     sys.argv = [sys.argv[0], *argv]
     if not torch.cuda.is_available():
