@@ -82,7 +82,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
-from ..eigenbasis import accurate_matmul, power_cholqr
+from ..eigenbasis import BATCH_MAX_SIDE, accurate_matmul, power_cholqr
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
 
 SOAP_BASES = ("qr", "eigh", "cholqr")
@@ -309,8 +309,9 @@ class SOAPRule(MatrixRule):
 
     def refresh_bases(self, states: list[dict[str, Tensor]], group: Group, steps: list[int]) -> None:
         """Step 2 for matrices at steps ``steps``: :meth:`refresh_basis` one by one, or with basis="cholqr"
-        one :func:`dtensor_muon.eigenbasis.power_cholqr` per factor size over every factor of these matrices
-        past their step 1 (eigh on step 1, as the reference)."""
+        one :func:`dtensor_muon.eigenbasis.power_cholqr` per factor size (sides up to ``BATCH_MAX_SIDE``; larger
+        factors one at a time) over every factor of these matrices past their step 1 (eigh on step 1, as the
+        reference)."""
         if group["basis"] != "cholqr":
             for s, t in zip(states, steps):
                 self.refresh_basis(s, group, t)
@@ -326,7 +327,10 @@ class SOAPRule(MatrixRule):
                 if side in s:
                     by_size.setdefault(s[side].shape[0], []).append((s, side, axis))
         rotation: dict[tuple[int, str], Tensor] = {}
-        for jobs in by_size.values():
+        batches = []
+        for size, jobs in by_size.items():
+            batches.extend([jobs] if size <= BATCH_MAX_SIDE else [[job] for job in jobs])
+        for jobs in batches:
             k = torch.stack([s[side] for s, side, _ in jobs])
             q_old = torch.stack([s[f"Q_{side}"] for s, side, _ in jobs])
             q_new, values, order, _ = power_cholqr(k, q_old, lambda k_i, q_i: eigh_descending(k_i, fallback=q_i))

@@ -1,0 +1,214 @@
+"""SOAP's refresh on matrix products (``basis="cholqr"``, :mod:`dtensor_muon.eigenbasis`) against float64 references.
+
+One refresh is Householder QR of the shifted power-iteration product, Q_new = qr((K + 10⁻⁵·2ᵉ·I)·Q_s).Q with
+Q_s the old basis sorted by decreasing Rayleigh quotient d and 2ᵉ⁻¹ ≤ max d < 2ᵉ, written here in float64 from
+that formula; repeated refreshes converge to float64 eigh's eigenvectors; every basis is orthogonal (max|QᵀQ − I|
+in float64) on degenerate factors; a zero or NaN factor keeps its sorted basis; an old basis that is no longer
+orthogonal gets eigh's. On CPU every product is float32 (the TF32 split runs on CUDA only; its arithmetic is
+checked here on CPU through :func:`split_matmul`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from dtensor_muon.eigenbasis import power_cholqr, split_matmul, tf32_split
+from dtensor_muon.rules.soap import SOAPRule, eigh_descending
+
+F64 = torch.float64
+
+
+def eigh(k: Tensor, fallback: Tensor) -> tuple[Tensor, Tensor]:
+    return eigh_descending(k, fallback=fallback)
+
+
+def defect(q: Tensor) -> float:
+    """max|QᵀQ − I| in float64."""
+    q = q.to(F64)
+    return (q.mT @ q - torch.eye(q.shape[-1], dtype=F64)).abs().max().item()
+
+
+def random_basis(k: int, seed: int) -> Tensor:
+    return torch.linalg.qr(torch.randn(k, k, generator=torch.Generator().manual_seed(seed), dtype=F64)).Q.float()
+
+
+def gram_factor(k: int, rank: int, seed: int, scale: float = 1.0) -> Tensor:
+    g = torch.randn(k, rank, generator=torch.Generator().manual_seed(seed), dtype=F64) * scale
+    return (g @ g.T).float()
+
+
+def reference_refresh(k: Tensor, q_old: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(Q_new, sorted d, order) in float64 from the formula in the module docstring (Householder QR)."""
+    k64, q64 = k.to(F64), q_old.to(F64)
+    d = torch.diagonal(q64.T @ k64 @ q64)
+    order = torch.argsort(d, descending=True)
+    shift = 1e-5 * 2.0 ** math.frexp(d.max().item())[1]
+    q_new = torch.linalg.qr((k64 + shift * torch.eye(len(k64), dtype=F64)) @ q64[:, order]).Q
+    return q_new, d[order], order
+
+
+def test_tf32_split_is_exact_and_keeps_ten_mantissa_bits():
+    x = torch.randn(200, 300, generator=torch.Generator().manual_seed(0)) * torch.logspace(-20, 20, 300)
+    hi, lo = tf32_split(x)
+    assert torch.equal(hi + lo, x)
+    assert bool(((hi.view(torch.int32) & 0x1FFF) == 0).all())  # the 13 low mantissa bits clear
+    assert (lo.abs() / x.abs()).max().item() <= 2.0**-11  # rounded to nearest: half of TF32's last place
+
+
+def test_split_product_is_float32_accurate():
+    """a_hi·b_hi + a_hi·b_lo + a_lo·b_hi against the float64 product: relative error ≤ 2e-6 of max|a·b|
+    (measured 6.6e-7 for 256×256; plain float32 4.9e-7)."""
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(256, 256, generator=gen), torch.randn(256, 256, generator=gen)
+    want = a.to(F64) @ b.to(F64)
+    err = ((split_matmul(a, b).to(F64) - want).abs().max() / want.abs().max()).item()
+    assert err <= 2e-6, err
+
+
+@pytest.mark.parametrize("rank", [64, 12])
+def test_one_refresh_equals_float64_householder_qr_of_the_shifted_product(rank):
+    """A warm basis (float64 eigh of the factor one gradient before, K ← 0.95·K + 0.05·gᵀg as SOAP's moving
+    average): the same order and sorted estimates as the float64 formula (1e-5 relative) and the same basis up
+    to column signs, as close to it as float32 Householder QR of the same product (max entry difference ≤ 2×
+    Householder's + 1e-6; measured 1.8e-7 against 2.5e-7 for a full-rank factor, 3.6e-4 against 3.3e-4 for
+    the rank-24 one, whose eigenvectors of eigenvalues near float32's rounding are that sensitive)."""
+    k = 40
+    before = gram_factor(k, rank, seed=2)
+    _, q_old = eigh_descending(before)
+    factor = 0.95 * before + 0.05 * gram_factor(k, rank, seed=3)
+    q_new, values, order, fallen_back = power_cholqr(factor[None], q_old[None], eigh)
+    want_q, want_values, want_order = reference_refresh(factor, q_old)
+    assert not bool(fallen_back[0])
+    assert torch.equal(order[0], want_order)
+    assert torch.allclose(values[0].to(F64), want_values, rtol=1e-5, atol=1e-5 * want_values[0].item())
+    shift = 1e-5 * 2.0 ** math.frexp(want_values[0].item())[1]
+    householder = torch.linalg.qr((factor + shift * torch.eye(k)) @ q_old[:, want_order]).Q
+
+    def error(q: Tensor) -> float:
+        signs = torch.sign(torch.diagonal(want_q.T @ q.to(F64)))
+        return (q.to(F64) - want_q * signs).abs().max().item()
+
+    assert error(q_new[0]) <= 2 * error(householder) + 1e-6
+    assert defect(q_new[0]) <= 1e-5
+
+
+def test_repeated_refreshes_converge_to_float64_eigenvectors():
+    """Eigenvalues 10^(−3i/23), i < 24, from a random basis: after 80 refreshes every column is ± float64 eigh's
+    eigenvector (|cos| ≥ 1 − 1e-6) and the estimates are its eigenvalues (1e-5 relative)."""
+    k = 24
+    u = random_basis(k, 4).to(F64)
+    lam = torch.logspace(0, -3, k, dtype=F64)
+    factor = ((u * lam) @ u.T).float()
+    q = random_basis(k, 5)
+    for _ in range(80):
+        q_new, values, _, fallen_back = power_cholqr(factor[None], q[None], eigh)
+        assert not bool(fallen_back[0])
+        q = q_new[0]
+    want_values, want_vectors = torch.linalg.eigh(factor.to(F64))
+    want_values, want_vectors = want_values.flip(0), want_vectors.flip(1)
+    cos = torch.diagonal(want_vectors.T @ q.to(F64)).abs()
+    assert cos.min().item() >= 1 - 1e-6, cos
+    assert torch.allclose(values[0].to(F64), want_values, rtol=1e-5, atol=0)
+
+
+def degenerate_factors(k: int) -> dict[str, Tensor]:
+    """k×k factors SOAP can hold: rank 1, rank 8, ill-conditioned (eigenvalues 1e-12 … 1), rank 8 of a gradient
+    of size 1e-18 (entries ~1e-36) and of size 1e18 (entries ~1e36)."""
+    u = random_basis(k, 6).to(F64)
+    return {
+        "rank-1": gram_factor(k, 1, seed=7),
+        "rank-8": gram_factor(k, 8, seed=8),
+        "ill-conditioned": ((u * torch.logspace(0, -12, k, dtype=F64)) @ u.T).float(),
+        "rank-8 tiny": gram_factor(k, 8, seed=9, scale=1e-18),
+        "rank-8 huge": gram_factor(k, 8, seed=10, scale=1e18),
+    }
+
+
+@pytest.mark.parametrize("start", ["random", "warm"])
+def test_bases_are_orthogonal_on_degenerate_factors(start):
+    """All five factors refreshed as one batch, from a random orthogonal basis or from float64 eigh's basis of
+    the factor before a new rank-8 gradient (a new direction in a rank-deficient factor): every basis orthogonal
+    to 1e-5 in float64 (measured ≤ 4.2e-7) and no eigh. A rank-1 factor's first column is its direction
+    (|cos| ≥ 1 − 1e-6)."""
+    k = 40
+    factors = degenerate_factors(k)
+    olds, news = [], []
+    for i, factor in enumerate(factors.values()):
+        if start == "random":
+            olds.append(random_basis(k, 11 + i))
+            news.append(factor)
+        else:
+            olds.append(eigh_descending(factor)[1])
+            scale = factor.abs().max().sqrt().item() / 10
+            news.append(0.95 * factor + 0.05 * gram_factor(k, 8, seed=20 + i, scale=scale))
+    q_new, values, _, fallen_back = power_cholqr(torch.stack(news), torch.stack(olds), eigh)
+    for name, q, fell in zip(factors, q_new, fallen_back):
+        assert defect(q) <= 1e-5, (name, defect(q))
+        assert not bool(fell), name
+    assert torch.isfinite(values).all()
+    if start == "random":
+        g = torch.randn(k, 1, generator=torch.Generator().manual_seed(7), dtype=F64)[:, 0]
+        cos = (q_new[0, :, 0].to(F64) @ g).abs() / g.norm()
+        assert cos.item() >= 1 - 1e-6
+
+
+def test_a_zero_or_nan_factor_keeps_its_sorted_basis():
+    """A zero factor (a matrix whose gradients were all zero) and a NaN one: the new basis is the old one with
+    its columns sorted by d (within 1e-6), the estimates d (0, or NaN), no eigh."""
+    k = 16
+    old = torch.stack([random_basis(k, 30), random_basis(k, 31)])
+    factors = torch.stack([torch.zeros(k, k), torch.full((k, k), float("nan"))])
+    q_new, values, order, fallen_back = power_cholqr(factors, old, eigh)
+    for i in range(2):
+        assert (q_new[i] - old[i][:, order[i]]).abs().max().item() <= 1e-6
+    assert torch.equal(values[0], torch.zeros(k)) and values[1].isnan().all()
+    assert not bool(fallen_back.any())
+
+
+def test_an_old_basis_that_lost_orthogonality_gets_eigh_or_is_repaired():
+    """An old basis with a zero column: its product has a zero column, so the refresh cannot vouch for a
+    Cholesky QR and takes eigh, whose basis diagonalizes K (off-diagonal of QᵀKQ ≤ 1e-5 of max|K| in float64)
+    with float64's eigenvalues (1e-5 relative); the healthy factor of the same batch does not. An old basis with
+    two equal columns is repaired by the shifted Cholesky QR passes themselves (orthogonal to 1e-5, no eigh)."""
+    k = 16
+    factor = gram_factor(k, 32, seed=40)
+    broken = random_basis(k, 41)
+    broken[:, 1] = 0.0
+    duplicated = random_basis(k, 43)
+    duplicated[:, 1] = duplicated[:, 0]
+    q_new, values, _, fallen_back = power_cholqr(
+        torch.stack([factor, factor, factor]), torch.stack([broken, random_basis(k, 42), duplicated]), eigh
+    )
+    assert fallen_back.tolist() == [True, False, False]
+    assert defect(q_new[2]) <= 1e-5
+    q = q_new[0].to(F64)
+    b = q.T @ factor.to(F64) @ q
+    assert (b - torch.diag(b.diagonal())).abs().max().item() <= 1e-5 * factor.abs().max().item()
+    want = torch.linalg.eigvalsh(factor.to(F64)).flip(0)
+    assert torch.allclose(values[0].to(F64), want, rtol=1e-5, atol=1e-5 * want[0].item())
+
+
+def test_a_batch_of_matrices_equals_each_alone():
+    """SOAPRule.direction on a unit of 3 same-shape matrices ([3, 6, 10], basis="cholqr": one batched refresh per
+    factor size) against the 3 matrices one at a time: every update within 1e-6 of the largest entry, over 4
+    steps (eigh on step 1, the batched refresh after)."""
+    rule = SOAPRule()
+    group = dict(
+        betas=(0.9, 0.95), shampoo_beta=0.95, eps=1e-8, precondition_frequency=1, basis="cholqr", kl=False,
+        max_preconditioner_dim=64, correct_bias=True, correct_shampoo_beta_bias=True, max_update_rms=1.0,
+        match_update_rms=0.0, skip_first_update=True,
+    )  # fmt: skip
+    assert rule.can_batch(group)
+    gen = torch.Generator().manual_seed(50)
+    batched = [rule.init_owner_state((6, 10), group, torch.device("cpu")) for _ in range(3)]
+    alone = [rule.init_owner_state((6, 10), group, torch.device("cpu")) for _ in range(3)]
+    for _ in range(4):
+        grads = torch.randn(3, 6, 10, generator=gen)
+        got = rule.direction(grads, batched, group, None)
+        want = torch.stack([rule.direction(g, [s], group, None) for g, s in zip(grads, alone)])
+        assert got.shape == (3, 6, 10)
+        assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item() + 1e-12
