@@ -1,5 +1,6 @@
 # Set-up and entry points. Every target creates .venv when no virtual environment is active,
-# installs a CPU torch (2.13.0) when no torch is installed, then this project with its dev extra.
+# installs torch 2.13.0 when no torch is installed (the CPU build where no GPU is present), then this project
+# with its dev extra.
 SHELL := /bin/bash
 ifdef VIRTUAL_ENV
 PY := python
@@ -7,14 +8,26 @@ else
 PY := .venv/bin/python
 endif
 STAMP := .venv-installed
+# PyTorch's index of CPU-only wheels: the package index's torch on Linux is the CUDA build (several GB of
+# CUDA libraries); where no GPU is present the CPU build is the one to install.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
 .PHONY: install lint format test test-fast train clean
 
 $(STAMP): pyproject.toml
 	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x .venv/bin/python ]; then echo "install: creating .venv"; python3 -m venv .venv; fi
 	@$(PY) -c "import torch" 2>/dev/null && echo "install: torch present, kept" || \
-		{ echo "install: torch 2.13.0 (the CPU build)"; $(PY) -m pip install -q "torch==2.13.0"; }
-	@echo "install: dtensor_muon in editable mode with its dev extra (pytest, ruff, torchtitan, tokenizers)"
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "install: torch 2.13.0 from the package index (on Linux its default build, for CUDA GPUs)"; \
+		$(PY) -m pip install -q "torch==2.13.0"; \
+	else \
+		echo "install: torch 2.13.0, the CPU build (no GPU here; from $(TORCH_CPU_INDEX) or a local CPU wheel)"; \
+		$(PY) -m pip install -q --retries 1 "torch==2.13.0" --index-url $(TORCH_CPU_INDEX); \
+	fi
+	@$(PY) -c "import importlib.metadata as m; m.distribution('dtensor-muon')" 2>/dev/null && { \
+		echo "install: removing the distribution dtensor-muon (this repository under its old name, or another project's package that also installs a top-level dtensor_muon)"; \
+		$(PY) -m pip uninstall -q -y dtensor-muon; } || true
+	@echo "install: dtensor_muon (distribution dtensor-matrix-optimizers) in editable mode with its dev extra (pytest, ruff, torchtitan, tokenizers)"
 	@$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 	@echo "install: done ($(PY))"
