@@ -18,7 +18,8 @@ class SOAP(MatrixOptimizer):
     Per matrix G (m×n), on its owner, in float32 (see :mod:`dtensor_muon.rules.soap` for the exact steps):
     L ← β_t·L + (1 − β_t)·G·Gᵀ, R ← β_t·R + (1 − β_t)·Gᵀ·G (KL-Shampoo's factors with ``kl=True``); every
     ``precondition_frequency`` steps new bases Q_L, Q_R (eigh on step 1, then one power iteration and QR, or
-    eigh with ``basis="eigh"``), the second moment's axes first sorted by the old bases' eigenvalue estimates
+    eigh with ``basis="eigh"``, or the power iteration orthogonalized by Cholesky QR with ``basis="cholqr"``),
+    the second moment's axes first sorted by the old bases' eigenvalue estimates
     diag(Q_oldᵀ·K·Q_old) for either basis (as Emerging-Optimizers 0.3 does) and the first moment rotated into
     the new bases; a failing eigendecomposition never raises (float64 and shifted retries, else the old basis);
     then Adam on G' = Q_Lᵀ·G·Q_R and θ ← θ·(1 − γλ) − γ·Q_L·N·Q_Rᵀ. The order (factors, basis, Adam) and
@@ -44,8 +45,16 @@ class SOAP(MatrixOptimizer):
         eps: Adam's ε, also KL's lower clamp of the eigenvalue estimates.
         weight_decay: decoupled weight decay λ.
         precondition_frequency: steps between basis refreshes (an int ≥ 1; 1 refreshes every step).
-        basis: "qr" (power iteration and QR from the previous basis) or "eigh" (a full eigendecomposition; in
-            float32, retried in float64 and then shifted where it fails, else the previous basis is kept).
+        basis: "qr" (power iteration and Householder QR from the previous basis), "eigh" (a full
+            eigendecomposition; in float32, retried in float64 and then shifted where it fails, else the previous
+            basis is kept) or "cholqr" (the power iteration on K + 10⁻⁵·2ᵉ·I, 2ᵉ⁻¹ ≤ max diag(Q_oldᵀ·K·Q_old) < 2ᵉ,
+            orthogonalized by Cholesky QR on matrix products: a TF32 first pass and float32-accurate passes,
+            same-size factors up to 512 batched, eigh only on step 1 or where a pass fails; see
+            :mod:`dtensor_muon.eigenbasis`). "qr" and "eigh" are the references and "qr" stays the default:
+            "cholqr" equals "qr" of the shifted factor (within float32 Householder QR's own error of the float64
+            formula) and trained an MLP to the same loss, but the tiny-Llama convergence study has not been
+            run with it. On one H200, Llama3-8B's 28 matrices of 4 layers, one refresh a step: 1,416 ms a
+            step against 2,125 ms with "qr" (float32 products), 792 ms with TF32 products (BENCHMARKS.md).
         kl: KL-Shampoo's factor update (arXiv 2509.03378).
         max_preconditioner_dim: sides longer than this are not preconditioned (identity basis, no factor).
             8192 by default: a side k costs 8k² + 4k bytes of state (factor and basis) and its refresh is
