@@ -12,7 +12,20 @@ STAMP := .venv-installed
 # CUDA libraries); where no GPU is present the CPU build is the one to install.
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: install lint format test test-fast train clean
+.PHONY: install lint format test test-fast train train-titan03 test-titan03 clean
+
+# torchtitan 0.3 lives in a second environment beside the main one (torchtitan 0.2.x): .venv-titan03,
+# the same CPU torch 2.13.0, this project with its dev-titan03 extra.
+PY03 := .venv-titan03/bin/python
+STAMP03 := .venv-titan03-installed
+
+$(STAMP03): pyproject.toml
+	@[ -x $(PY03) ] || { echo "install (torchtitan 0.3): creating .venv-titan03"; python3 -m venv .venv-titan03; }
+	@$(PY03) -c "import torch" 2>/dev/null && echo "install (torchtitan 0.3): torch present, kept" || \
+		{ echo "install (torchtitan 0.3): torch 2.13.0 (the CPU build)"; $(PY03) -m pip install -q "torch==2.13.0"; }
+	@echo "install (torchtitan 0.3): dtensor_muon in editable mode with its dev-titan03 extra (pytest, torchtitan 0.3)"
+	@$(PY03) -m pip install -q -e ".[dev-titan03]"
+	@touch $(STAMP03)
 
 $(STAMP): pyproject.toml
 	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x .venv/bin/python ]; then echo "install: creating .venv"; python3 -m venv .venv; fi
@@ -63,5 +76,20 @@ train: $(STAMP)
 		--local-ranks-filter 0 -m torchtitan_ext.train --job.config_file $(CONFIG) $(ARGS)
 	$(PY) -m torchtitan_ext.summary --job.config_file $(CONFIG) $(ARGS)
 
+# the torchtitan 0.3 tests (tests/test_torchtitan03.py) in .venv-titan03
+test-titan03: $(STAMP03)
+	$(PY03) -m pytest -q tests/test_torchtitan03.py
+
+# make train-titan03 [CONFIG03=llama3_muon] [ARGS03="--training.steps 20 --optimizer.name SOAP ..."]: a ready
+# torchtitan 0.3 config of torchtitan_ext.titan03 (llama3_muon, qwen3_muon, deepseek_v3_muon, qwen3_moe_muon).
+CONFIG03 ?= llama3_muon
+
+train-titan03: $(STAMP03)
+	@NPROC=$$($(PY03) -c "import torch; print(torch.cuda.device_count() or 2)"); \
+	echo "$(CONFIG03) through torchtitan 0.3 on $$NPROC process(es)"; \
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY03) -m torch.distributed.run --nproc_per_node $$NPROC \
+		--local-ranks-filter 0 -m torchtitan_ext.titan03.train --module torchtitan_ext.titan03 --config $(CONFIG03) $(ARGS03)
+	$(PY03) -m torchtitan_ext.summary outputs/$(CONFIG03)
+
 clean:
-	rm -rf .venv $(STAMP)
+	rm -rf .venv $(STAMP) .venv-titan03 $(STAMP03)
