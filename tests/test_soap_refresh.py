@@ -212,3 +212,33 @@ def test_a_batch_of_matrices_equals_each_alone():
         want = torch.stack([rule.direction(g, [s], group, None) for g, s in zip(grads, alone)])
         assert got.shape == (3, 6, 10)
         assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item() + 1e-12
+
+
+def test_experts_batched_by_the_plan_equal_each_expert_alone():
+    """16 experts of 6×10 in one [16, 6, 10] parameter: with basis="cholqr" the plan stacks them in units of 2
+    (16 experts ÷ 8 units a parameter) and the engine hands each unit to the rule at once; 4 steps equal the
+    same experts as 16 separate 2-D parameters within 1e-5 of the largest change (measured 1.4e-6)."""
+    from dtensor_muon import SOAP
+    from dtensor_muon.plan import build_plan
+    from dtensor_muon.simulate import fsdp_layout
+
+    layout = fsdp_layout("layers.0.moe.experts.w1", (16, 6, 10), 1)
+    plan = build_plan([layout], [0], 64 * 2**20, 4, batchable=[True])
+    assert {len(unit.members) for unit in plan.units} == {2}
+
+    gen = torch.Generator().manual_seed(60)
+    w0 = torch.randn(16, 6, 10, generator=gen)
+    grads = [torch.randn(16, 6, 10, generator=gen) for _ in range(4)]
+    stacked = torch.nn.Parameter(w0.clone())
+    singles = [torch.nn.Parameter(w0[i].clone()) for i in range(16)]
+    opt = SOAP([("layers.0.moe.experts.w1", stacked)], basis="cholqr", lr=0.01)
+    alone = SOAP([(f"layers.0.e{i}.weight", p) for i, p in enumerate(singles)], basis="cholqr", lr=0.01)
+    for g in grads:
+        stacked.grad = g.clone()
+        for i, p in enumerate(singles):
+            p.grad = g[i].clone()
+        opt.step()
+        alone.step()
+    change = (stacked.detach() - w0).abs().max().item()
+    diff = (stacked.detach() - torch.stack([p.detach() for p in singles])).abs().max().item()
+    assert change > 0.01 and diff <= 1e-5 * change, (diff, change)
