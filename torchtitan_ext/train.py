@@ -81,6 +81,8 @@ def main() -> None:
     if check_only:
         print(job_config.describe(parse(argv)), flush=True)
         return
+    if is_first_rank():
+        print(f"torchtitan_ext.train: {job_config.describe(parse(argv))}", flush=True)
     sys.argv = [sys.argv[0], *argv]
     if not torch.cuda.is_available():
         cpu.use_cpu_gloo()
