@@ -22,8 +22,14 @@ STAMP03 := .venv-titan03-installed
 $(STAMP03): pyproject.toml
 	@[ -x $(PY03) ] || { echo "install (torchtitan 0.3): creating .venv-titan03"; python3 -m venv .venv-titan03; }
 	@$(PY03) -c "import torch" 2>/dev/null && echo "install (torchtitan 0.3): torch present, kept" || \
-		{ echo "install (torchtitan 0.3): torch 2.13.0 (the CPU build)"; $(PY03) -m pip install -q "torch==2.13.0"; }
-	@echo "install (torchtitan 0.3): dtensor_muon in editable mode with its dev-titan03 extra (pytest, torchtitan 0.3)"
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "install (torchtitan 0.3): torch 2.13.0 from the package index"; $(PY03) -m pip install -q "torch==2.13.0"; \
+	else \
+		echo "install (torchtitan 0.3): torch 2.13.0, the CPU build"; \
+		$(PY03) -m pip install -q --retries 1 "torch==2.13.0" --index-url $(TORCH_CPU_INDEX); \
+	fi
+	@$(PY03) -m pip uninstall -q -y dtensor-muon 2>/dev/null || true
+	@echo "install (torchtitan 0.3): this project in editable mode with its dev-titan03 extra (pytest, torchtitan 0.3)"
 	@$(PY03) -m pip install -q -e ".[dev-titan03]"
 	@touch $(STAMP03)
 
