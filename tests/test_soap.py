@@ -53,6 +53,7 @@ VARIANTS: dict[str, tuple[Any, dict[str, Any]]] = {
     "soap-eigh": (partial(SOAP, basis="eigh"), dict(kl=False, basis="eigh")),
     "soap-cholqr": (partial(SOAP, basis="cholqr"), dict(kl=False, basis="cholqr")),
     "klsoap": (KLSOAP, dict(kl=True, basis="qr")),
+    "klsoap-cholqr": (partial(KLSOAP, basis="cholqr"), dict(kl=True, basis="cholqr")),
     "rekls": (REKLS, dict(kl=True, basis="eigh")),
 }
 
@@ -205,6 +206,7 @@ CASES = (
         for freq, bias, rms in ((1, True, 0.0), (2, True, 0.0), (1, False, 0.0), (2, False, 0.0), (1, True, 0.5))
     ]
     + [("soap-cholqr", freq, bias, rms, 1e-2) for freq, bias, rms in ((1, True, 0.0), (2, False, 0.0), (1, True, 0.5))]
+    + [("klsoap-cholqr", 1, True, 0.0, 1e-2)]
 )
 
 
@@ -239,7 +241,7 @@ def check_against_reference(
     """Five steps on a wide (5×9), a tall (8×5) and a 4×13 matrix whose 13 columns exceed
     max_preconditioner_dim = 10: the float32 library against the float64 reference, θ within 1e-5 of the
     change θ_T − θ₀ (measured ≤ 2.7e-6 for SOAP, ≤ 1.3e-6 for KL-SOAP, ≤ 6.2e-6 for SOAP with basis="eigh",
-    ≤ 2.6e-6 for REKLS, ≤ 2.9e-6 for SOAP with basis="cholqr" against the shifted Householder QR).
+    ≤ 2.6e-6 for REKLS, ≤ 2.9e-6 for SOAP with basis="cholqr" against the shifted Householder QR, ≤ 1.2e-6 for KL-SOAP with it).
 
     ε is large here because float32 rounding is divided by |G'| + ε: where G' = Q_Lᵀ·G·Q_R has an entry that
     is zero in exact arithmetic but not in float32 (the direction of a factor's null space, or a near-null
