@@ -42,10 +42,11 @@ Cholesky QR passes, each Q ← Q·R⁻¹ with RᵀR = Cholesky(G), G = QᵀQ:
   whose input had η ≤ ACCEPT_DEFECT leaves Q orthogonal to O(η²) plus float32 rounding
   (tests/test_soap_refresh.py measures the result's max|QᵀQ − I| in float64).
 
-A cheaper last pass was tried and left out: the second-order polar correction Q·(I − F/2 + 3F²/8), F = G − I,
-is orthogonal to O(‖F‖³) but rotates column pairs by F_ij/2 where Cholesky QR removes the whole overlap from
-the later column; with ‖F‖_F up to 10⁻² that moved the parameters of tests/test_soap.py's problem 5e-5
-(relative to their change) from the float64 reference, against 3e-6 with Cholesky passes.
+The second-order polar correction Q·(I − F/2 + 3F²/8), F = G − I, would be a cheaper last pass (two products,
+orthogonal to O(‖F‖³)) and is not used: it rotates column pairs by F_ij/2 where Cholesky QR removes the whole
+overlap from the later column; as a last pass for ‖F‖_F up to 10⁻² it moved the parameters of
+tests/test_soap.py's problem 5e-5 (relative to their change) from the float64 reference, against 3e-6 with
+Cholesky passes.
 
 A factor gets ``eigh`` (:func:`dtensor_muon.rules.soap.eigh_descending`: the sorted old basis where that fails
 too) where the refresh cannot vouch for its basis: a non-finite Ŷ or Q, a failed Cholesky, or a last pass
@@ -84,8 +85,8 @@ H200 (torch 2.11, float32) a batch of two took 5.2 ms against 2.5 ms for one at 
 13.5 ms at k = 4096: batched Cholesky and triangular solves of large matrices are slower than a loop."""
 
 MAX_PASSES = 4
-"""Cholesky QR passes at most: the TF32 one and up to three float32-accurate ones (two where the first of them
-already met ``ACCEPT_DEFECT``)."""
+"""Cholesky QR passes at most: the TF32 one and up to three float32-accurate ones (one where its input already
+met ``ACCEPT_DEFECT``: two passes in all)."""
 
 TF32_MASK = -8192
 """Clears the 13 low mantissa bits of a float32 (0xFFFFE000): TF32's 10-bit mantissa."""
