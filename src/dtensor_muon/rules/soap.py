@@ -25,7 +25,10 @@ the front end treats a parameter with empty state as frozen). Step t = 1, 2, …
                                  products, same-size factors of the call batched, M rotated as C_L·M·C_Rᵀ
                                  with C = Q_newᵀ·Q_old (the same rotation in one product per side); see
                                  :mod:`dtensor_muon.eigenbasis` for the shift, each phase's precision and
-                                 where it falls back to eigh
+                                 where it falls back to eigh (its products are float32-accurate whatever
+                                 torch's float32 matmul precision; C_L·M·C_Rᵀ, like the factors' and Adam's
+                                 products of every basis, runs at that precision: float32 by default, TF32
+                                 with torch.set_float32_matmul_precision("high"))
 
    and M is taken back to the parameter's basis with the old Q and into the new one,
    M ← Q_Lnewᵀ·Q_Lold·M·Q_Roldᵀ·Q_Rnew. The sort gives V's entry of the old column with the k-th largest d to
