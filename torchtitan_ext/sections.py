@@ -223,8 +223,9 @@ class SOAP:
     precondition_frequency: int = 1
     """Refresh the eigenbasis every N steps (an integer >= 1)."""
 
-    basis: Literal["qr", "eigh"] = "qr"
-    """Eigenbasis refresh: "qr" (one power iteration and QR per side; eigh on the first step) or "eigh"."""
+    basis: Literal["qr", "eigh", "cholqr"] = "qr"
+    """Eigenbasis refresh: "qr" (one power iteration and QR per side; eigh on the first step), "eigh", or
+    "cholqr" (the power iteration orthogonalized by Cholesky QR on matrix products: dtensor_muon.eigenbasis)."""
 
     kl: bool = False
     """KL-Shampoo's factor update (each factor whitened by the other side's eigenvalue estimates)."""
@@ -309,8 +310,8 @@ class REKLS(KLSOAP):
 
     SECTION: ClassVar[str] = "rekls"
 
-    basis: Literal["qr", "eigh"] = "eigh"
-    """Eigenbasis refresh: "eigh" (a full eigendecomposition) or "qr"."""
+    basis: Literal["qr", "eigh", "cholqr"] = "eigh"
+    """Eigenbasis refresh: "eigh" (a full eigendecomposition), "qr" or "cholqr" (as in [soap])."""
 
 
 @dataclass
