@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from dtensor_muon import MatrixSplit, Muon, NorMuon, grouped_qkv_splits
+from dtensor_muon import MOP, SOAP, MatrixSplit, Muon, NorMuon, grouped_qkv_splits
 
 N_HEADS, N_KV, HEAD_DIM, DIM = 9, 3, 2, 8
 PER_KV = N_HEADS // N_KV
@@ -38,6 +38,12 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "muon": (Muon, dict(lr=0.02, weight_decay=0.1)),
     # owner state: v has one entry per row of the whole W_q
     "normuon": (NorMuon, dict(lr=0.02, weight_decay=0.1, beta2=0.9, adjust_lr_fn="match_rms_adamw")),
+}
+ONE_PROCESS: dict[str, tuple[type, dict[str, Any]]] = {
+    **OPTIMIZERS,
+    # owner state of the whole matrix (factors, bases, moments), and an SVD's polar factor with Muon's γ'
+    "soap": (SOAP, dict(lr=0.01)),
+    "mop": (MOP, dict(lr=0.01, scale="shape", adjust_lr_fn="original")),
 }
 
 
@@ -133,9 +139,9 @@ def test_grouped_split_needs_the_matrix_rows():
 
 
 @pytest.mark.parametrize("per", ["projection", "head"])
-@pytest.mark.parametrize("optimizer_key", list(OPTIMIZERS))
+@pytest.mark.parametrize("optimizer_key", list(ONE_PROCESS))
 def test_grouped_split_equals_separate_parameters_one_process(optimizer_key, per):
-    optimizer, options = OPTIMIZERS[optimizer_key]
+    optimizer, options = ONE_PROCESS[optimizer_key]
     want = separate_reference(optimizer, options, per)
     got = fused_one_process(optimizer, options, MatrixSplit.grouped_qkv(N_HEADS, N_KV, HEAD_DIM, per=per))
     assert torch.equal(got, want), f"max diff {(got - want).abs().max().item()}"
