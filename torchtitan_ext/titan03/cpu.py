@@ -50,7 +50,8 @@ DEVICE_MODULES = (
 SPMD_BACKEND = "partial_dtensor"
 """The ``parallelism.spmd_backend`` of CPU runs. torchtitan 0.3's default, ``spmd_types`` (and
 ``full_dtensor``), gives ``fully_shard`` plain-tensor parameters with ``dp_mesh_dims`` under torch 2.13 and
-stops there; ``partial_dtensor`` (DTensors for tensor and expert parallelism, FSDP2 on its own mesh) runs."""
+stops there (under torch 2.14.1 both run); ``partial_dtensor`` (DTensors for tensor and expert parallelism,
+FSDP2 on its own mesh, the layouts the tests cover) runs under both."""
 
 CPU_ARGS = ("--parallelism.spmd_backend", SPMD_BACKEND, "--training.disable_cuda_graphs")
 """Arguments the launcher puts before the user's on CPU: :data:`SPMD_BACKEND`, and no CUDA graphs (without that,
