@@ -251,3 +251,49 @@ def test_dense_attention_keeps_the_document_causal_mask():
     v_doc[:, :, :20] += 100.0
     moved, _ = cpu.dense_attention(q, k, v_doc, block_mask, enable_gqa=True)
     torch.testing.assert_close(moved[:, :, 20:], out[:, :, 20:])
+
+
+def test_container_runs_step_pre_hooks_and_round_trips_torchtitans_flat_state():
+    """The container steps torchtitan's registered pre-hooks (the MoE load-balancing hook's path) and its
+    ``state_dict()`` is torchtitan 0.3's flat, name-keyed optimizer state, which loads back into a fresh one."""
+    torch.manual_seed(0)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok_embeddings, self.w1 = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 12, bias=False)
+            self.norm, self.lm_head = torch.nn.LayerNorm(12), torch.nn.Linear(12, 8, bias=False)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.lm_head(self.norm(self.w1(self.tok_embeddings(tokens))))
+
+    def model() -> torch.nn.Module:
+        return Tiny()
+
+    def train_step(net: torch.nn.Module, container: MatrixOptimizersContainer) -> None:
+        net(torch.arange(4)).square().sum().backward()
+        container.step()
+        container.zero_grad()
+
+    net = model()
+    config = matrix_optimizer_config(default_adamw(lr=0.01), "Muon", {"ns_dtype": "float32", "wire_dtype": "float32"})
+    container = config.build(model_parts=[net])
+    calls = []
+    container.register_step_pre_hook(lambda *args, **kwargs: calls.append(1))
+    train_step(net, container)
+    assert calls == [1]
+    state = container.state_dict()
+    assert {
+        "state.w1.weight.momentum_buffer",
+        "state.tok_embeddings.weight.exp_avg",
+        "state.lm_head.weight.exp_avg",
+    } <= set(state)
+    assert all(key.startswith(("state.", "param_groups.")) for key in state)
+    twin = model()
+    twin.load_state_dict(net.state_dict())
+    other = config.build(model_parts=[twin])
+    other.load_state_dict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+    train_step(net, container)
+    train_step(twin, other)
+    for a, b in zip(net.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
