@@ -72,7 +72,7 @@ device, with real random data and no communication. Its share per step, in the o
   (it arrives on the bf16 wire), fp32 for a local one (read from the shard), through ``MuonRule.direction``
   with the optimizer's Newton–Schulz runner (``NewtonSchulzGraphs`` on CUDA, ``newton_schulz`` elsewhere);
 - the apply (``θ·(1 − γλ) − γ'·O``) on its shard of every Muon parameter, O taken from a preallocated buffer;
-- ``torch.optim.AdamW`` (foreach, the functional AdamW the optimizer calls) on its shard of every other parameter.
+- ``torch.optim.AdamW`` (fused on CUDA, foreach elsewhere, as the optimizer runs it) on its shard of every other parameter.
 
 Not included: the exchanges (the all-to-all of U to the owners and of O back), packing and unpacking their
 buffers, the optimizer's metrics and non-finite checks, and the host work of planning. Reported per W: the
@@ -783,8 +783,9 @@ class ShareWork:
         self.others = [nn.Parameter(randn(s)) for s in share.other_shards]
         for p in self.others:
             p.grad = randn(p.shape)
+        fused = device.type == "cuda"  # as the optimizer runs its AdamW parameters
         self.adamw = (
-            torch.optim.AdamW(self.others, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
+            torch.optim.AdamW(self.others, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY, fused=fused)
             if self.others
             else None
         )

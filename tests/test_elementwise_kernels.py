@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from dtensor_muon.kernels.elementwise import decay_and_add_, momentum_step
+from dtensor_muon.kernels.elementwise import MIN_KERNEL_NUMEL, _kernel_applies, decay_and_add_, momentum_step
 
 MOMENTUM_CASES = [(0.95, True), (0.95, False), (0.3, True)]  # 0.3: the large-weight branch of the first lerp
 
@@ -122,7 +122,8 @@ def test_off_gpu_the_entry_points_are_torchs_operations() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_the_gpu_the_kernels_give_torchs_bits(dtype) -> None:
-    g, b, o = _inputs(dtype, "cuda", n=1 << 20)
+    g, b, o = _inputs(dtype, "cuda", n=MIN_KERNEL_NUMEL)
+    assert _kernel_applies(g, b) and not _kernel_applies(g[:-1], b[:-1])  # the kernels run here, not below
     for momentum, nesterov in MOMENTUM_CASES:
         ref_b, ref_u = torch_momentum(g, b, momentum, nesterov)
         buffer = b.clone()
@@ -135,7 +136,8 @@ def test_on_the_gpu_the_kernels_give_torchs_bits(dtype) -> None:
         p = b.clone()
         decay_and_add_(p, update, decay, alpha)
         assert torch.equal(p, torch_apply(b, update, decay, alpha)), decay
-    square, transposed = b.reshape(1024, 1024), update.reshape(1024, 1024).mT  # O of a tall matrix: a view
+    side = int(MIN_KERNEL_NUMEL**0.5)
+    square, transposed = b.reshape(side, side), update.reshape(side, side).mT  # O of a tall matrix: a view
     p = square.clone()
     decay_and_add_(p, transposed, 0.998, -0.02)
     assert torch.equal(p, torch_apply(square, transposed, 0.998, -0.02))

@@ -35,22 +35,30 @@ def test_equals_torch_optim_muon_bitwise_step_by_step(nesterov, adjust_lr_fn):
         assert torch.equal(opt_ours.state[a]["momentum_buffer"], opt_theirs.state[b]["momentum_buffer"])
 
 
-def test_adamw_params_equal_torch_adamw():
-    init = [torch.randn(10), torch.randn(5, 3)]
-    ours = [p.clone().requires_grad_() for p in init]
-    theirs = [p.clone().requires_grad_() for p in init]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adamw_params_equal_torch_adamw(device):
+    """On CUDA the parameters routed to AdamW take torch's fused kernel: equal to AdamW(fused=True)."""
+    init = [torch.randn(10), torch.randn(5, 3), torch.randn(300, 7).bfloat16()]
+    ours = [p.clone().to(device).requires_grad_() for p in init]
+    theirs = [p.clone().to(device).requires_grad_() for p in init]
     opt_ours = Muon(
         [{"params": ours, "use_muon": False}], lr=3e-3, weight_decay=0.01, adamw_betas=(0.8, 0.99), adamw_eps=1e-6
     )
-    opt_theirs = torch.optim.AdamW(theirs, lr=3e-3, weight_decay=0.01, betas=(0.8, 0.99), eps=1e-6)
+    fused = {"fused": True} if device == "cuda" else {}
+    opt_theirs = torch.optim.AdamW(theirs, lr=3e-3, weight_decay=0.01, betas=(0.8, 0.99), eps=1e-6, **fused)
     for _ in range(4):
         for a, b in zip(ours, theirs):
-            g = torch.randn(a.shape)
+            g = torch.randn(a.shape).to(device=device, dtype=a.dtype)
             a.grad, b.grad = g.clone(), g.clone()
         opt_ours.step()
         opt_theirs.step()
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
+        assert torch.equal(opt_ours.state[a]["exp_avg_sq"], opt_theirs.state[b]["exp_avg_sq"])
+        assert opt_ours.state[a]["step"].device.type == "cpu" and float(opt_ours.state[a]["step"]) == 4
 
 
 def test_adamw_lr_and_weight_decay_default_to_muon_ones_and_can_be_set():

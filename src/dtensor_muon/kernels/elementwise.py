@@ -10,9 +10,11 @@ adds −γ'·O with one fused multiply-add, as ``mul_`` then ``add_(alpha=)`` do
 two or three kernels: on the Qwen3-30B-A3B shapes that is 24 + 18 bytes per fp32 element for momentum and
 apply, against 16 (12 without the buffer write) and 10 here.
 
-On CUDA every placement uses these kernels, so the step stays bitwise the same at every world size; off CUDA
-(and for a tensor lr, a non-contiguous region, or without Triton) the torch operations run, which on CPU keeps
-the step bitwise equal to ``torch.optim.Muon``.
+On CUDA the kernels run on tensors of at least :data:`MIN_KERNEL_NUMEL` entries; smaller ones take torch's
+operations, which give the same bits there (``tests/test_elementwise_kernels.py`` checks it on the GPU), so the
+step stays bitwise the same at every world size, whatever size each rank's shards have. Off CUDA (and for a
+tensor lr, a non-contiguous region, or without Triton) the torch operations run, which on CPU keeps the step
+bitwise equal to ``torch.optim.Muon``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ except ImportError:  # the package imports without Triton; every call then takes
     triton = None
 
 BLOCK = 2048
+MIN_KERNEL_NUMEL = 1 << 22
+"""Below this many entries the torch operations run: a Triton launch costs the host several times a torch
+launch, more than the traffic it saves on a small shard. H200, Triton 3.6: with the kernels on every shard the
+busiest rank's share at 64 and 256 ranks (Qwen3-30B-A3B, 8 layers; shards of 0.03–3.1 M entries) went from 5.3
+and 3.7 ms to 12.0 and 9.7 ms; ``bench/elementwise.py`` times both paths per size."""
 
 if triton is not None:
 
@@ -94,13 +101,13 @@ def _lerp_weights(weight: float) -> tuple[float, float, bool]:
 
 
 def _kernel_applies(*tensors: Tensor, any_layout: int = 0) -> bool:
-    """Whether the kernels can take these tensors: Triton present, all on one CUDA device, of one shape, not
-    empty, floating, and contiguous (but for the last ``any_layout`` of them, which the caller makes so)."""
+    """Whether the kernels can take these tensors: Triton present, all on one CUDA device, of one shape, at
+    least :data:`MIN_KERNEL_NUMEL` entries, floating, and contiguous (but for the last ``any_layout`` of them, which the caller makes so)."""
     first = tensors[0]
     return (
         triton is not None
         and first.is_cuda
-        and first.numel() > 0
+        and first.numel() >= MIN_KERNEL_NUMEL
         and all(
             (i >= len(tensors) - any_layout or t.is_contiguous())
             and t.shape == first.shape

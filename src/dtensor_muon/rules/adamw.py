@@ -1,4 +1,5 @@
-"""AdamW for element-wise parameters, through torch's own functional AdamW (so results equal torch.optim.AdamW).
+"""AdamW for element-wise parameters, through torch's own functional AdamW (so results equal torch.optim.AdamW:
+on CUDA its fused kernel, as ``AdamW(fused=True)``; elsewhere its default implementation).
 
 With step t, β₁, β₂, ε, learning rate γ and weight decay λ:
 
@@ -42,18 +43,27 @@ def step(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW step over lists of same-device tensors (local shards or whole tensors), in place."""
+    """One AdamW step over lists of same-device tensors (local shards or whole tensors), in place.
+
+    On CUDA it runs torch's fused AdamW (one pass over each tensor's entries; foreach takes about ten, 130 ms
+    against 41 for Kimi K2's 2.3 B embedding and head entries on an H200). The step counts stay CPU tensors, as
+    torch.optim.AdamW keeps them unfused: the fused kernel reads a device copy and the counts advance here."""
     if not params:
         return
+    fused = all(p.is_cuda for p in params)
+    steps = state_steps
+    if fused:
+        counts = torch.tensor([float(s) for s in state_steps]).pin_memory()  # copied without waiting on the device
+        steps = list(counts.to(params[0].device, non_blocking=True).unbind(0))
     _torch_adamw(
         params,
         grads,
         exp_avgs,
         exp_avg_sqs,
         [],
-        state_steps,
-        foreach=None,
-        fused=None,
+        steps,
+        foreach=None if not fused else False,
+        fused=fused or None,
         amsgrad=False,
         beta1=betas[0],
         beta2=betas[1],
@@ -62,3 +72,5 @@ def step(
         eps=eps,
         maximize=False,
     )
+    if fused:
+        torch._foreach_add_(state_steps, 1)
