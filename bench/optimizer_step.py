@@ -67,7 +67,8 @@ them over W ranks (``Shard(0)``, ``dtensor_muon.simulate.fsdp_layout``) and plan
 bucket size). The busiest rank (the largest planned FLOPs; the lowest such rank) is then timed alone on this
 device, with real random data and no communication. Its share per step, in the optimizer's order:
 
-- the momentum step (``B.lerp_(g)``, then the Nesterov input) on its FSDP shard of every Muon parameter;
+- the momentum step (``B.lerp_(g)``, then the Nesterov input) on its FSDP shard of every Muon parameter, all shards
+  at once as the optimizer runs them (``momentum_steps``: a fused pass per large shard, multi-tensor lerps for the rest);
 - every unit it computes (owned and local), as one tensor ``[B, m, n]`` or ``[m, n]``: bf16 for an owned unit
   (it arrives on the bf16 wire), fp32 for a local one (read from the shard), through ``MuonRule.direction``
   with the optimizer's Newton–Schulz runner (``NewtonSchulzGraphs`` on CUDA, ``newton_schulz`` elsewhere);
@@ -99,14 +100,14 @@ from torch import nn
 from torch.autograd import DeviceType
 
 from dtensor_muon import Muon
-from dtensor_muon.kernels.elementwise import decay_and_add_
+from dtensor_muon.kernels.elementwise import decay_and_add_, momentum_steps
 from dtensor_muon.layout import box_shape
 from dtensor_muon.newton_schulz import newton_schulz
 from dtensor_muon.ns_graphs import NewtonSchulzGraphs
 from dtensor_muon.placement import Local, Owned
 from dtensor_muon.plan import Plan, build_plan, matrix_shape
 from dtensor_muon.routing import uses_muon
-from dtensor_muon.rules.muon import MuonRule, advance_momentum_to_input
+from dtensor_muon.rules.muon import MuonRule
 from dtensor_muon.simulate import MODEL_FAMILIES, fsdp_layout
 
 Shapes = list[tuple[str, tuple[int, ...]]]
@@ -798,8 +799,8 @@ class ShareWork:
     def step(self) -> None:
         """Momentum on the shards, the units' directions, the apply on the shards, AdamW on the other shards."""
         momentum, nesterov = self.group["momentum"], self.group["nesterov"]
-        for _, grad, buf, _, _ in self.shards:
-            advance_momentum_to_input(grad, buf, momentum, nesterov)
+        grads, bufs = [shard[1] for shard in self.shards], [shard[2] for shard in self.shards]
+        momentum_steps(grads, bufs, momentum, nesterov, write_buffer=True, want_input=True)  # as the optimizer
         self.newton_schulz()
         decay = 1 - LR * WEIGHT_DECAY
         for param, _, _, update, lr_adjusted in self.shards:

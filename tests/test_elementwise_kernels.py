@@ -16,7 +16,13 @@ import sys
 import pytest
 import torch
 
-from dtensor_muon.kernels.elementwise import MIN_KERNEL_NUMEL, _kernel_applies, decay_and_add_, momentum_step
+from dtensor_muon.kernels.elementwise import (
+    MIN_KERNEL_NUMEL,
+    _kernel_applies,
+    decay_and_add_,
+    momentum_step,
+    momentum_steps,
+)
 
 MOMENTUM_CASES = [(0.95, True), (0.95, False), (0.3, True)]  # 0.3: the large-weight branch of the first lerp
 
@@ -117,6 +123,32 @@ def test_off_gpu_the_entry_points_are_torchs_operations() -> None:
     assert torch.equal(p, torch_apply(b, o, 0.998, -0.02))
     with pytest.raises(ValueError, match="nothing to write"):
         momentum_step(g, b, 0.9, True, write_buffer=False, want_input=False)
+
+
+def check_many_equal_torch(device: str, sizes: list[int]) -> None:
+    """momentum_steps over shards of these sizes = torch's lerps on each, bit for bit, in every mode."""
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=gen).to(device) for n in sizes]
+    bufs = [torch.randn(n, generator=gen).to(device) for n in sizes]
+    for momentum, nesterov in MOMENTUM_CASES:
+        for write_buffer in (True, False):
+            buffers = [b.clone() for b in bufs]
+            inputs = momentum_steps(grads, buffers, momentum, nesterov, write_buffer=write_buffer, want_input=True)
+            for g, b, kept, u in zip(grads, bufs, buffers, inputs):
+                ref_b, ref_u = torch_momentum(g, b, momentum, nesterov)
+                assert torch.equal(u, ref_u), (momentum, nesterov, write_buffer, g.numel())
+                assert torch.equal(kept, ref_b if write_buffer else b)
+
+
+def test_many_shards_at_once_equal_torchs_lerps_on_each() -> None:
+    check_many_equal_torch("cpu", [5000, 1, 0, 777])
+    with pytest.raises(ValueError, match="nothing to write"):
+        momentum_steps([torch.ones(2)], [torch.ones(2)], 0.9, True, write_buffer=False, want_input=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_many_shards_at_once_give_torchs_bits() -> None:
+    check_many_equal_torch("cuda", [MIN_KERNEL_NUMEL, 1 << 20, 4097, 1])  # the kernel and the multi-tensor path
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -608,10 +608,9 @@ class Engine:
     def _prepare(self, ctx: StepContext) -> None:
         """U on the shards of the parameters that are not fully local, their update buffers and apply scalars."""
         for work in self.meshes:
-            for e in work.entries:
-                if e.index not in ctx.active or e.index in work.fully_local:
-                    continue
-                ctx.inputs[e.index] = ctx.prepare(e)
+            entries = [e for e in work.entries if e.index in ctx.active and e.index not in work.fully_local]
+            for e, u in zip(entries, ctx.prepare_many(entries)):
+                ctx.inputs[e.index] = u
                 ctx.updates[e.index] = torch.empty_like(local(e.param), dtype=self.update_dtype(work, e))
                 ctx.scalars[e.index] = self.rule.scalars(e.group, e.regions)
 

@@ -136,6 +136,25 @@ class StepContext:
         self._prepared.append(e)
         return self.rule.prepare(grad, shard_state, e.group)
 
+    def prepare_many(self, entries: list[Entry]) -> list[Tensor]:
+        """:meth:`prepare` on several parameters, those of one group at once through the rule's
+        ``prepare_many`` (multi-tensor passes where the rule has them); U in ``entries``' order."""
+        by_group: dict[int, list[int]] = {}
+        for i, e in enumerate(entries):
+            by_group.setdefault(id(e.group), []).append(i)
+        out: list[Tensor | None] = [None] * len(entries)
+        for indices in by_group.values():
+            members = [entries[i] for i in indices]
+            shards = [self._shard_inputs(e) for e in members]
+            inputs = self.rule.prepare_many(
+                [g for g, _ in shards], [s for _, s in shards], members[0].group, advance=not self.transactional
+            )
+            for i, u in zip(indices, inputs):
+                out[i] = u
+        if self.transactional:
+            self._prepared.extend(entries)
+        return out  # type: ignore[return-value]
+
     def owner_state(self, spec: MatrixSpec) -> dict[str, Tensor]:
         """The owner state of one matrix ({} for rules without owner state)."""
         held = self.state[self.entries[spec.param_index].param].get(OWNER_STATE_KEY)

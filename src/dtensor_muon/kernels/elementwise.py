@@ -139,6 +139,43 @@ def momentum_step(
     return u if want_input else result
 
 
+def momentum_steps(
+    grads: list[Tensor],
+    buffers: list[Tensor],
+    momentum: float,
+    nesterov: bool,
+    *,
+    write_buffer: bool,
+    want_input: bool,
+) -> list[Tensor | None]:
+    """:func:`momentum_step` on each (grad, buffer) pair; the pairs the kernel does not take run as torch's
+    multi-tensor (``_foreach_``) lerps, a few launches for all of them instead of two each: the same lerps, so
+    the same bits (on CPU torch's own loop of ``lerp``; on the GPU ``tests/test_elementwise_kernels.py``
+    compares them)."""
+    if not (write_buffer or want_input):
+        raise ValueError("momentum_steps: nothing to write (write_buffer and want_input are both False)")
+    out: list[Tensor | None] = [None] * len(grads)
+    small = []
+    for i, (g, b) in enumerate(zip(grads, buffers)):
+        if _kernel_applies(g, b) or g.shape != b.shape or g.dtype != b.dtype or g.device != b.device:
+            out[i] = momentum_step(g, b, momentum, nesterov, write_buffer=write_buffer, want_input=want_input)
+        else:
+            small.append(i)
+    if not small:
+        return out
+    g_small, b_small = [grads[i] for i in small], [buffers[i] for i in small]
+    if write_buffer:
+        torch._foreach_lerp_(b_small, g_small, 1 - momentum)
+        advanced = b_small
+    else:
+        advanced = torch._foreach_lerp(b_small, g_small, 1 - momentum)
+    if want_input:
+        inputs = torch._foreach_lerp(g_small, advanced, momentum) if nesterov else advanced
+        for i, u in zip(small, inputs):
+            out[i] = u
+    return out
+
+
 def _launch_momentum(
     grad: Tensor, buffer: Tensor, u: Tensor, momentum: float, nesterov: bool, write_buffer: bool, write_input: bool
 ) -> None:

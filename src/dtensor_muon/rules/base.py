@@ -101,6 +101,14 @@ class MatrixRule(ABC):
         self.advance(grad, shard_state, group)
         return u
 
+    def prepare_many(
+        self, grads: list[Tensor], shard_states: list[dict[str, Tensor]], group: Group, *, advance: bool
+    ) -> list[Tensor]:
+        """:meth:`prepare` (``advance``: :meth:`prepare_and_advance`) on several shards of one group at once; a
+        rule may run them as multi-tensor operations (fewer launches), giving the same bits."""
+        step = self.prepare_and_advance if advance else self.prepare
+        return [step(g, s, group) for g, s in zip(grads, shard_states)]
+
     @abstractmethod
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner

@@ -21,7 +21,7 @@ from torch.optim.optimizer import _to_scalar
 
 from ..distributed_newton_schulz import distributed_newton_schulz
 from ..kernels import resolve_ns_algorithm
-from ..kernels.elementwise import momentum_step
+from ..kernels.elementwise import momentum_step, momentum_steps
 from ..newton_schulz import resolve_coefficients, resolve_ns_dtype
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
 
@@ -99,6 +99,14 @@ class MuonRule(MatrixRule):
 
     def prepare_and_advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
         return advance_momentum_to_input(grad, shard_state["momentum_buffer"], group["momentum"], group["nesterov"])
+
+    def prepare_many(
+        self, grads: list[Tensor], shard_states: list[dict[str, Tensor]], group: Group, *, advance: bool
+    ) -> list[Tensor]:
+        buffers = [s["momentum_buffer"] for s in shard_states]
+        return momentum_steps(  # type: ignore[return-value]  (want_input: every entry is a tensor)
+            grads, buffers, group["momentum"], group["nesterov"], write_buffer=advance, want_input=True
+        )
 
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner
