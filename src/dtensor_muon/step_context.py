@@ -223,9 +223,12 @@ class StepContext:
         the fully local updates (in the order they were computed)."""
         for spec, s in self._staged:
             self.state[self.entries[spec.param_index].param][OWNER_STATE_KEY][spec.key] = s
+        by_group: dict[int, list[Entry]] = {}
         for e in self._prepared:
-            grad, shard_state = self._shard_inputs(e)
-            self.rule.advance(grad, shard_state, e.group)
+            by_group.setdefault(id(e.group), []).append(e)
+        for members in by_group.values():
+            shards = [self._shard_inputs(e) for e in members]
+            self.rule.advance_many([g for g, _ in shards], [s for _, s in shards], members[0].group)
         for e, target, o, shape in self._local_updates:
             self.rule.apply_region(target, o.reshape(target.shape), e.group, shape)
         self.discard()

@@ -109,6 +109,11 @@ class MatrixRule(ABC):
         step = self.prepare_and_advance if advance else self.prepare
         return [step(g, s, group) for g, s in zip(grads, shard_states)]
 
+    def advance_many(self, grads: list[Tensor], shard_states: list[dict[str, Tensor]], group: Group) -> None:
+        """:meth:`advance` on several shards of one group at once (the same bits)."""
+        for g, s in zip(grads, shard_states):
+            self.advance(g, s, group)
+
     @abstractmethod
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner

@@ -108,6 +108,10 @@ class MuonRule(MatrixRule):
             grads, buffers, group["momentum"], group["nesterov"], write_buffer=advance, want_input=True
         )
 
+    def advance_many(self, grads: list[Tensor], shard_states: list[dict[str, Tensor]], group: Group) -> None:
+        buffers = [s["momentum_buffer"] for s in shard_states]
+        momentum_steps(grads, buffers, group["momentum"], False, write_buffer=True, want_input=False)
+
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner
     ) -> Tensor:
