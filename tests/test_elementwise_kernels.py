@@ -138,6 +138,12 @@ def check_many_equal_torch(device: str, sizes: list[int]) -> None:
                 ref_b, ref_u = torch_momentum(g, b, momentum, nesterov)
                 assert torch.equal(u, ref_u), (momentum, nesterov, write_buffer, g.numel())
                 assert torch.equal(kept, ref_b if write_buffer else b)
+        advanced = [b.clone() for b in bufs]  # the advance alone (a transactional step's commit)
+        assert momentum_steps(grads, advanced, momentum, False, write_buffer=True, want_input=False) == [None] * len(
+            bufs
+        )
+        for g, b, kept in zip(grads, bufs, advanced):
+            assert torch.equal(kept, torch_momentum(g, b, momentum, False)[0])
 
 
 def test_many_shards_at_once_equal_torchs_lerps_on_each() -> None:
