@@ -102,7 +102,8 @@ def _lerp_weights(weight: float) -> tuple[float, float, bool]:
 
 def _kernel_applies(*tensors: Tensor, any_layout: int = 0) -> bool:
     """Whether the kernels can take these tensors: Triton present, all on one CUDA device, of one shape, at
-    least :data:`MIN_KERNEL_NUMEL` entries, floating, and contiguous (but for the last ``any_layout`` of them, which the caller makes so)."""
+    least :data:`MIN_KERNEL_NUMEL` entries, floating, and contiguous (but for the last ``any_layout`` of them,
+    which the caller makes so)."""
     first = tensors[0]
     return (
         triton is not None
