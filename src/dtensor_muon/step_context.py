@@ -139,21 +139,16 @@ class StepContext:
     def prepare_many(self, entries: list[Entry]) -> list[Tensor]:
         """:meth:`prepare` on several parameters, those of one group at once through the rule's
         ``prepare_many`` (multi-tensor passes where the rule has them); U in ``entries``' order."""
-        by_group: dict[int, list[int]] = {}
-        for i, e in enumerate(entries):
-            by_group.setdefault(id(e.group), []).append(i)
-        out: list[Tensor | None] = [None] * len(entries)
-        for indices in by_group.values():
-            members = [entries[i] for i in indices]
+        inputs: dict[int, Tensor] = {}
+        for members in _by_group(entries):
             shards = [self._shard_inputs(e) for e in members]
-            inputs = self.rule.prepare_many(
+            prepared = self.rule.prepare_many(
                 [g for g, _ in shards], [s for _, s in shards], members[0].group, advance=not self.transactional
             )
-            for i, u in zip(indices, inputs):
-                out[i] = u
+            inputs.update((e.index, u) for e, u in zip(members, prepared))
         if self.transactional:
             self._prepared.extend(entries)
-        return out  # type: ignore[return-value]
+        return [inputs[e.index] for e in entries]
 
     def owner_state(self, spec: MatrixSpec) -> dict[str, Tensor]:
         """The owner state of one matrix ({} for rules without owner state)."""
@@ -223,10 +218,7 @@ class StepContext:
         the fully local updates (in the order they were computed)."""
         for spec, s in self._staged:
             self.state[self.entries[spec.param_index].param][OWNER_STATE_KEY][spec.key] = s
-        by_group: dict[int, list[Entry]] = {}
-        for e in self._prepared:
-            by_group.setdefault(id(e.group), []).append(e)
-        for members in by_group.values():
+        for members in _by_group(self._prepared):
             shards = [self._shard_inputs(e) for e in members]
             self.rule.advance_many([g for g, _ in shards], [s for _, s in shards], members[0].group)
         for e, target, o, shape in self._local_updates:
@@ -241,3 +233,11 @@ class StepContext:
         """Apply parameter ``index``'s complete update with the scalars captured when the step ran."""
         e = self.entries[index]
         self.rule.apply(local(e.param), self.updates[index], self.scalars[index])
+
+
+def _by_group(entries: list[Entry]) -> list[list[Entry]]:
+    """``entries`` split by param group (the same dict), each part in the given order."""
+    groups: dict[int, list[Entry]] = {}
+    for e in entries:
+        groups.setdefault(id(e.group), []).append(e)
+    return list(groups.values())
