@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
-from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
-from .muon import adjusted_lr, advance_momentum, advance_momentum_to_input, momentum_input
+from .base import Group, MatrixCost, NewtonSchulzRunner
+from .muon import MomentumRule, adjusted_lr
 
 MOP_SCALES = ("nuclear", "shape")
 
@@ -45,26 +45,16 @@ def exact_polar(u: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(bad[..., None, None], nan, o), torch.where(bad, nan, s.sum(-1))
 
 
-class MOPRule(MatrixRule):
+class MOPRule(MomentumRule):
     """MOP (see the module formula); shard state ``momentum_buffer``, no owner state."""
 
     name = "mop"
-    shard_state_keys = ("momentum_buffer",)
 
     def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
         return MatrixCost(svd_flops(shape))
 
     def input_dtype(self, group: Group) -> torch.dtype:
         return torch.float32
-
-    def prepare(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
-        return momentum_input(grad, shard_state["momentum_buffer"], group["momentum"], group["nesterov"])
-
-    def advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> None:
-        advance_momentum(grad, shard_state["momentum_buffer"], group["momentum"])
-
-    def prepare_and_advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
-        return advance_momentum_to_input(grad, shard_state["momentum_buffer"], group["momentum"], group["nesterov"])
 
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner

@@ -79,17 +79,11 @@ def newton_schulz_settings(group: Group) -> tuple:
     )
 
 
-class MuonRule(MatrixRule):
-    """Muon (see the module formula); shard state ``momentum_buffer``, no owner state."""
+class MomentumRule(MatrixRule):
+    """A rule whose shard state is Muon's momentum buffer (module formula): ``prepare`` gives U, ``advance``
+    writes B'; a group's shards at once take multi-tensor passes (:func:`momentum_steps`), the same bits."""
 
-    name = "muon"
     shard_state_keys = ("momentum_buffer",)
-
-    def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
-        return MatrixCost(int(group["ns_steps"]) * ns_iteration_flops(shape))
-
-    def input_dtype(self, group: Group) -> torch.dtype:
-        return resolve_ns_dtype(group["ns_dtype"])
 
     def prepare(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
         return momentum_input(grad, shard_state["momentum_buffer"], group["momentum"], group["nesterov"])
@@ -111,6 +105,18 @@ class MuonRule(MatrixRule):
     def advance_many(self, grads: list[Tensor], shard_states: list[dict[str, Tensor]], group: Group) -> None:
         buffers = [s["momentum_buffer"] for s in shard_states]
         momentum_steps(grads, buffers, group["momentum"], False, write_buffer=True, want_input=False)
+
+
+class MuonRule(MomentumRule):
+    """Muon (see the module formula); shard state ``momentum_buffer``, no owner state."""
+
+    name = "muon"
+
+    def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
+        return MatrixCost(int(group["ns_steps"]) * ns_iteration_flops(shape))
+
+    def input_dtype(self, group: Group) -> torch.dtype:
+        return resolve_ns_dtype(group["ns_dtype"])
 
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner
