@@ -11,7 +11,8 @@ batches.
 Each run is ``torchrun -m torchtitan_ext.train`` (GPUs when present, else CPU/gloo) with ``--debug.seed``
 setting the initialization; the data order is the same for every run, so the comparison is paired. Muon runs
 with the ``[muon]`` settings of the config (``adjust_lr_fn = "match_rms_adamw"``). SOAP and KL-SOAP
-(``--optimizer.name SOAP`` / ``KLSOAP``, optionally ``REKLS``) run with their section's defaults (QR basis
+(``--optimizer.name SOAP`` / ``KLSOAP``, optionally ``REKLS``, and ``SOAP-cholqr``: SOAP with
+``--soap.basis cholqr``, the refresh on matrix products) run with their section's defaults (QR basis
 refreshed every step, factors' β 0.95, Adam's β₁, β₂, ε from ``[optimizer]``) and ``match_update_rms`` set
 to ``--soap-update-rms`` (``--soap.match_update_rms 0.2``, ``--klsoap.…``): every matrix's update is scaled
 to that RMS, about an AdamW update's, so an AdamW learning rate and its schedule carry over; the default SOAP
@@ -48,10 +49,19 @@ MARGIN = 0.02
 
 SOAP_SECTIONS = {"SOAP": "soap", "KLSOAP": "klsoap", "REKLS": "rekls"}
 """The torchtitan section (``[soap]``, …) of each SOAP front end, where ``match_update_rms`` is set."""
-MATRIX_OPTIMIZERS = ("Muon", *SOAP_SECTIONS)
+VARIANTS = {"SOAP-cholqr": ("SOAP", ("--soap.basis", "cholqr"))}
+"""Study names that are a front end with other settings: name → (``--optimizer.name``, extra flags)."""
+MATRIX_OPTIMIZERS = ("Muon", *SOAP_SECTIONS, *VARIANTS)
 OPTIMIZERS = (*MATRIX_OPTIMIZERS, "AdamW")
 DEFAULT_OPTIMIZERS = ("Muon", "SOAP", "KLSOAP", "AdamW")
-COLORS = {"Muon": "tab:red", "SOAP": "tab:green", "KLSOAP": "tab:purple", "REKLS": "tab:orange", "AdamW": "tab:blue"}
+COLORS = {
+    "Muon": "tab:red",
+    "SOAP": "tab:green",
+    "SOAP-cholqr": "tab:olive",
+    "KLSOAP": "tab:purple",
+    "REKLS": "tab:orange",
+    "AdamW": "tab:blue",
+}
 
 
 @dataclass(frozen=True)
@@ -69,9 +79,10 @@ class Run:
 
     def flags(self) -> list[str]:
         """The torchtitan flags that select this run's optimizer and its settings."""
-        out = ["--optimizer.name", self.optimizer, "--optimizer.lr", str(self.lr)]
+        front_end, extra = VARIANTS.get(self.optimizer, (self.optimizer, ()))
+        out = ["--optimizer.name", front_end, "--optimizer.lr", str(self.lr), *extra]
         if self.update_rms is not None:
-            out += [f"--{SOAP_SECTIONS[self.optimizer]}.match_update_rms", str(self.update_rms)]
+            out += [f"--{SOAP_SECTIONS[front_end]}.match_update_rms", str(self.update_rms)]
         return out
 
 

@@ -100,7 +100,7 @@ from torch import nn
 from torch.autograd import DeviceType
 
 from dtensor_muon import Muon
-from dtensor_muon.kernels.elementwise import decay_and_add_, momentum_steps
+from dtensor_muon.kernels.elementwise import decay_and_add_many, momentum_steps
 from dtensor_muon.layout import box_shape
 from dtensor_muon.newton_schulz import newton_schulz
 from dtensor_muon.ns_graphs import NewtonSchulzGraphs
@@ -803,8 +803,12 @@ class ShareWork:
         momentum_steps(grads, bufs, momentum, nesterov, write_buffer=True, want_input=True)  # as the optimizer
         self.newton_schulz()
         decay = 1 - LR * WEIGHT_DECAY
-        for param, _, _, update, lr_adjusted in self.shards:
-            decay_and_add_(param, update, decay, -float(lr_adjusted))  # the optimizer's apply
+        decay_and_add_many(  # the optimizer's apply
+            [shard[0] for shard in self.shards],
+            [shard[3] for shard in self.shards],
+            [decay] * len(self.shards),
+            [-float(shard[4]) for shard in self.shards],
+        )
         if self.adamw is not None:
             self.adamw.step()
 

@@ -20,6 +20,7 @@ from dtensor_muon.kernels.elementwise import (
     MIN_KERNEL_NUMEL,
     _kernel_applies,
     decay_and_add_,
+    decay_and_add_many,
     momentum_step,
     momentum_steps,
 )
@@ -126,7 +127,8 @@ def test_off_gpu_the_entry_points_are_torchs_operations() -> None:
 
 
 def check_many_equal_torch(device: str, sizes: list[int]) -> None:
-    """momentum_steps over shards of these sizes = torch's lerps on each, bit for bit, in every mode."""
+    """momentum_steps over shards of these sizes = torch's lerps on each, bit for bit, in every mode; and
+    decay_and_add_many = torch's mul_ and add_ on each."""
     gen = torch.Generator().manual_seed(3)
     grads = [torch.randn(n, generator=gen).to(device) for n in sizes]
     bufs = [torch.randn(n, generator=gen).to(device) for n in sizes]
@@ -144,6 +146,13 @@ def check_many_equal_torch(device: str, sizes: list[int]) -> None:
         )
         for g, b, kept in zip(grads, bufs, advanced):
             assert torch.equal(kept, torch_momentum(g, b, momentum, False)[0])
+    # the apply of every shard at once, two (decay, alpha) pairs mixed and bf16 updates among fp32 ones
+    updates = [g.to(torch.bfloat16) if i % 2 else g for i, g in enumerate(grads)]
+    factors = [((0.998, -0.02) if i % 3 else (1.0, -3e-3)) for i in range(len(sizes))]
+    params = [b.clone() for b in bufs]
+    decay_and_add_many(params, updates, [d for d, _ in factors], [a for _, a in factors])
+    for p, b, o, (decay, alpha) in zip(params, bufs, updates, factors):
+        assert torch.equal(p, torch_apply(b, o, decay, alpha)), (p.numel(), decay)
 
 
 def test_many_shards_at_once_equal_torchs_lerps_on_each() -> None:

@@ -406,7 +406,7 @@ class Engine:
             self._adamw_step(grads, active, stats, diagnostics)
         for back in backs:
             back.start()
-        self.pending = PendingUpdates(list(ctx.updates), backs, ctx.apply)
+        self.pending = PendingUpdates(list(ctx.updates), backs, ctx.apply_many)
         if not self.overlap:
             with timer.phase("finish"):
                 self.flush()

@@ -35,9 +35,9 @@ class BackExchange:
 
 
 class PendingUpdates:
-    """The not-yet-applied updates of one step: ``apply(index)`` applies parameter ``index``'s update."""
+    """The not-yet-applied updates of one step: ``apply(indices)`` applies those parameters' updates."""
 
-    def __init__(self, indices: Iterable[int], backs: list[BackExchange], apply: Callable[[int], None]) -> None:
+    def __init__(self, indices: Iterable[int], backs: list[BackExchange], apply: Callable[[list[int]], None]) -> None:
         self.apply = apply
         self.remaining = dict.fromkeys(indices)  # ordered: entry order
         self.backs_of: dict[int, list[BackExchange]] = defaultdict(list)
@@ -47,18 +47,20 @@ class PendingUpdates:
         self.seconds = 0.0
 
     def finish(self, indices: Iterable[int]) -> None:
-        """Wait for, unpack and apply the updates of these parameters (skipping those already applied)."""
+        """Wait for and unpack the updates of these parameters (skipping those already applied), then apply
+        them at once."""
         start = time.perf_counter()
-        for index in indices:
-            if index not in self.remaining:
-                continue
+        ready = list(dict.fromkeys(i for i in indices if i in self.remaining))
+        for index in ready:
             for back in self.backs_of.get(index, []):
                 if not back.unpacked:
                     back.start()
                     assert back.exchange is not None
                     back.unpack(back.exchange.wait())
                     back.unpacked = True
-            self.apply(index)
+        if ready:
+            self.apply(ready)
+        for index in ready:
             del self.remaining[index]
         self.seconds += time.perf_counter() - start
 

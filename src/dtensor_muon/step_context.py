@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from .exchange import MeshGroup
+from .kernels.elementwise import decay_and_add_many
 from .layout import ParamLayout
 from .metrics import PhaseTimer, StepStats
 from .ns_graphs import NewtonSchulzGraphs
@@ -221,18 +222,27 @@ class StepContext:
         for members in _by_group(self._prepared):
             shards = [self._shard_inputs(e) for e in members]
             self.rule.advance_many([g for g, _ in shards], [s for _, s in shards], members[0].group)
-        for e, target, o, shape in self._local_updates:
-            self.rule.apply_region(target, o.reshape(target.shape), e.group, shape)
+        factors = [self.rule.region_factors(e.group, shape) for e, _, _, shape in self._local_updates]
+        decay_and_add_many(
+            [target for _, target, _, _ in self._local_updates],
+            [o.reshape(target.shape) for _, target, o, _ in self._local_updates],
+            [decay for decay, _ in factors],
+            [alpha for _, alpha in factors],
+        )
         self.discard()
 
     def discard(self) -> None:
         """Drop what a transactional step computed (nothing of it was kept)."""
         self._prepared, self._staged, self._local_updates = [], [], []
 
-    def apply(self, index: int) -> None:
-        """Apply parameter ``index``'s complete update with the scalars captured when the step ran."""
-        e = self.entries[index]
-        self.rule.apply(local(e.param), self.updates[index], self.scalars[index])
+    def apply_many(self, indices: list[int]) -> None:
+        """Apply these parameters' complete updates with the scalars captured when the step ran, at once
+        (:meth:`MatrixRule.apply_many`)."""
+        self.rule.apply_many(
+            [local(self.entries[i].param) for i in indices],
+            [self.updates[i] for i in indices],
+            [self.scalars[i] for i in indices],
+        )
 
 
 def _by_group(entries: list[Entry]) -> list[list[Entry]]:

@@ -225,6 +225,25 @@ def decay_and_add_(param: Tensor, update: Tensor, decay: float | Tensor, alpha: 
         _launch_decay_and_add(param, update, decay, alpha)
 
 
+def decay_and_add_many(
+    params: list[Tensor], updates: list[Tensor], decays: list[float | Tensor], alphas: list[float | Tensor]
+) -> None:
+    """:func:`decay_and_add_` on each (θ, O, decay, alpha); the pairs the kernel does not take, grouped by
+    (decay, alpha), run as torch's multi-tensor ``_foreach_mul_`` and ``_foreach_add_(alpha=)``: a few launches
+    for all of them instead of two each, the same operations, so the same bits (on CPU torch's own loop of
+    ``mul_`` and ``add_``; on the GPU ``tests/test_elementwise_kernels.py`` compares them)."""
+    small: dict[tuple[float, float, torch.device], list[int]] = {}
+    for i, (p, o, decay, alpha) in enumerate(zip(params, updates, decays, alphas)):
+        if isinstance(decay, Tensor) or isinstance(alpha, Tensor) or _kernel_applies(p, o, any_layout=1):
+            decay_and_add_(p, o, decay, alpha)
+        else:
+            small.setdefault((decay, alpha, p.device), []).append(i)
+    for (decay, alpha, _), indices in small.items():
+        targets = [params[i] for i in indices]
+        torch._foreach_mul_(targets, decay)
+        torch._foreach_add_(targets, [updates[i] for i in indices], alpha=alpha)
+
+
 def _launch_decay_and_add(param: Tensor, update: Tensor, decay: float, alpha: float) -> None:
     """The decay-and-add kernel over ``param.numel()`` entries (any device the running Triton serves)."""
     n = param.numel()

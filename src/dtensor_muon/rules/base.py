@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
-from ..kernels.elementwise import decay_and_add_
+from ..kernels.elementwise import decay_and_add_, decay_and_add_many
 
 Group = dict[str, Any]
 NewtonSchulzRunner = Callable[..., Tensor]
@@ -134,18 +134,34 @@ class MatrixRule(ABC):
 
     def apply(self, param: Tensor, update: Tensor, scalars: ApplyScalars) -> None:
         """θ ← θ·(1 − γλ) − γ'·O in place on a shard (each region with its own γ')."""
-        lr = _to_scalar(scalars.lr)
-        decay = 1 - lr * scalars.weight_decay
-        pieces = [(param, update) if sl is None else (param[sl], update[sl]) for sl, _ in scalars.regions]
-        if sum(target.numel() for target, _ in pieces) == param.numel():  # the regions tile the shard
-            for (target, source), (_, lr_adjusted) in zip(pieces, scalars.regions):
-                decay_and_add_(target, source, decay, -_to_scalar(lr_adjusted))
-            return
-        param.mul_(decay)
-        for (target, source), (_, lr_adjusted) in zip(pieces, scalars.regions):
-            target.add_(source, alpha=-_to_scalar(lr_adjusted))
+        self.apply_many([param], [update], [scalars])
+
+    def apply_many(self, params: list[Tensor], updates: list[Tensor], scalars: list[ApplyScalars]) -> None:
+        """:meth:`apply` on several shards: the regions of every shard whose regions tile it as one
+        :func:`decay_and_add_many` (multi-tensor passes over the small ones), the others region by region."""
+        targets: list[Tensor] = []
+        sources: list[Tensor] = []
+        decays: list[float | Tensor] = []
+        alphas: list[float | Tensor] = []
+        for param, update, s in zip(params, updates, scalars):
+            decay = 1 - _to_scalar(s.lr) * s.weight_decay
+            pieces = [(param, update) if sl is None else (param[sl], update[sl]) for sl, _ in s.regions]
+            if sum(target.numel() for target, _ in pieces) == param.numel():  # the regions tile the shard
+                for (target, source), (_, lr_adjusted) in zip(pieces, s.regions):
+                    targets.append(target)
+                    sources.append(source)
+                    decays.append(decay)
+                    alphas.append(-_to_scalar(lr_adjusted))
+                continue
+            param.mul_(decay)
+            for (target, source), (_, lr_adjusted) in zip(pieces, s.regions):
+                target.add_(source, alpha=-_to_scalar(lr_adjusted))
+        decay_and_add_many(targets, sources, decays, alphas)
 
     def apply_region(self, target: Tensor, update: Tensor, group: Group, shape: tuple[int, int]) -> None:
         """:meth:`apply` on one matrix's region alone (the same element-wise operations, so the same bits)."""
-        lr = _to_scalar(group["lr"])
-        decay_and_add_(target, update, 1 - lr * group["weight_decay"], -_to_scalar(self.adjusted_lr(group, shape)))
+        decay_and_add_(target, update, *self.region_factors(group, shape))
+
+    def region_factors(self, group: Group, shape: tuple[int, int]) -> tuple[float | Tensor, float | Tensor]:
+        """(1 − γλ, −γ') of a ``shape`` matrix's apply under this group's settings now."""
+        return 1 - _to_scalar(group["lr"]) * group["weight_decay"], -_to_scalar(self.adjusted_lr(group, shape))
