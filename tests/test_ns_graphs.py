@@ -38,14 +38,27 @@ def test_bad_inputs_raise_as_newton_schulz_does():
 @pytest.mark.parametrize("shape", [(1536, 2560), (2560, 1536), (2, 1536, 2048)])
 def test_replays_equal_eager_calls_bitwise(shape):
     """SYRK kernels at every size (the "syrk" backend), standard and Gram form, wide, tall and batched:
-    each replay on a fresh input equals the eager call on it."""
+    each replay on a fresh input equals the eager call on it, and comes back contiguous in g's orientation."""
     runner = NewtonSchulzGraphs()
     with use_backend("syrk"):
         for algorithm in ("standard", "gram"):
             for seed in range(3):
                 g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
-                assert torch.equal(runner(g, algorithm=algorithm), newton_schulz(g, algorithm=algorithm))
+                out = runner(g, algorithm=algorithm)
+                assert torch.equal(out, newton_schulz(g, algorithm=algorithm))
+                assert seed == 0 or out.is_contiguous()  # replays; the first call runs eagerly
     assert len(runner) == 2
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(512, 2048), (2048, 512), (128, 2048), (4, 256, 512)])
+def test_small_inputs_replay_the_torch_backends_products_bitwise(shape):
+    """Below the GPU backend's bound the torch backend's products are captured too: replays equal eager calls."""
+    runner = NewtonSchulzGraphs()
+    for seed in range(3):
+        g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        assert torch.equal(runner(g), newton_schulz(g))
+    assert len(runner) == 1
 
 
 @cuda

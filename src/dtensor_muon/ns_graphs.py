@@ -9,13 +9,18 @@ Per call, with the graph of that signature captured:
 
     start from G                  written eagerly into the graph's start buffers (X₀, or round(G) and the
                                   per-matrix scale the first products fold in: ``Backend.start_into``)
-    replay                        the iterations, exactly the kernels and configs of the eager call
+    replay                        the iterations, exactly the kernels and configs of the eager call, and for
+                                  a tall G the copy of X back into G's orientation (contiguous, as a tall
+                                  parameter's shard and update buffer are laid out: the apply or the unpack
+                                  would otherwise copy the transposed view, one launch more per call)
     O = copy of the graph's output (the next replay overwrites it), or the output itself for a caller that
         uses it at once (``borrow=True``)
 
 so the result equals :func:`.newton_schulz.newton_schulz`'s bit for bit. The first call of a signature runs
-eagerly (it tunes and compiles every kernel the graph will hold) and then captures. Graphs are used only on
-the GPU backend and for at most MAX_GRAPH_WORK multiply-adds per Gram matrix: above it the GPU work outlasts
+eagerly (it tunes and compiles every kernel the graph will hold) and then captures. Graphs are used on CUDA
+inputs of either backend (the torch backend takes the small matrices, below ``MIN_GPU_BACKEND_WORK``, whose
+15 products per call are the most launch-bound of all: Qwen3-30B-A3B's 512×2048 keys and values and its
+128×2048 router) and for at most MAX_GRAPH_WORK multiply-adds per Gram matrix: above it the GPU work outlasts
 the host's launches by far, and the graph would only add the output copy and hold its buffers.
 """
 
@@ -48,7 +53,7 @@ class _Captured:
     start: Tensor  # the start's buffer, in g's layout: the graph reads it
     x: Tensor  # its wide working view
     scale: Tensor | None  # the per-matrix scale folded into the first products, if any: the graph reads it
-    out: Tensor  # the graph's result, in the working (wide) layout: the graph writes it
+    out: Tensor  # the graph's result in g's orientation (contiguous): the graph writes it
     backend: Backend
 
 
@@ -57,8 +62,8 @@ class NewtonSchulzGraphs:
     strides, dtype, device, schedule, working dtype, algorithm, forced backend) where one pays.
 
     Each captured graph holds its intermediates (a few matrices of the input's size) for the life of this
-    object. Inputs off CUDA, on the torch backend, above MAX_GRAPH_WORK, or arriving while the current
-    stream is itself being captured run eagerly.
+    object. Inputs off CUDA, above MAX_GRAPH_WORK, or arriving while the current stream is itself being
+    captured run eagerly.
     """
 
     def __init__(self) -> None:
@@ -93,7 +98,7 @@ class NewtonSchulzGraphs:
             return newton_schulz(g, coefficients, steps, eps, dtype, algorithm)
         captured.backend.start_into(g, captured.start, captured.x, eps, captured.scale)
         captured.graph.replay()
-        return in_layout_of(captured.out if borrow else captured.out.clone(), captured.start)
+        return captured.out if borrow else captured.out.clone()
 
     def _first_call(
         self, key: tuple, g: Tensor, schedule: tuple, eps: float, dtype: torch.dtype, algorithm: str
@@ -101,11 +106,11 @@ class NewtonSchulzGraphs:
         """Runs eagerly (tuning and compiling every kernel), then captures the iterations where a graph pays."""
         start, x, backend, scale = normalized_start(g, dtype, eps)
         result = in_layout_of(iterate(x, schedule, backend, algorithm, scale), g)
-        if backend.name == "torch" or gram_work(x) > MAX_GRAPH_WORK:
+        if gram_work(x) > MAX_GRAPH_WORK:
             self._captured[key] = None
         else:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.device(g.device), torch.cuda.graph(graph):
-                out = iterate(x, schedule, backend, algorithm, scale)
+                out = in_layout_of(iterate(x, schedule, backend, algorithm, scale), g).contiguous()
             self._captured[key] = _Captured(graph, start, x, scale, out, backend)
         return result
