@@ -41,16 +41,6 @@ Cholesky QR passes, each Q ← Q·R⁻¹ with RᵀR = Cholesky(G), G = QᵀQ:
   a rank-deficient factor; on an H200 a warm k = 4096 factor gave η = 4e-5 at pass 2, so two passes). A pass
   whose input had η ≤ ACCEPT_DEFECT leaves Q orthogonal to O(η²) plus float32 rounding
   (tests/test_soap_refresh.py measures the result's max|QᵀQ − I| in float64).
-- the last pass as products (:func:`triangular_correction`), where every member's F = G − I has
-  ‖F‖_F ≤ SERIES_DEFECT: the same Cholesky factor R = I + U and Q·R⁻¹, from series instead of cuSOLVER's
-  Cholesky and cuBLAS's triangular solve (float32 paths, not tensor cores: at k = 4096 on an H200 they took
-  1.8 and 2.9 ms of a 4.6 ms pass; the series pass 3.5 ms, and batched over 8 factors of k = 1024 1.0 ms
-  against 4.6). Uᵀ + U + UᵀU = F with U upper triangular, so U = Φ(F − UᵀU) with Φ(A) A's strict upper
-  triangle plus half its diagonal: U₀ = Φ(F), U₁ = Φ(F − U₀ᵀU₀), U₂ = Φ(F − U₁ᵀU₁) (error O(‖F‖⁴)); then
-  R⁻¹ = I − U + U² − U³ + … and Q ← Q + Q·(−U + U² − U³) (error O(‖F‖⁴) ≤ 2⁻³² relative). The products
-  of U run in TF32 (their values are O(‖F‖²) corrections: TF32's relative 2⁻¹¹ of them is below float32's
-  rounding of Q), the last one float32-accurate (:func:`accurate_matmul`). R is upper triangular with a
-  positive diagonal as Cholesky's, so Q keeps the power iteration's nested column spans.
 
 The second-order polar correction Q·(I − F/2 + 3F²/8), F = G − I, would be a cheaper last pass (two products,
 orthogonal to O(‖F‖³)) and is not used: it rotates column pairs by F_ij/2 where Cholesky QR removes the whole
@@ -93,10 +83,6 @@ BATCH_MAX_SIDE = 512
 """Largest factor side refreshed as one batch with other factors of its size; larger ones one at a time. On an
 H200 (torch 2.11, float32) a batch of two took 5.2 ms against 2.5 ms for one at k = 1024, and 49 ms against
 13.5 ms at k = 4096: batched Cholesky and triangular solves of large matrices are slower than a loop."""
-
-SERIES_DEFECT = 2.0**-8
-"""Largest ‖QᵀQ − I‖_F (float32-accurate Gram) for which the last pass runs as :func:`triangular_correction`:
-its dropped terms are O(‖F‖⁴) ≤ 2⁻³², below float32's rounding."""
 
 MAX_PASSES = 4
 """Cholesky QR passes at most: the TF32 one and up to three float32-accurate ones (one where its input already
@@ -176,31 +162,6 @@ def cholesky_qr_pass(q: Tensor, gram: Tensor, shift: float = 0.0) -> tuple[Tenso
     return q_new, info == 0
 
 
-def upper_half(a: Tensor) -> Tensor:
-    """Φ(A): A's strict upper triangle plus half its diagonal (per batch member)."""
-    return torch.triu(a, 1) + torch.diag_embed(a.diagonal(dim1=-2, dim2=-1) * 0.5)
-
-
-def triangular_correction(q: Tensor, gram: Tensor) -> Tensor:
-    """Q·R⁻¹ with RᵀR = G = QᵀQ = I + F, R = I + U upper triangular, for small ‖F‖ (``SERIES_DEFECT``), from
-    products alone (module docstring): U by three fixed-point steps U = Φ(F − UᵀU), then Q + Q·(−U + U² − U³)."""
-    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
-    f = gram - eye
-    u = upper_half(f)
-    with float32_matmul_precision("high" if q.is_cuda else "highest"):
-        for _ in range(2):
-            u = upper_half(f - u.mT @ u)
-        u2 = u @ u
-        correction = u2 - u - u2 @ u
-    return q + accurate_matmul(q, correction)
-
-
-def frobenius_defect(gram: Tensor) -> Tensor:
-    """‖G − I‖_F per batch member (inf where G is not finite)."""
-    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
-    return torch.linalg.matrix_norm(gram - eye).nan_to_num(float("inf"))
-
-
 def gram_defect(gram: Tensor) -> Tensor:
     """max|G − I| per batch member (inf where G is not finite)."""
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
@@ -245,10 +206,6 @@ def power_cholqr(
     for _ in range(MAX_PASSES - 1):
         gram = accurate_gram(q)
         within = gram_defect(gram) <= ACCEPT_DEFECT
-        if bool((frobenius_defect(gram) <= SERIES_DEFECT).all()):
-            q = triangular_correction(q, gram)
-            within = torch.ones_like(ok)  # orthogonal to O(‖F‖⁴) + float32 rounding (module docstring)
-            break
         q, chol_ok = cholesky_qr_pass(q, gram, q.shape[-1] * FLOAT32_UNIT)
         ok = ok & chol_ok
         if bool(within.all()):

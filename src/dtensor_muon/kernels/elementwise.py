@@ -130,8 +130,8 @@ def momentum_step(
     if not _kernel_applies(grad, buffer):
         return _momentum_step_torch(grad, buffer, momentum, nesterov, write_buffer, want_input)
     if write_buffer and not nesterov:  # U is B' itself
+        result = buffer if want_input else None
         want_input = False
-        result = buffer
     else:
         result = None
     u = torch.empty_like(buffer) if want_input else buffer
