@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from importlib.metadata import version
 
 import pytest
 import torch
@@ -281,8 +282,21 @@ def interp() -> Numbers:
         timeout=600,
         check=False,
     )
+    if proc.returncode != 0 and OLD_INTERPRETER_ERROR in proc.stderr and _triton_version() < (3, 7):
+        pytest.skip(
+            f"Triton {version('triton')}'s interpreter takes int() of 1-element arrays for scalar arguments, which "
+            "NumPy >= 2.4 refuses; Triton 3.9 (the CI's) runs these checks"
+        )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+OLD_INTERPRETER_ERROR = "only 0-dimensional arrays can be converted to Python scalars"
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = version("triton").split(".")[:2]
+    return int(major), int(minor)
 
 
 PATHS = ("off", "device", "host", "host_ratio2")
