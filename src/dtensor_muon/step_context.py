@@ -128,6 +128,18 @@ class StepContext:
         grad = local(g) if g is not None else torch.zeros_like(local(e.param))
         return grad, {key: local(self.state[e.param][key]) for key in self.rule.shard_state_keys}
 
+    def _shards_by_group(self, entries: list[Entry]) -> list[tuple[list[Entry], list[Tensor], list[dict[str, Tensor]]]]:
+        """``entries`` split by param group (the same dict), each part in the given order, with its shards'
+        gradients and shard states."""
+        groups: dict[int, list[Entry]] = {}
+        for e in entries:
+            groups.setdefault(id(e.group), []).append(e)
+        out = []
+        for members in groups.values():
+            shards = [self._shard_inputs(e) for e in members]
+            out.append((members, [g for g, _ in shards], [s for _, s in shards]))
+        return out
+
     def prepare(self, e: Entry) -> Tensor:
         """U on this rank's shard of parameter ``e``; its shard state advances now, or at :meth:`commit` in a
         transactional step."""
@@ -141,11 +153,8 @@ class StepContext:
         """:meth:`prepare` on several parameters, those of one group at once through the rule's
         ``prepare_many`` (multi-tensor passes where the rule has them); U in ``entries``' order."""
         inputs: dict[int, Tensor] = {}
-        for members in _by_group(entries):
-            shards = [self._shard_inputs(e) for e in members]
-            prepared = self.rule.prepare_many(
-                [g for g, _ in shards], [s for _, s in shards], members[0].group, advance=not self.transactional
-            )
+        for members, grads, shard_states in self._shards_by_group(entries):
+            prepared = self.rule.prepare_many(grads, shard_states, members[0].group, advance=not self.transactional)
             inputs.update((e.index, u) for e, u in zip(members, prepared))
         if self.transactional:
             self._prepared.extend(entries)
@@ -219,9 +228,8 @@ class StepContext:
         the fully local updates (in the order they were computed)."""
         for spec, s in self._staged:
             self.state[self.entries[spec.param_index].param][OWNER_STATE_KEY][spec.key] = s
-        for members in _by_group(self._prepared):
-            shards = [self._shard_inputs(e) for e in members]
-            self.rule.advance_many([g for g, _ in shards], [s for _, s in shards], members[0].group)
+        for members, grads, shard_states in self._shards_by_group(self._prepared):
+            self.rule.advance_many(grads, shard_states, members[0].group)
         factors = [self.rule.region_factors(e.group, shape) for e, _, _, shape in self._local_updates]
         decay_and_add_many(
             [target for _, target, _, _ in self._local_updates],
@@ -243,11 +251,3 @@ class StepContext:
             [self.updates[i] for i in indices],
             [self.scalars[i] for i in indices],
         )
-
-
-def _by_group(entries: list[Entry]) -> list[list[Entry]]:
-    """``entries`` split by param group (the same dict), each part in the given order."""
-    groups: dict[int, list[Entry]] = {}
-    for e in entries:
-        groups.setdefault(id(e.group), []).append(e)
-    return list(groups.values())

@@ -9,8 +9,8 @@ A step of a matrix rule on one matrix W (a 2-D parameter, one expert, or one vie
    ``[m, n]``): returns the direction O and may read and write the **owner state** of each matrix (state
    that only makes sense whole, kept on the owner and saved under the matrix's name; the engine hands it
    a copy when other ranks could still fail, and keeps the copy only if every rank succeeds);
-3. ``apply`` on each rank's shard, element-wise: θ ← θ·(1 − γλ) − γ'·O with the scalars captured at step
-   time by ``scalars`` (γ' per matrix: a fused parameter's views may have different shapes).
+3. ``apply_many`` on each rank's shards, element-wise: θ ← θ·(1 − γλ) − γ'·O with the scalars captured at
+   step time by ``scalars`` (γ' per matrix: a fused parameter's views may have different shapes).
 
 A rule also declares: whether its ``direction`` may run on a batch (``can_batch``: same-shape matrices of
 one parameter, which share its group's settings, are then stacked where that pays), its ``cost`` (FLOPs of ``direction`` and owner-state bytes, which the plan balances), and ``input_dtype``
@@ -132,13 +132,10 @@ class MatrixRule(ABC):
             group["lr"], group["weight_decay"], tuple((sl, self.adjusted_lr(group, shape)) for sl, shape in regions)
         )
 
-    def apply(self, param: Tensor, update: Tensor, scalars: ApplyScalars) -> None:
-        """θ ← θ·(1 − γλ) − γ'·O in place on a shard (each region with its own γ')."""
-        self.apply_many([param], [update], [scalars])
-
     def apply_many(self, params: list[Tensor], updates: list[Tensor], scalars: list[ApplyScalars]) -> None:
-        """:meth:`apply` on several shards: the regions of every shard whose regions tile it as one
-        :func:`decay_and_add_many` (multi-tensor passes over the small ones), the others region by region."""
+        """θ ← θ·(1 − γλ) − γ'·O in place on several shards (each region with its own γ'): the regions of every
+        shard whose regions tile it as one :func:`decay_and_add_many` (multi-tensor passes over the small ones),
+        the others region by region."""
         targets: list[Tensor] = []
         sources: list[Tensor] = []
         decays: list[float | Tensor] = []
@@ -159,7 +156,7 @@ class MatrixRule(ABC):
         decay_and_add_many(targets, sources, decays, alphas)
 
     def apply_region(self, target: Tensor, update: Tensor, group: Group, shape: tuple[int, int]) -> None:
-        """:meth:`apply` on one matrix's region alone (the same element-wise operations, so the same bits)."""
+        """:meth:`apply_many` on one matrix's region alone (the same element-wise operations, so the same bits)."""
         decay_and_add_(target, update, *self.region_factors(group, shape))
 
     def region_factors(self, group: Group, shape: tuple[int, int]) -> tuple[float | Tensor, float | Tensor]:
