@@ -28,19 +28,30 @@ basis="qr" too. The shift keeps them on their old columns (a zero or rank-defici
 for its null space instead of noise), and bounds cond(Ŷ) by about (1 + ρ)/ρ = 1e5, inside Cholesky QR's
 reach in float32 with a shifted first pass.
 
-Cholesky QR passes, each Q ← Q·R⁻¹ with RᵀR = Cholesky(G), G = QᵀQ:
+Orthogonalization, in passes on Q (first Q = Ŷ); each needs G = QᵀQ = I + F in float32-accurate arithmetic
+(:func:`accurate_gram`: on CUDA two TF32 products of a high/low split, relative error ~2⁻²¹; float32 on CPU):
 
-- pass 1, on Ŷ: G in TF32 on CUDA (one product on tensor cores; float32 on CPU), Cholesky in float32 on G,
-  where it fails on G + s·I, s = FIRST_PASS_SHIFT (G has a unit diagonal); triangular solve in float32. Its
-  only job is a well-conditioned Q (cond ≤ √(1 + s/σ_min(Ŷ)²)); R is triangular, so Q keeps Ŷ's nested
-  column spans (the power iteration's order) whatever its rounding.
-- passes 2 to 4: G in float32-accurate arithmetic (:func:`accurate_gram`: on CUDA two TF32 products of a
-  high/low split, relative error ~2⁻²¹; float32 on CPU), η = max|G − I|, Cholesky (on G + k·2⁻²⁴·I where G
-  is not numerically positive definite) and triangular solve in float32. Passes 3 and 4 run only where η of
-  the pass before exceeded ACCEPT_DEFECT (a basis far from K's eigenvectors, e.g. a new gradient direction in
-  a rank-deficient factor; on an H200 a warm k = 4096 factor gave η = 4e-5 at pass 2, so two passes). A pass
-  whose input had η ≤ ACCEPT_DEFECT leaves Q orthogonal to O(η²) plus float32 rounding
-  (tests/test_soap_refresh.py measures the result's max|QᵀQ − I| in float64).
+- Cholesky pass: Q ← Q·R⁻¹ with RᵀR = Cholesky(G) (float32; on G + s·I where G is not numerically positive
+  definite: s = FIRST_PASS_SHIFT on the first pass, whose input Ŷ may have cond up to ~1e5, k·2⁻²⁴ later),
+  triangular solve in float32. R is triangular, so Q keeps Ŷ's nested column spans (the power iteration's
+  order) whatever its rounding. Cholesky QR leaves max|QᵀQ − I| ≈ 2⁻²⁴·cond(Q)², so the first pass's only
+  job is a well-conditioned Q and the second makes it orthogonal.
+- series pass, where every member of the batch has ‖F‖_F ≤ SERIES_DEFECT: the same Q·R⁻¹ with the upper
+  triangular R = I + U from products instead of cuSOLVER and cuBLAS, U₀ = Φ(F), U = Φ(F − U₀ᵀ·U₀)
+  (Φ: strict upper triangle plus half the diagonal, so that U + Uᵀ + UᵀU = F to O(‖F‖³)) and
+  R⁻¹ = I − U + U² to O(‖F‖³): Q ← Q + Q·(U² − U), three TF32 products on CUDA (their rounding, 2⁻¹¹ of
+  terms of size ‖F‖, stays below 2⁻²³). On an H200 a warm k = 4096 factor's first pass left ‖F‖_F of
+  about 1e-5 (BENCHMARKS.md), where the Cholesky pass took 4.7 ms.
+
+Passes run until the input of a Cholesky pass had max|F| ≤ ACCEPT_DEFECT, or a series pass ran, at most
+MAX_PASSES (a basis far from K's eigenvectors, e.g. a new gradient direction in a rank-deficient factor,
+takes three or four; a warm one two). A pass whose input had max|F| ≤ ACCEPT_DEFECT leaves Q orthogonal to
+O(max|F|²) plus float32 rounding (tests/test_soap_refresh.py measures the result's max|QᵀQ − I| in float64).
+
+Factors of a side above BATCH_MAX_SIDE are refreshed in batches of at most LARGE_BATCH_ENTRIES entries per
+tensor, with their products batched and their Cholesky factorizations and triangular solves one per factor
+on SIDE_STREAMS CUDA streams (batched cuSOLVER is slower than a loop at these sizes, and one factorization
+leaves the GPU idle in its panel steps).
 
 The second-order polar correction Q·(I − F/2 + 3F²/8), F = G − I, would be a cheaper last pass (two products,
 orthogonal to O(‖F‖³)) and is not used: it rotates column pairs by F_ij/2 where Cholesky QR removes the whole
@@ -68,8 +79,13 @@ SHIFT = 1e-5
 """ρ: the power step runs on K + ρ·2ᵉ·I (2ᵉ⁻¹ ≤ the largest Rayleigh quotient < 2ᵉ); see the module docstring."""
 
 FIRST_PASS_SHIFT = 1e-3
-"""s of the first Cholesky QR pass where its TF32 Gram matrix (unit diagonal) is not positive definite: above
-TF32's rounding of a Gram entry (≤ 2·2⁻¹¹ for unit columns)."""
+"""s of the first Cholesky QR pass where Ŷ's Gram matrix (unit diagonal) is not numerically positive definite
+(cond(Ŷ) up to ~1e5, so cond(G) up to ~1e10): the shifted pass still gives a Q of cond ≤ √(1 + s/σ_min(Ŷ)²),
+which the later passes make orthogonal."""
+
+SERIES_DEFECT = 2.0**-12
+"""Largest ‖QᵀQ − I‖_F for which a pass runs as the series (module docstring): its truncation, ‖F‖³ ≤ 2⁻³⁶,
+and its TF32 rounding, 2⁻¹¹·‖F‖ ≤ 2⁻²³, stay at float32's rounding of the Cholesky pass it replaces."""
 
 ACCEPT_DEFECT = 1e-3
 """Largest max|QᵀQ − I| (float32-accurate) the input of the last Cholesky QR pass may have; beyond it after
@@ -80,13 +96,21 @@ FLOAT32_UNIT = 2.0**-24
 G + k·2⁻²⁴·I (k·u bounds the float32-accurate Gram's rounding for unit columns)."""
 
 BATCH_MAX_SIDE = 512
-"""Largest factor side refreshed as one batch with other factors of its size; larger ones one at a time. On an
-H200 (torch 2.11, float32) a batch of two took 5.2 ms against 2.5 ms for one at k = 1024, and 49 ms against
-13.5 ms at k = 4096: batched Cholesky and triangular solves of large matrices are slower than a loop."""
+"""Largest factor side whose Cholesky factorizations and triangular solves run as one batched call; larger
+factors take one call each, on SIDE_STREAMS streams. On an H200 (torch 2.11, float32) batched cuSOLVER took
+5.2 ms for two factors against 2.5 ms for one at k = 1024, and 49 ms against 13.5 ms at k = 4096."""
+
+LARGE_BATCH_ENTRIES = 2**26
+"""Most entries per tensor of a batch of factors above BATCH_MAX_SIDE (4 factors of k = 4096, 64 of 1024): a
+refresh holds about ten such tensors at once."""
+
+SIDE_STREAMS = 4
+"""CUDA streams the per-factor Cholesky factorizations and solves are spread over. On an H200 one pass on 8
+factors took 37.4 / 34.0 / 32.2 / 32.1 ms on 1 / 2 / 4 / 8 streams at k = 4096, 5.4 / 3.0 / 2.3 / 2.2 ms at
+k = 1024, and a whole refresh of 8 factors of k = 1024 7.2 ms on 4 streams against 27.3 one at a time."""
 
 MAX_PASSES = 4
-"""Cholesky QR passes at most: the TF32 one and up to three float32-accurate ones (one where its input already
-met ``ACCEPT_DEFECT``: two passes in all)."""
+"""Orthogonalization passes at most (module docstring): two for a warm basis."""
 
 TF32_MASK = -8192
 """Clears the 13 low mantissa bits of a float32 (0xFFFFE000): TF32's 10-bit mantissa."""
@@ -142,30 +166,65 @@ def accurate_gram(q: Tensor) -> Tensor:
         return hi.mT @ hi + (cross + cross.mT)
 
 
-def tf32_gram(q: Tensor) -> Tensor:
-    """QᵀQ in TF32 on CUDA (float32 elsewhere): the first pass's Gram matrix."""
-    with float32_matmul_precision("high" if q.is_cuda else "highest"):
-        return q.mT @ q
-
-
 def cholesky_qr_pass(q: Tensor, gram: Tensor, shift: float = 0.0) -> tuple[Tensor, Tensor]:
     """One Cholesky QR step Q·R⁻¹ with RᵀR = Cholesky(G) (float32; where a batch member's Cholesky fails, of
-    G + shift·I when shift > 0), and per batch member whether its Cholesky succeeded."""
-    chol, info = torch.linalg.cholesky_ex(gram)
+    G + shift·I when shift > 0), and per batch member whether its Cholesky succeeded. A ``[B, k, k]`` batch with
+    k above BATCH_MAX_SIDE on CUDA: one factorization and one solve per member, on SIDE_STREAMS streams."""
+    one_per_member = q.is_cuda and q.ndim == 3 and q.shape[-1] > BATCH_MAX_SIDE
+    if one_per_member:
+        chol, info = torch.empty_like(gram), torch.empty(gram.shape[:-2], dtype=torch.int32, device=gram.device)
+        for i, on_stream in _spread_over_side_streams(gram.shape[0], q.device):
+            with on_stream:
+                torch.linalg.cholesky_ex(gram[i], out=(chol[i], info[i]))
+    else:
+        chol, info = torch.linalg.cholesky_ex(gram)
     failed = info != 0
     if shift > 0 and bool(failed.any()):
         eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
         shifted, info_shifted = torch.linalg.cholesky_ex(gram[failed] + shift * eye)
         chol[failed] = shifted
         info[failed] = info_shifted
-    q_new = torch.linalg.solve_triangular(chol.mT, q, upper=True, left=False)
+    if one_per_member:
+        q_new = torch.empty_like(q)
+        for i, on_stream in _spread_over_side_streams(q.shape[0], q.device):
+            with on_stream:
+                torch.linalg.solve_triangular(chol[i].mT, q[i], upper=True, left=False, out=q_new[i])
+    else:
+        q_new = torch.linalg.solve_triangular(chol.mT, q, upper=True, left=False)
     return q_new, info == 0
 
 
-def gram_defect(gram: Tensor) -> Tensor:
-    """max|G − I| per batch member (inf where G is not finite)."""
-    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
-    return (gram - eye).abs().amax(dim=(-2, -1)).nan_to_num(float("inf"))
+_SIDE_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
+
+
+def _spread_over_side_streams(count: int, device: torch.device) -> Iterator[tuple[int, torch.cuda.StreamContext]]:
+    """(i, a context running on side stream i mod SIDE_STREAMS) for i < count. The side streams first wait for
+    the current stream's work, and the current stream waits for theirs once the loop ends, so results written
+    there into tensors allocated beforehand (on the current stream) are safe to use and free as usual."""
+    streams = _SIDE_STREAMS.setdefault(device, [torch.cuda.Stream(device) for _ in range(SIDE_STREAMS)])
+    current = torch.cuda.current_stream(device)
+    used = streams[: min(count, SIDE_STREAMS)]
+    for stream in used:
+        stream.wait_stream(current)
+    for i in range(count):
+        yield i, torch.cuda.stream(used[i % len(used)])
+    for stream in used:
+        current.wait_stream(stream)
+
+
+def upper_half(a: Tensor) -> Tensor:
+    """Φ(A): A's strict upper triangle plus half its diagonal (per batch member)."""
+    return torch.triu(a, 1) + torch.diag_embed(a.diagonal(dim1=-2, dim2=-1) * 0.5)
+
+
+def series_pass(q: Tensor, gram: Tensor) -> Tensor:
+    """Q·R⁻¹ with RᵀR = G = QᵀQ = I + F and R = I + U upper triangular, from products (module docstring):
+    U₀ = Φ(F), U = Φ(F − U₀ᵀ·U₀), Q + Q·(U² − U); TF32 products on CUDA, float32 elsewhere."""
+    f = gram - torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    u = upper_half(f)
+    with float32_matmul_precision("high" if q.is_cuda else "highest"):
+        u = upper_half(f - u.mT @ u)
+        return q + q @ (u @ u - u)
 
 
 def power_of_two_above(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -200,15 +259,23 @@ def power_cholqr(
     y_hat = y_hat / torch.linalg.vector_norm(y_hat, dim=-2, keepdim=True)
 
     ok = torch.isfinite(y_hat).flatten(1).all(dim=1)
-    q, chol_ok = cholesky_qr_pass(y_hat, tf32_gram(y_hat), FIRST_PASS_SHIFT)
+    q, chol_ok = cholesky_qr_pass(y_hat, accurate_gram(y_hat), FIRST_PASS_SHIFT)
     ok = ok & chol_ok
     within = torch.zeros_like(ok)
+    eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
     for _ in range(MAX_PASSES - 1):
         gram = accurate_gram(q)
-        within = gram_defect(gram) <= ACCEPT_DEFECT
+        off = (gram - eye).nan_to_num(float("inf"))
+        within = off.abs().amax(dim=(-2, -1)) <= ACCEPT_DEFECT
+        series, all_within = torch.stack(
+            [(torch.linalg.matrix_norm(off) <= SERIES_DEFECT).all(), within.all()]
+        ).tolist()
+        if series:
+            q = series_pass(q, gram)
+            break
         q, chol_ok = cholesky_qr_pass(q, gram, q.shape[-1] * FLOAT32_UNIT)
         ok = ok & chol_ok
-        if bool(within.all()):
+        if all_within:
             break
     ok = ok & within & torch.isfinite(q).flatten(1).all(dim=1)
     fallen_back = ~ok

@@ -18,9 +18,9 @@ Replacements, on the two passes' real inputs (the shifted power-iteration produc
 and the first pass's output with its float32-accurate one): Q·R⁻¹ by column blocks whose updates are products
 (TF32, or split TF32 with ``accurate``), by an explicit blocked inverse of R, and a right-looking blocked
 Cholesky with product updates; each with its largest entry error against float64 (relative to the largest
-entry) and the result's max|QᵀQ − I|. Then the series form of the second pass (R = I + U, U = Φ(F − UᵀU),
-R⁻¹ = I − U + U² − U³ from products), batched, against the Cholesky pass, with ‖QᵀQ − I‖_F of its input: the
-series is only accurate where that is small (about 2⁻⁸).
+entry) and the result's max|QᵀQ − I|. Then, on a batch of warm factors, ‖QᵀQ − I‖_F after the first pass with
+a TF32 and with a split-TF32 Gram matrix, and the series second pass (:func:`eb.series_pass`, products only)
+against the Cholesky pass on the latter's output.
 """
 
 from __future__ import annotations
@@ -107,21 +107,20 @@ def blocked_cholesky(g: Tensor, block: int, accurate: bool) -> Tensor:
     return lower
 
 
-def upper_half(a: Tensor) -> Tensor:
-    """Φ(A): A's strict upper triangle plus half its diagonal."""
-    return torch.triu(a, 1) + torch.diag_embed(a.diagonal(dim1=-2, dim2=-1) * 0.5)
-
-
-def series_pass(q: Tensor, gram: Tensor) -> Tensor:
-    """Q·R⁻¹ with RᵀR = QᵀQ = I + F from products: U = Φ(F − UᵀU) (three steps), R⁻¹ = I − U + U² − U³."""
-    f = gram - torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
-    u = upper_half(f)
+def tf32_gram(q: Tensor) -> Tensor:
+    """QᵀQ in TF32 (float32 on CPU)."""
     with eb.float32_matmul_precision("high" if q.is_cuda else "highest"):
-        for _ in range(2):
-            u = upper_half(f - u.mT @ u)
-        u2 = u @ u
-        correction = u2 - u - u2 @ u
-    return q + eb.accurate_matmul(q, correction)
+        return q.mT @ q
+
+
+def first_pass(factor: Tensor, q_old: Tensor, accurate: bool) -> tuple[Tensor, Tensor]:
+    """(Ŷ, Q₁): the shifted, column-normalized power-iteration product of a warm basis and the first Cholesky
+    QR pass on it, with its Gram matrix split-TF32 accurate (as the refresh computes it) or TF32."""
+    y = eb.accurate_matmul(factor, q_old)
+    y = y / y[..., :, :1].norm(dim=-2, keepdim=True) + eb.SHIFT * q_old
+    y_hat = (y / torch.linalg.vector_norm(y, dim=-2, keepdim=True)).contiguous()
+    gram = eb.accurate_gram(y_hat) if accurate else tf32_gram(y_hat)
+    return y_hat, eb.cholesky_qr_pass(y_hat, gram, eb.FIRST_PASS_SHIFT)[0]
 
 
 def defect(q: Tensor) -> float:
@@ -145,7 +144,7 @@ def operations(k: int, device: torch.device, repeats: int) -> None:
     factor, q_old = warm_factor(k, device)
     y = eb.accurate_matmul(factor, q_old)
     y_hat = (y / torch.linalg.vector_norm(y, dim=-2, keepdim=True)).contiguous()
-    gram = eb.tf32_gram(y_hat) + eb.FIRST_PASS_SHIFT * torch.eye(k, device=device)
+    gram = eb.accurate_gram(y_hat) + eb.FIRST_PASS_SHIFT * torch.eye(k, device=device)
     r = torch.linalg.cholesky_ex(gram)[0].mT.contiguous()
     bf16 = factor.bfloat16(), q_old.bfloat16()
     with eb.float32_matmul_precision("highest"):
@@ -154,7 +153,7 @@ def operations(k: int, device: torch.device, repeats: int) -> None:
     rows["K·Q bf16"] = median_ms(lambda: bf16[0] @ bf16[1], device, repeats)
     rows["K·Q split TF32 (accurate_matmul)"] = median_ms(lambda: eb.accurate_matmul(factor, q_old), device, repeats)
     rows["QᵀQ split TF32 (accurate_gram)"] = median_ms(lambda: eb.accurate_gram(q_old), device, repeats)
-    rows["ŶᵀŶ TF32 (tf32_gram)"] = median_ms(lambda: eb.tf32_gram(y_hat), device, repeats)
+    rows["ŶᵀŶ TF32"] = median_ms(lambda: tf32_gram(y_hat), device, repeats)
     rows["cholesky_ex"] = median_ms(lambda: torch.linalg.cholesky_ex(gram), device, repeats)
     rows["solve_triangular (Ŷ·R⁻¹)"] = median_ms(
         lambda: torch.linalg.solve_triangular(r, y_hat, upper=True, left=False), device, repeats
@@ -171,17 +170,14 @@ def operations(k: int, device: torch.device, repeats: int) -> None:
 def replacements(k: int, device: torch.device, repeats: int, blocks: list[int]) -> None:
     """The float32 Cholesky QR passes against product-based replacements: ms, error, orthogonality."""
     factor, q_old = warm_factor(k, device)
-    y = eb.accurate_matmul(factor, q_old)
-    y = y / y[:, :1].norm() + eb.SHIFT * q_old
-    y_hat = (y / torch.linalg.vector_norm(y, dim=-2, keepdim=True)).contiguous()
+    y_hat, q_1 = first_pass(factor, q_old, accurate=True)
     eye = torch.eye(k, device=device)
-    gram_1 = eb.tf32_gram(y_hat) + eb.FIRST_PASS_SHIFT * eye
+    gram_1 = eb.accurate_gram(y_hat)
     r_1 = torch.linalg.cholesky_ex(gram_1)[0].mT.contiguous()
-    q_1 = torch.linalg.solve_triangular(r_1, y_hat, upper=True, left=False)
     gram_2 = eb.accurate_gram(q_1)
     r_2 = torch.linalg.cholesky_ex(gram_2)[0].mT.contiguous()
     print(f"k = {k}: the passes' float32 operations against product-based ones (ms, error, max|QᵀQ − I|)")
-    print(f"  second pass input: max|QᵀQ − I| {float(eb.gram_defect(gram_2)):.1e}, "
+    print(f"  second pass input: max|QᵀQ − I| {float((gram_2 - eye).abs().max()):.1e}, "
           f"‖QᵀQ − I‖_F {float(torch.linalg.matrix_norm(gram_2 - eye)):.1e}")  # fmt: skip
     compare_solves("first pass", y_hat, r_1, (False,), blocks, device, repeats)
     compare_solves("second pass", q_1, r_2, (False, True), blocks, device, repeats)
@@ -228,19 +224,27 @@ def compare_choleskys(name: str, gram: Tensor, blocks: list[int], device: torch.
 
 
 def series(k: int, batch: int, device: torch.device, repeats: int) -> None:
-    """The series second pass against the Cholesky pass on ``batch`` near-orthogonal bases (‖F‖_F ≈ 3e-3)."""
-    gen = torch.Generator(device=device).manual_seed(1)
-    q = torch.linalg.qr(torch.randn(batch, k, k, device=device, generator=gen)).Q
-    q = q + 3e-5 * torch.randn(batch, k, k, device=device, generator=gen) / k**0.5
-    gram = eb.accurate_gram(q)
+    """The second pass on the real first pass's output of ``batch`` warm factors: ‖QᵀQ − I‖_F after a first
+    pass with a TF32 and with a split-TF32 Gram matrix; on the latter, the series pass against the Cholesky
+    pass (ms, largest entry difference from float64 Cholesky QR, max|QᵀQ − I|)."""
+    pairs = [warm_factor(k, device, seed) for seed in range(batch)]
+    factor, q_old = torch.stack([f for f, _ in pairs]), torch.stack([q for _, q in pairs])
     eye = torch.eye(k, device=device)
-    series_ms = median_ms(lambda: series_pass(q, gram), device, repeats)
-    cholesky_ms = median_ms(lambda: eb.cholesky_qr_pass(q, gram), device, repeats)
-    by_series, by_cholesky = series_pass(q, gram), eb.cholesky_qr_pass(q, gram)[0]
+    norms = {}
+    for accurate in (False, True):
+        _, q_1 = first_pass(factor, q_old, accurate)
+        norms[accurate] = torch.linalg.matrix_norm(eb.accurate_gram(q_1) - eye).max().item()
+    gram = eb.accurate_gram(q_1)
+    q64 = q_1.double()
+    want = torch.linalg.solve_triangular(torch.linalg.cholesky(q64.mT @ q64).mT, q64, upper=True, left=False)
+    series_ms = median_ms(lambda: eb.series_pass(q_1, gram), device, repeats)
+    cholesky_ms = median_ms(lambda: eb.cholesky_qr_pass(q_1, gram), device, repeats)
+    by_series, by_cholesky = eb.series_pass(q_1, gram), eb.cholesky_qr_pass(q_1, gram)[0]
     print(
-        f"k = {k}, {batch} bases: ‖QᵀQ − I‖_F {float(torch.linalg.matrix_norm(gram - eye).max()):.1e}; series pass "
-        f"{series_ms:.3f} ms, Cholesky pass {cholesky_ms:.3f} ms; results differ by "
-        f"{float((by_series - by_cholesky).abs().max()):.1e}, defects {defect(by_series[0]):.1e} and "
+        f"k = {k}, {batch} warm factors: after the first pass ‖QᵀQ − I‖_F {norms[False]:.1e} (TF32 Gram), "
+        f"{norms[True]:.1e} (split TF32; series where ≤ {eb.SERIES_DEFECT:.1e}); series pass {series_ms:.3f} ms, "
+        f"Cholesky pass {cholesky_ms:.3f} ms; error {float((by_series.double() - want).abs().max()):.1e} and "
+        f"{float((by_cholesky.double() - want).abs().max()):.1e}, defects {defect(by_series[0]):.1e} and "
         f"{defect(by_cholesky[0]):.1e}"
     )
 

@@ -85,7 +85,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
-from ..eigenbasis import BATCH_MAX_SIDE, accurate_matmul, power_cholqr
+from ..eigenbasis import LARGE_BATCH_ENTRIES, accurate_matmul, power_cholqr
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
 
 SOAP_BASES = ("qr", "eigh", "cholqr")
@@ -96,9 +96,10 @@ EIGH_FLOPS_PER_CUBE = 9
 QR_FLOPS_PER_CUBE = 8 / 3
 """Householder QR of a k×k matrix with Q formed: 4k³/3 for R and 4k³/3 to form Q."""
 
-CHOLQR_FLOPS_PER_CUBE = 2 + 2 * (2 + 1 / 3 + 1) + 2
-"""basis="cholqr" per side k, per k³: K·Q (2), two Cholesky QR passes (Gram 2, Cholesky 1/3, triangular solve
-1, each) and Q_newᵀ·Q_old (2); nominal products (on CUDA the float32-accurate ones run as 2–3 TF32 products)."""
+CHOLQR_FLOPS_PER_CUBE = 2 + (2 + 1 / 3 + 1) + (2 + 3 * 2) + 2
+"""basis="cholqr" per side k, per k³, from a warm basis: K·Q (2), a Cholesky QR pass (Gram 2, Cholesky 1/3,
+triangular solve 1), a series pass (Gram 2, three products) and Q_newᵀ·Q_old (2); nominal products (on CUDA
+the float32-accurate ones run as 2–3 TF32 products)."""
 
 UPDATE_RMS_EPS = 1e-7
 """Added to the update's RMS before clipping it (Emerging-Optimizers' value)."""
@@ -312,8 +313,8 @@ class SOAPRule(MatrixRule):
 
     def refresh_bases(self, states: list[dict[str, Tensor]], group: Group, steps: list[int]) -> None:
         """Step 2 for matrices at steps ``steps``: :meth:`refresh_basis` one by one, or with basis="cholqr"
-        one :func:`dtensor_muon.eigenbasis.power_cholqr` per factor size (sides up to ``BATCH_MAX_SIDE``; larger
-        factors one at a time) over every factor of these matrices past their step 1 (eigh on step 1, as the
+        one :func:`dtensor_muon.eigenbasis.power_cholqr` per factor size (in batches of at most
+        ``LARGE_BATCH_ENTRIES`` entries per tensor) over every factor of these matrices past their step 1 (eigh on step 1, as the
         reference)."""
         if group["basis"] != "cholqr":
             for s, t in zip(states, steps):
@@ -332,7 +333,8 @@ class SOAPRule(MatrixRule):
         rotation: dict[tuple[int, str], Tensor] = {}
         batches = []
         for size, jobs in by_size.items():
-            batches.extend([jobs] if size <= BATCH_MAX_SIDE else [[job] for job in jobs])
+            per_batch = max(1, LARGE_BATCH_ENTRIES // size**2)
+            batches.extend(jobs[i : i + per_batch] for i in range(0, len(jobs), per_batch))
         for jobs in batches:
             k = torch.stack([s[side] for s, side, _ in jobs])
             q_old = torch.stack([s[f"Q_{side}"] for s, side, _ in jobs])
