@@ -3,7 +3,9 @@
 Under the Triton interpreter (a child process started with ``TRITON_INTERPRET=1``, as in test_kernels.py) the
 kernels run on the CPU; the interpreter rounds a fused multiply-add twice, so there they agree with torch's
 ``lerp_``/``lerp``/``mul_``/``add_`` within two fp32 roundings per entry. On a GPU they must give torch's
-bits exactly (the GPU test below), and the step's entry points take them only there.
+bits exactly (the GPU tests below), and the step's entry points take them only there. The apply that also
+returns each matrix's norm (``decay_and_add_with_norms_``) must give ``decay_and_add_``'s bits and
+``torch.linalg.vector_norm``'s norms within fp32 summation error, the same ones at every launch.
 """
 
 from __future__ import annotations
@@ -12,15 +14,18 @@ import json
 import os
 import subprocess
 import sys
+from importlib.metadata import version
 
 import pytest
 import torch
+from test_kernels import OLD_INTERPRETER_ERROR, _triton_version
 
 from dtensor_muon.kernels.elementwise import (
     MIN_KERNEL_NUMEL,
     _kernel_applies,
     decay_and_add_,
     decay_and_add_many,
+    decay_and_add_with_norms_,
     momentum_step,
     momentum_steps,
 )
@@ -53,7 +58,12 @@ def _interpreter_checks() -> dict[str, float]:
     dtype's epsilon."""
     from test_kernels import _patch_interpreter_bf16
 
-    from dtensor_muon.kernels.elementwise import _launch_decay_and_add, _launch_momentum
+    from dtensor_muon.kernels.counters import _COUNTERS
+    from dtensor_muon.kernels.elementwise import (
+        _launch_decay_and_add,
+        _launch_decay_and_add_with_norms,
+        _launch_momentum,
+    )
 
     _patch_interpreter_bf16()  # the interpreter truncates fp32 → bf16; the GPU rounds to nearest even
     out = {}
@@ -81,6 +91,24 @@ def _interpreter_checks() -> dict[str, float]:
             p = b.clone()
             _launch_decay_and_add(p, o.to(torch.bfloat16), decay, alpha)
             out[f"apply_{dtype}_{decay}"] = ulps(p, torch_apply(b, o.to(torch.bfloat16), decay, alpha))
+        # the apply with each matrix's norm: 50×90 matrices are 3 blocks each, the last one partial
+        gen = torch.Generator().manual_seed(1)
+        for matrices in (1, 3):
+            start = torch.randn(matrices, 50, 90, generator=gen).to(dtype)
+            update = torch.randn(matrices, 50, 90, generator=gen).to(torch.bfloat16)
+            launches = []
+            for _ in range(2):
+                p, norms = start.clone(), torch.empty(matrices)
+                _launch_decay_and_add_with_norms(p, update, 0.998, -0.02, norms)
+                launches.append((p, norms))
+            (p, norms), (p_again, norms_again) = launches
+            key = f"{dtype}_{matrices}"
+            size = torch.maximum(start.double().abs(), update.double().abs())
+            out[f"norms_apply_{key}"] = ulps(p, torch_apply(start, update, 0.998, -0.02), size)
+            exact = torch.linalg.vector_norm(update.double(), dim=(-2, -1))
+            out[f"norms_rel_{key}"] = float((norms.double() / exact - 1).abs().max())
+            out[f"norms_repeat_differ_{key}"] = float((norms != norms_again).sum() + (p != p_again).sum())
+    out["norms_counters_left_zero"] = float(all(int(c.abs().sum()) == 0 for c in _COUNTERS.values()))
     return out
 
 
@@ -94,6 +122,11 @@ def interp() -> dict[str, float]:
         timeout=300,
         check=False,
     )
+    if proc.returncode != 0 and OLD_INTERPRETER_ERROR in proc.stderr and _triton_version() < (3, 7):
+        pytest.skip(
+            f"Triton {version('triton')}'s interpreter takes int() of 1-element arrays for scalar arguments, which "
+            "NumPy >= 2.4 refuses; Triton 3.9 (the CI's) runs these checks"
+        )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -112,6 +145,18 @@ def test_decay_and_add_kernel_matches_torch_within_two_roundings(interp, dtype, 
     assert interp[f"apply_{dtype}_{decay}"] <= 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("matrices", [1, 3])
+def test_apply_with_norms_kernel_matches_torch_and_repeats_itself(interp, dtype, matrices) -> None:
+    """The parameter within two roundings of torch's mul_ and add_, each matrix's norm within fp32 summation
+    error of the exact one, the same bits from a second launch, and the ticket counters left zero."""
+    key = f"{dtype}_{matrices}"
+    assert interp[f"norms_apply_{key}"] <= 2
+    assert interp[f"norms_rel_{key}"] <= 1e-6
+    assert interp[f"norms_repeat_differ_{key}"] == 0
+    assert interp["norms_counters_left_zero"] == 1
+
+
 def test_off_gpu_the_entry_points_are_torchs_operations() -> None:
     g, b, o = _inputs(torch.float32, "cpu")
     for momentum, nesterov in MOMENTUM_CASES:
@@ -122,8 +167,13 @@ def test_off_gpu_the_entry_points_are_torchs_operations() -> None:
     p = b.clone()
     decay_and_add_(p, o, 0.998, -0.02)
     assert torch.equal(p, torch_apply(b, o, 0.998, -0.02))
+    p = b.clone()
+    assert decay_and_add_with_norms_(p, o, 0.998, -0.02, 2) is None  # applied; the caller takes the norms
+    assert torch.equal(p, torch_apply(b, o, 0.998, -0.02))
     with pytest.raises(ValueError, match="nothing to write"):
         momentum_step(g, b, 0.9, True, write_buffer=False, want_input=False)
+    with pytest.raises(ValueError, match="not 3 matrices"):
+        decay_and_add_with_norms_(b.clone(), o, 0.998, -0.02, 3)
 
 
 def check_many_equal_torch(device: str, sizes: list[int]) -> None:
@@ -188,6 +238,70 @@ def test_on_the_gpu_the_kernels_give_torchs_bits(dtype) -> None:
     p = square.clone()
     decay_and_add_(p, transposed, 0.998, -0.02)
     assert torch.equal(p, torch_apply(square, transposed, 0.998, -0.02))
+
+
+NORM_SHAPES = [
+    (2048, 2048),  # one matrix of MIN_KERNEL_NUMEL entries
+    (1531, 2900),  # one matrix above it, its last block partial
+    (8, 512, 1024),  # eight matrices of MIN_KERNEL_NUMEL entries in all
+    (8, 768, 2048),  # a unit of Qwen3-30B-A3B's experts
+    (8, 700, 1001),  # eight matrices whose last blocks are partial
+]
+NORM_DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("param_dtype,update_dtype", NORM_DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_on_the_gpu_the_apply_with_norms_gives_decay_and_add_s_bits_and_the_norms(
+    shape, param_dtype, update_dtype
+) -> None:
+    """decay_and_add_with_norms_ on a [m, n] or [B, m, n] region at and above the kernel's threshold: the
+    parameter bit for bit decay_and_add_'s, each matrix's norm within 1e-6 of torch.linalg.vector_norm of
+    O in fp32 (and of the exact norm), and a second launch gives the same norms and parameter bits."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    start = torch.randn(shape, generator=gen, device="cuda").to(param_dtype)
+    update = torch.randn(shape, generator=gen, device="cuda").to(update_dtype)
+    matrices = shape[0] if len(shape) == 3 else 1
+    assert _kernel_applies(start, update) and start.numel() >= MIN_KERNEL_NUMEL
+    expected = start.clone()
+    decay_and_add_(expected, update, 0.998, -0.02)
+    launches = []
+    for _ in range(2):
+        p = start.clone()
+        norms = decay_and_add_with_norms_(p, update, 0.998, -0.02, matrices)
+        assert norms is not None and norms.dtype == torch.float32 and norms.shape == (matrices,)
+        launches.append((p, norms))
+    (p, norms), (p_again, norms_again) = launches
+    assert torch.equal(p, expected) and torch.equal(p_again, expected)
+    assert torch.equal(norms, norms_again)  # the block sums are added in one order whichever program ends
+    reference = torch.linalg.vector_norm(update.float(), dim=(-2, -1)).reshape(-1)
+    assert float((norms / reference - 1).abs().max()) <= 1e-6
+    exact = torch.linalg.vector_norm(update.double(), dim=(-2, -1)).reshape(-1)
+    assert float((norms.double() / exact - 1).abs().max()) <= 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_the_apply_with_norms_takes_a_transposed_update_and_leaves_the_rest_to_torch() -> None:
+    """O of a tall matrix (a transposed view) is copied once and gives the same bits and norm; a Tensor
+    factor (a Tensor lr) and a region below the kernel's threshold take decay_and_add_ and return None."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    start, o = (torch.randn(2048, 2048, generator=gen, device="cuda") for _ in range(2))
+    transposed = o.to(torch.bfloat16).mT
+    p = start.clone()
+    norms = decay_and_add_with_norms_(p, transposed, 0.998, -0.02, 1)
+    assert norms is not None and torch.equal(p, torch_apply(start, transposed, 0.998, -0.02))
+    assert float((norms / torch.linalg.vector_norm(transposed.float()) - 1).abs().max()) <= 1e-6
+    small = start.reshape(8, 512, 1024)[:, :, :-1].contiguous()
+    for region, update, decay, alpha in (
+        (start, o, torch.tensor(0.998, device="cuda"), -0.02),
+        (small, small.flip(0), 0.998, -0.02),
+    ):
+        p = region.clone()
+        assert decay_and_add_with_norms_(p, update, decay, alpha, 8) is None
+        expected = region.clone()
+        decay_and_add_(expected, update, decay, alpha)
+        assert torch.equal(p, expected)
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ def _interpreter_checks() -> Numbers:
     out["cast_zero_scale_times_eps"] = zero_scale.item() * 1e-7
     # Each launch ends in its scale through ticket counters that it leaves zeroed: a second launch on the same
     # counters gives the same bits.
-    from dtensor_muon.kernels.normalize import _COUNTERS
+    from dtensor_muon.kernels.counters import _COUNTERS
 
     out["counters_left_zero"] = float(all(int(c.abs().sum()) == 0 for c in _COUNTERS.values()))
     g = torch.randn(3, 50, 90)

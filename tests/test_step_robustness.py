@@ -18,6 +18,9 @@ from dist_harness import run_distributed
 from torch import nn
 
 from dtensor_muon import Muon
+from dtensor_muon.kernels import elementwise
+from dtensor_muon.metrics import StepStats
+from dtensor_muon.step_context import StepContext
 
 PROCESS_GROUP_TIMEOUT_S = 60  # a collective that waits longer than this raises (gloo's own timeout)
 DEADLINE_S = 300  # every rank must have finished by then
@@ -150,6 +153,105 @@ def test_optimizer_flops_and_sigma_metrics_on_one_process():
     m = opt.metrics
     assert 0 < m["muon/sigma_min"] <= m["muon/sigma_max"]
     assert m["muon/orthogonality_error"] == max(1 - m["muon/sigma_min"], m["muon/sigma_max"] - 1)
+
+
+def test_one_process_metrics_off_the_gpu_take_each_unit_s_norms_from_torch(monkeypatch):
+    """Units applied at once (:meth:`StepContext.compute_and_apply`) take their metrics' norms from the apply's
+    pass only where that pass computes them (CUDA, large regions). On CPU every unit's norms are torch's
+    vector_norm of its O, bit for bit, so the update RMS, the largest matrix's RMS and the non-finite names
+    (a NaN in one expert's gradient) are exactly those of :class:`StepStats` fed each O."""
+    recorded: list[tuple[torch.Tensor, Any, list[str], torch.Tensor]] = []
+    add_orthogonal_norms = StepStats.add_orthogonal_norms
+
+    def record(self, norms, lr_adjusted, names, o):  # type: ignore[no-untyped-def]
+        recorded.append((norms.clone(), lr_adjusted, list(names), o.clone()))
+        add_orthogonal_norms(self, norms, lr_adjusted, names, o)
+
+    applied_at_once: list[str] = []
+    compute_and_apply = StepContext.compute_and_apply
+
+    def count(self, e, specs, stacked, target):  # type: ignore[no-untyped-def]
+        applied_at_once.append(e.name)
+        compute_and_apply(self, e, specs, stacked, target)
+
+    monkeypatch.setattr(StepStats, "add_orthogonal_norms", record)
+    monkeypatch.setattr(StepContext, "compute_and_apply", count)
+    params = tiny_params()
+    opt = Muon(params, **scenarios.OPTIONS)
+    for step in range(2):
+        recorded.clear()
+        applied_at_once.clear()
+        set_plain_gradients(params, step)
+        if step == 1:
+            dict(params)["layers.0.moe.experts"].grad[3, 0, 0] = float("nan")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        m = opt.metrics
+        assert "layers.0.moe.experts" in applied_at_once and "layers.0.attention.wq" in applied_at_once
+        reference = StepStats(rule="muon")
+        for norms, lr_adjusted, names, o in list(recorded):
+            torch_norms = torch.linalg.vector_norm(o, dim=(-2, -1), dtype=torch.float32).reshape(-1)
+            torch.testing.assert_close(norms.reshape(-1), torch_norms, rtol=0, atol=0, equal_nan=True)
+            reference.add_orthogonal(o, lr_adjusted, names)
+        reference.start_nonfinite_check()
+        assert reference.max_matrix_rms is not None
+        expected_rms = (float(reference.sq_sum["muon"]) / reference.count["muon"]) ** 0.5
+        got = [m["muon/update_rms/muon"], m["muon/update_rms_max/muon"]]
+        assert got == pytest.approx([expected_rms, float(reference.max_matrix_rms)], rel=0, abs=0, nan_ok=True)
+        expected_names = ["layers.0.moe.experts[3]"] if step == 1 else []
+        assert reference.nonfinite_names() == expected_names
+        assert m["muon/nonfinite_updates"] == len(expected_names)
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert any("'layers.0.moe.experts[3]'" in message for message in messages) == (step == 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_units_applied_at_once_take_their_norms_from_the_apply(monkeypatch):
+    """One process on CUDA, units of at least MIN_KERNEL_NUMEL entries (eight stacked 768×1024 experts, one
+    2048² matrix): no unit takes a separate norm (the apply's pass gives them), and against the separate norm
+    and apply (``MAX_NORM_MATRICES = 0``) the parameters are bit for bit the same, the update RMS agrees within
+    1e-6 and a NaN in one expert's gradient is counted and named as before. Three steps: CUDA graphs are
+    captured in the first ones."""
+    separate_norms: list[str] = []
+    add_orthogonal = StepStats.add_orthogonal
+
+    def count(self, o, lr_adjusted, names):  # type: ignore[no-untyped-def]
+        separate_norms.extend(names)
+        add_orthogonal(self, o, lr_adjusted, names)
+
+    monkeypatch.setattr(StepStats, "add_orthogonal", count)
+
+    def run() -> tuple[list[torch.Tensor], list[tuple[float, float, bool]]]:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        shapes = (("experts", (64, 768, 1024)), ("wq", (2048, 2048)))
+        params = [(n, nn.Parameter(0.02 * torch.randn(s, generator=gen, device="cuda"))) for n, s in shapes]
+        opt = Muon(params, **scenarios.OPTIONS)
+        out = []
+        for step in range(3):
+            for _, p in params:
+                p.grad = torch.randn(p.shape, generator=gen, device="cuda")
+            if step == 2:
+                dict(params)["experts"].grad[3, 0, 0] = float("nan")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+            m = opt.metrics
+            messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+            warned = any("'experts[3]'" in message for message in messages)
+            out.append((m["muon/update_rms/muon"], m["muon/nonfinite_updates"], warned))
+        return [p.detach() for _, p in params], out
+
+    fused_params, fused = run()
+    assert separate_norms == []
+    monkeypatch.setattr(elementwise, "MAX_NORM_MATRICES", 0)
+    separate_params, separate = run()
+    assert len(separate_norms) == 3 * (64 + 1)
+    for a, b in zip(fused_params, separate_params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert [rms for rms, _, _ in fused] == pytest.approx([rms for rms, _, _ in separate], rel=1e-6, nan_ok=True)
+    assert [(bad, warned) for _, bad, warned in fused] == [(0, False), (0, False), (1, True)]
+    assert [(bad, warned) for _, bad, warned in separate] == [(0, False), (0, False), (1, True)]
 
 
 def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:

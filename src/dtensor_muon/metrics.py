@@ -112,9 +112,16 @@ class StepStats:
 
     def add_orthogonal(self, o: Tensor, lr_adjusted: float | Tensor, names: list[str]) -> None:
         """Add the Newton–Schulz outputs of one unit (``o``: [m, n] or [B, m, n], ``names`` one per matrix), each
-        scaled by γ' in the update RMS: one norm over the batch (no sync); their sum waits for
-        :meth:`start_nonfinite_check`. On diagnostic steps the first unit whose first matrix is finite gives σ."""
-        norms = torch.linalg.vector_norm(o, dim=(-2, -1), dtype=torch.float32).reshape(-1)
+        scaled by γ' in the update RMS: one norm over the batch (no sync), then :meth:`add_orthogonal_norms`."""
+        norms = torch.linalg.vector_norm(o, dim=(-2, -1), dtype=torch.float32)
+        self.add_orthogonal_norms(norms, lr_adjusted, names, o)
+
+    def add_orthogonal_norms(self, norms: Tensor, lr_adjusted: float | Tensor, names: list[str], o: Tensor) -> None:
+        """Add one unit's outputs ``o`` (as :meth:`add_orthogonal`) by their norms, already taken: ``norms`` holds
+        ‖O_b‖_F in float32 on the device, one per matrix of ``o`` in order (the apply's pass may compute them).
+        Their sum waits for :meth:`start_nonfinite_check`; on diagnostic steps the first unit whose first
+        matrix is finite gives σ (read from ``o``)."""
+        norms = norms.reshape(-1)
         self._unit_norms.append(norms)
         self._unit_scales.append(lr_adjusted)
         self._unit_matrix_numel.append(o.numel() // norms.numel())

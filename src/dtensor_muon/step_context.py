@@ -3,7 +3,9 @@
 The engine builds one :class:`StepContext` per step; each strategy (:mod:`dtensor_muon.strategies`) reads
 the prepared inputs from it, computes its units with :meth:`StepContext.compute` (the rule's ``direction``
 on whole matrices, batched as the plan's units say), and writes each parameter's received update into its
-update buffer or hands a fully local parameter's update to :meth:`StepContext.apply_local`.
+update buffer or hands a fully local parameter's update to :meth:`StepContext.apply_local` (a whole unit of
+one, in a step that is not transactional: :meth:`StepContext.compute_and_apply`, which takes the metrics'
+norms from the apply's pass).
 
 A *transactional* step (any parameter on a mesh of more than one rank) changes nothing until every rank
 has computed its directions: ``prepare`` leaves the shard state as it is, each unit's direction works on a
@@ -174,27 +176,63 @@ class StepContext:
         out = self.compute_unit([spec for spec, _ in jobs], mats[0] if len(mats) == 1 else torch.stack(mats))
         return [out] if len(mats) == 1 else list(out.unbind(0))
 
-    def compute_unit(self, specs: list[MatrixSpec], stacked: Tensor, *, used_at_once: bool = False) -> Tensor:
+    def compute_unit(self, specs: list[MatrixSpec], stacked: Tensor) -> Tensor:
         """The rule's direction for one unit given whole: ``stacked`` is ``[m, n]`` (one matrix) or ``[B, m, n]``
         (B same-shape matrices of one parameter, ``specs`` in order); returns O shaped like ``stacked``. Host
         work is per unit: one owner-state lookup per matrix, one norm over the batch for the metrics.
-        ``used_at_once``: the caller applies O before it computes another unit, so O may be the CUDA graph's
-        own output buffer (:class:`~.ns_graphs.NewtonSchulzGraphs`, ``borrow``), not a copy of it.
 
         The ``[P, r, c]`` parts of one grouped-split matrix (``specs[0].parts == P > 1``) are computed as the one
         ``[P·r, c]`` matrix their rows stack into, with its one owner state and γ'."""
-        first, shape, given = specs[0], specs[0].whole_shape, stacked.shape
+        computed = self._direction(specs, stacked, borrow=False)
+        if computed is None:  # the step fails anyway: zeros keep the exchanges going
+            return torch.zeros(stacked.shape, dtype=stacked.dtype, device=stacked.device)
+        out, matrices = computed
+        group = self.entries[matrices[0].param_index].group
+        lr_adjusted = self.rule.adjusted_lr(group, matrices[0].whole_shape)
+        self.stats.add_orthogonal(out, lr_adjusted, [spec.name for spec in matrices])
+        return out.reshape(stacked.shape)
+
+    def compute_and_apply(self, e: Entry, specs: list[MatrixSpec], stacked: Tensor, target: Tensor) -> None:
+        """:meth:`compute_unit` for a unit of the fully local parameter ``e`` in a step that is not
+        transactional, its O applied at once to ``target``, the unit's region of the local shard (``stacked``'s
+        entries in the same order). O is applied before another unit is computed, so it may be the CUDA graph's
+        own output buffer (:class:`~.ns_graphs.NewtonSchulzGraphs`, ``borrow``), not a copy of it. The metrics'
+        norm of each matrix comes from the apply's own pass where it computes them
+        (:meth:`MatrixRule.apply_region`, ``return_norms``: one launch where a norm and the apply took two),
+        else from one norm over the batch, as in :meth:`compute_unit`."""
+        if self.transactional:
+            raise RuntimeError("compute_and_apply: a transactional step applies what it computed at its commit")
+        computed = self._direction(specs, stacked, borrow=True)
+        assert computed is not None  # only a transactional step records a failure instead of raising it
+        out, matrices = computed
+        shape = matrices[0].whole_shape
+        lr_adjusted = self.rule.adjusted_lr(e.group, shape)
+        names = [spec.name for spec in matrices]
+        norms = self.rule.apply_region(target, out.reshape(target.shape), e.group, shape, return_norms=True)
+        if norms is None:
+            self.stats.add_orthogonal(out, lr_adjusted, names)
+        else:
+            self.stats.add_orthogonal_norms(norms, lr_adjusted, names, out)
+
+    def _direction(
+        self, specs: list[MatrixSpec], stacked: Tensor, *, borrow: bool
+    ) -> tuple[Tensor, list[MatrixSpec]] | None:
+        """The rule's direction for one unit (:meth:`compute_unit`), its FLOPs counted: O shaped as the matrices
+        it computed, with their specs (a grouped split's parts: the one spec of their matrix). None in a
+        transactional step that has failed, here (recorded in :attr:`failure`) or before (the work is
+        skipped). ``borrow``: O may be the CUDA graph's own output buffer."""
+        first = specs[0]
         if first.parts > 1:
-            specs, stacked = [first], stacked.reshape(shape)
+            specs, stacked = [first], stacked.reshape(first.whole_shape)
         group = self.entries[first.param_index].group
-        if self.failure is not None:  # the step fails anyway: keep the exchanges going, skip the work
-            return torch.zeros(given, dtype=stacked.dtype, device=stacked.device)
+        if self.failure is not None:
+            return None
         states = [self.owner_state(spec) for spec in specs]
         staged = self.transactional and self.rule.has_owner_state
         if staged:
             states = [{name: t.clone() for name, t in s.items()} for s in states]
         runner = self.runner
-        if used_at_once and isinstance(runner, NewtonSchulzGraphs):
+        if borrow and isinstance(runner, NewtonSchulzGraphs):
             runner = functools.partial(runner, borrow=True)
         try:
             out = self.rule.direction(stacked, states, group, runner)
@@ -204,12 +242,11 @@ class StepContext:
             rank = dist.get_rank() if dist.is_initialized() else 0
             self.failure = DirectionFailure(first.name, len(specs), rank, f"{type(exc).__name__}: {exc}")
             self.exception = exc
-            return torch.zeros(given, dtype=stacked.dtype, device=stacked.device)
+            return None
         if staged:
             self._staged.extend(zip(specs, states))
-        self.stats.add_flops(self.rule.cost(group, shape).flops * len(specs))
-        self.stats.add_orthogonal(out, self.rule.adjusted_lr(group, shape), [spec.name for spec in specs])
-        return out.reshape(given)
+        self.stats.add_flops(self.rule.cost(group, first.whole_shape).flops * len(specs))
+        return out, specs
 
     def input_itemsize(self, spec: MatrixSpec) -> int:
         """Bytes per element of a matrix's input where its direction runs."""

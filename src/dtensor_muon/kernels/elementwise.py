@@ -3,12 +3,18 @@
     momentum_step:    B' = lerp(B, g, 1 − μ),  U = lerp(g, B', μ) (Nesterov) or B'
                       writes B' when asked (the step's advance) and U when asked (the direction's input)
     decay_and_add_:   θ ← θ·(1 − γλ) − γ'·O
+    decay_and_add_with_norms_:
+                      the same, and ‖O_b‖_F = √(Σ O_b²) (fp32) of each matrix b of O in the same pass
 
 ``lerp(a, b, w)`` is ATen's: a + w·(b − a) for |w| < 0.5, else b − (b − a)·(1 − w), each as one fused
 multiply-add, in fp32, rounded to the tensor's dtype; ``decay_and_add_`` rounds θ·(1 − γλ) to θ's dtype, then
 adds −γ'·O with one fused multiply-add, as ``mul_`` then ``add_(alpha=)`` do. torch runs the same steps as
 two or three kernels: on the Qwen3-30B-A3B shapes that is 24 + 18 bytes per fp32 element for momentum and
-apply, against 16 (12 without the buffer write) and 10 here.
+apply, against 16 (12 without the buffer write) and 10 here. ``decay_and_add_with_norms_`` gives the step's
+metrics the norm of each matrix it applies (a unit of stacked experts: one launch instead of a norm's and the
+apply's); it ends in the norms as normalize.py's kernel ends in its scale: each program stores its block's
+sum of squares and takes a ticket, the last program of a matrix sums the block sums in a fixed order, so the
+norms are the same from launch to launch.
 
 On CUDA the kernels run on tensors of at least :data:`MIN_KERNEL_NUMEL` entries; smaller ones take torch's
 operations, which give the same bits there (``tests/test_elementwise_kernels.py`` checks it on the GPU), so the
@@ -24,6 +30,8 @@ import struct
 import torch
 from torch import Tensor
 
+from .counters import ticket_counters
+
 try:
     import triton
     import triton.language as tl
@@ -31,6 +39,10 @@ except ImportError:  # the package imports without Triton; every call then takes
     triton = None
 
 BLOCK = 2048
+CHUNK = 1024
+"""Block sums the last program of a matrix adds per iteration, in order (:func:`decay_and_add_with_norms_`)."""
+MAX_NORM_MATRICES = 65535
+"""Most matrices :func:`decay_and_add_with_norms_` takes in one launch (the grid's second dimension)."""
 MIN_KERNEL_NUMEL = 1 << 22
 """Below this many entries the torch operations run: a Triton launch costs the host several times a torch
 launch, more than the traffic it saves on a small shard. H200, Triton 3.6: with the kernels on every shard the
@@ -86,6 +98,34 @@ if triton is not None:
         o = tl.load(o_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
         decayed = (p * decay).to(p_ptr.dtype.element_ty).to(tl.float32)
         tl.store(p_ptr + offsets, tl.fma(o, alpha, decayed).to(p_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _decay_and_add_norms_kernel(
+        p_ptr, o_ptr, partial_ptr, counter_ptr, norms_ptr, N, decay, alpha, BLOCK: tl.constexpr, CHUNK: tl.constexpr
+    ):
+        """θ ← round(θ·decay) + alpha·O as :func:`_decay_and_add_kernel` on the N entries of matrix
+        b = program_id(1), and partial[b, block] = Σ O² (fp32) over the block's entries; the last program of
+        matrix b to finish writes norms[b] = √Σ_j partial[b, j], summed chunk by chunk in a fixed order, and
+        zeroes counter[b] (module docstring)."""
+        matrix = tl.program_id(1).to(tl.int64)
+        block = tl.program_id(0)
+        blocks = tl.num_programs(0)
+        offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < N
+        entries = matrix * N + offsets
+        p = tl.load(p_ptr + entries, mask=inside, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + entries, mask=inside, other=0.0).to(tl.float32)
+        decayed = (p * decay).to(p_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(p_ptr + entries, tl.fma(o, alpha, decayed).to(p_ptr.dtype.element_ty), mask=inside)
+        tl.store(partial_ptr + matrix * blocks + block, tl.sum(o * o, axis=0))
+        ticket = tl.atomic_add(counter_ptr + matrix, 1, sem="acq_rel")
+        if ticket == blocks - 1:
+            total = tl.zeros((CHUNK,), dtype=tl.float32)
+            for start in range(0, blocks, CHUNK):
+                index = start + tl.arange(0, CHUNK)
+                total += tl.load(partial_ptr + matrix * blocks + index, mask=index < blocks, other=0.0, volatile=True)
+            tl.store(norms_ptr + matrix, tl.sqrt(tl.sum(total, axis=0)))
+            tl.store(counter_ptr + matrix, 0)
 
 
 def _fp32(value: float) -> float:
@@ -225,6 +265,32 @@ def decay_and_add_(param: Tensor, update: Tensor, decay: float | Tensor, alpha: 
         _launch_decay_and_add(param, update, decay, alpha)
 
 
+def decay_and_add_with_norms_(
+    param: Tensor, update: Tensor, decay: float | Tensor, alpha: float | Tensor, matrices: int
+) -> Tensor | None:
+    """θ ← θ·decay + alpha·O in place with :func:`decay_and_add_`'s bits, and where its kernel applies, in the
+    same pass, ‖O_b‖_F = √(Σ O_b²) summed in fp32 for each of O's ``matrices`` matrices (its entries in
+    order, ``numel / matrices`` each: the matrices of a ``[B, m, n]`` or ``[m, n]`` update): returned as a
+    float32 tensor of ``matrices`` entries, the same from launch to launch (module docstring). Elsewhere
+    (:func:`decay_and_add_`'s torch operations, or more than :data:`MAX_NORM_MATRICES` matrices) it applies
+    as :func:`decay_and_add_` does and returns None: the caller takes the norms itself."""
+    if matrices < 1 or param.numel() % matrices:
+        raise ValueError(f"decay_and_add_with_norms_: {param.numel()} entries are not {matrices} matrices of one size")
+    if (
+        isinstance(decay, Tensor)
+        or isinstance(alpha, Tensor)
+        or matrices > MAX_NORM_MATRICES
+        or not _kernel_applies(param, update, any_layout=1)
+    ):
+        decay_and_add_(param, update, decay, alpha)
+        return None
+    update = update.contiguous()  # as in decay_and_add_: a transposed view is copied once
+    norms = torch.empty(matrices, dtype=torch.float32, device=param.device)
+    with torch.cuda.device(param.device):
+        _launch_decay_and_add_with_norms(param, update, decay, alpha, norms)
+    return norms
+
+
 def decay_and_add_many(
     params: list[Tensor], updates: list[Tensor], decays: list[float | Tensor], alphas: list[float | Tensor]
 ) -> None:
@@ -249,4 +315,26 @@ def _launch_decay_and_add(param: Tensor, update: Tensor, decay: float, alpha: fl
     n = param.numel()
     _decay_and_add_kernel[(triton.cdiv(n, BLOCK),)](
         param, update, n, _fp32(decay), _fp32(alpha), BLOCK=BLOCK, num_warps=4
+    )
+
+
+def _launch_decay_and_add_with_norms(param: Tensor, update: Tensor, decay: float, alpha: float, norms: Tensor) -> None:
+    """The decay-and-add kernel with the norms of ``norms.numel()`` matrices (any device the running Triton
+    serves)."""
+    matrices = norms.numel()
+    per_matrix = param.numel() // matrices
+    blocks = triton.cdiv(per_matrix, BLOCK)
+    partials = torch.empty(matrices, blocks, dtype=torch.float32, device=param.device)
+    _decay_and_add_norms_kernel[(blocks, matrices)](
+        param,
+        update,
+        partials,
+        ticket_counters(param.device, matrices),
+        norms,
+        per_matrix,
+        _fp32(decay),
+        _fp32(alpha),
+        BLOCK=BLOCK,
+        CHUNK=CHUNK,
+        num_warps=4,
     )

@@ -17,7 +17,7 @@ How a kernel ends in s without a second launch: each program stores its block's 
 takes a ticket from its matrix's counter (an atomic add with acquire-release order); the program that draws
 the last ticket sums the matrix's block sums in a fixed order (deterministic, whichever program finishes
 last), writes s and sets the counter back to zero. The counters are zeroed once per device and stream
-(:func:`_counters`) and left zeroed by every launch.
+(:func:`.counters.ticket_counters`) and left zeroed by every launch.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .counters import ticket_counters
 from .shapes import matrix_count
 
 BLOCK = 4096
 CHUNK = 1024
-_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
 
 
 @triton.jit
@@ -82,17 +82,6 @@ def _sum_squares_scale_kernel(
         tl.store(counter_ptr + matrix, 0)
 
 
-def _counters(device: torch.device, matrices: int) -> Tensor:
-    """Zeroed int32 ticket counters for ``matrices`` matrices on ``device``, one set per stream (launches on
-    one stream run in order, so they never share a counter at the same time); every launch leaves them zero."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < matrices:
-        counters = _COUNTERS[key] = torch.zeros(max(matrices, 64), dtype=torch.int32, device=device)
-    return counters
-
-
 def _sum_squares_into(g: Tensor, scale: Tensor, eps: float, cast_out: Tensor | None) -> None:
     """scale[b] = 1 / max(‖G_b‖_F, eps) per matrix of ``g`` in one launch, and round(G) into ``cast_out`` when given."""
     matrices = matrix_count(g)
@@ -103,7 +92,7 @@ def _sum_squares_into(g: Tensor, scale: Tensor, eps: float, cast_out: Tensor | N
         g,
         g if cast_out is None else cast_out,
         partials,
-        _counters(g.device, matrices),
+        ticket_counters(g.device, matrices),
         scale,
         per_matrix,
         float(eps),

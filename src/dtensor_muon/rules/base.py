@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
-from ..kernels.elementwise import decay_and_add_, decay_and_add_many
+from ..kernels.elementwise import decay_and_add_, decay_and_add_many, decay_and_add_with_norms_
 
 Group = dict[str, Any]
 NewtonSchulzRunner = Callable[..., Tensor]
@@ -155,9 +155,17 @@ class MatrixRule(ABC):
                 target.add_(source, alpha=-_to_scalar(lr_adjusted))
         decay_and_add_many(targets, sources, decays, alphas)
 
-    def apply_region(self, target: Tensor, update: Tensor, group: Group, shape: tuple[int, int]) -> None:
-        """:meth:`apply_many` on one matrix's region alone (the same element-wise operations, so the same bits)."""
-        decay_and_add_(target, update, *self.region_factors(group, shape))
+    def apply_region(
+        self, target: Tensor, update: Tensor, group: Group, shape: tuple[int, int], *, return_norms: bool = False
+    ) -> Tensor | None:
+        """:meth:`apply_many` on one region of ``shape`` matrices alone (the same element-wise operations, so the
+        same bits). ``return_norms``: also returns ‖O_b‖_F (float32) of each matrix of the region where the
+        apply's own pass computes them (:func:`decay_and_add_with_norms_`), else None (the caller takes them)."""
+        decay, alpha = self.region_factors(group, shape)
+        if not return_norms:
+            decay_and_add_(target, update, decay, alpha)
+            return None
+        return decay_and_add_with_norms_(target, update, decay, alpha, update.numel() // (shape[0] * shape[1]))
 
     def region_factors(self, group: Group, shape: tuple[int, int]) -> tuple[float | Tensor, float | Tensor]:
         """(1 − γλ, −γ') of a ``shape`` matrix's apply under this group's settings now."""

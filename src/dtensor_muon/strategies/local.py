@@ -67,8 +67,10 @@ def _compute_block(ctx: StepContext, work: MeshWork, e: Entry, specs: list[Matri
     sl = relative_slices(block, e.layout.local_box)
     shape = specs[0].shape
     stacked = u[sl].reshape((len(specs), *shape) if len(specs) > 1 else shape).contiguous()
-    applied_now = e.index in work.fully_local and not ctx.transactional  # _deliver applies O before the next unit
-    _deliver(ctx, work, e, sl, ctx.compute_unit(specs, stacked, used_at_once=applied_now), shape)
+    if e.index in work.fully_local and not ctx.transactional:  # applied before the next unit is computed
+        ctx.compute_and_apply(e, specs, stacked, local(e.param)[sl])
+    else:
+        _deliver(ctx, work, e, sl, ctx.compute_unit(specs, stacked), shape)
 
 
 def _compute_pieces(ctx: StepContext, work: MeshWork, e: Entry, specs: list[MatrixSpec], u: Tensor) -> None:
