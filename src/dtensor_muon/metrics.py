@@ -139,22 +139,23 @@ class StepStats:
             return
         norms = torch.cat(self._unit_norms)
         device = norms.device
-        sizes = torch.tensor([n.numel() for n in self._unit_norms], device=device)
+        sizes = [n.numel() for n in self._unit_norms]
+        inverse_sqrt_numel = [k**-0.5 for k, n in zip(self._unit_matrix_numel, sizes) for _ in range(n)]
         if all(not isinstance(s, Tensor) for s in self._unit_scales):
-            per_unit = torch.tensor(self._unit_scales, dtype=torch.float32, device=device)
+            per_matrix = [float(s) for s, n in zip(self._unit_scales, sizes) for _ in range(n)]
+            scales, inverse_sqrt_numel = _to_device_async([per_matrix, inverse_sqrt_numel], device)
         else:  # a Tensor lr: its γ' stay on the device (no sync)
             per_unit = torch.stack(
                 [torch.as_tensor(s, dtype=torch.float32, device=device).reshape(()) for s in self._unit_scales]
             )
-        inverse_sqrt_numel = torch.tensor(
-            [k**-0.5 for k in self._unit_matrix_numel], dtype=torch.float32, device=device
-        )
-        # per unit → per matrix; output_size given, so no host sync on the device
-        scales = per_unit.repeat_interleave(sizes, output_size=norms.numel())
+            inverse_sqrt_numel = _to_device_async([inverse_sqrt_numel], device)[0]
+            # per unit → per matrix; output_size given, so no host sync on the device
+            repeats = _to_device_async([sizes], device, torch.int64)[0]
+            scales = per_unit.repeat_interleave(repeats, output_size=norms.numel())
         self.muon_norms = norms
         scaled = norms * scales
         self.sq_sum[self.rule] = scaled.square().sum()
-        self.max_matrix_rms = (scaled * inverse_sqrt_numel.repeat_interleave(sizes, output_size=norms.numel())).max()
+        self.max_matrix_rms = (scaled * inverse_sqrt_numel).max()
         self._unit_norms, self._unit_scales, self._unit_matrix_numel = [], [], []
 
     def add_flops(self, flops: int) -> None:
@@ -197,6 +198,15 @@ class StepStats:
                     return None
                 self._nonfinite = [self.muon_names[i] for i in flags.nonzero().flatten().tolist()]
         return self._nonfinite
+
+
+def _to_device_async(rows: list[list[float]], device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``rows`` (equal lengths) as one tensor on ``device``; to CUDA from pinned memory without waiting (a copy
+    from pageable memory would synchronize the host with the device)."""
+    host = torch.tensor(rows, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _to_host_async(t: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
