@@ -78,24 +78,24 @@ def test_split_product_is_float32_accurate():
 
 
 def test_series_pass_equals_float64_cholesky_qr_of_a_near_orthogonal_basis():
-    """A batch of 3 bases Q off orthogonal by ‖QᵀQ − I‖_F ≈ SERIES_DEFECT/2 (k = 64): the series pass gives
-    float64 Cholesky QR's Q·R⁻¹ within 2e-7 (entry-wise; measured 8.4e-8, the float32 Cholesky pass 9.9e-8) and
-    a basis orthogonal within 1e-6 (measured 3.1e-7), where Q itself was off by 5e-6 (max|QᵀQ − I|)."""
+    """A batch of 3 bases Q off orthogonal by ‖QᵀQ − I‖_F ≈ 0.7·SERIES_DEFECT (k = 64): the series pass gives
+    float64 Cholesky QR's Q·R⁻¹ within 2e-7 (entry-wise; measured 7.4e-8, the float32 Cholesky pass 9.1e-8) and
+    a basis orthogonal within 1e-6 (measured 3.4e-7), where Q itself was off by 4e-5 (max|QᵀQ − I|)."""
     k = 64
     gen = torch.Generator().manual_seed(70)
     exact = torch.stack([random_basis(k, 71 + i).to(F64) for i in range(3)])
     noise = torch.randn(3, k, k, generator=gen, dtype=F64)
-    q = (exact + noise * (SERIES_DEFECT / 4 / noise.norm(dim=(-2, -1), keepdim=True))).float()
+    q = (exact + noise * (SERIES_DEFECT / 2 / noise.norm(dim=(-2, -1), keepdim=True))).float()
     gram = accurate_gram(q)
     f_norm = torch.linalg.matrix_norm(gram.to(F64) - torch.eye(k, dtype=F64))
-    assert bool((f_norm <= SERIES_DEFECT).all()) and bool((f_norm >= SERIES_DEFECT / 8).all()), f_norm
+    assert bool((f_norm <= SERIES_DEFECT).all()) and bool((f_norm >= SERIES_DEFECT / 2).all()), f_norm
     q64 = q.to(F64)
     r = torch.linalg.cholesky(q64.mT @ q64).mT
     want = torch.linalg.solve_triangular(r, q64, upper=True, left=False)
     got = series_pass(q, gram)
     assert (got.to(F64) - want).abs().max().item() <= 2e-7
     assert max(defect(g) for g in got) <= 1e-6
-    assert min(defect(g) for g in q) >= 4e-6
+    assert min(defect(g) for g in q) >= 2e-5
 
 
 @pytest.mark.parametrize("rank", [64, 12])
