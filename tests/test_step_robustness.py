@@ -236,7 +236,7 @@ def test_on_the_gpu_units_applied_at_once_take_their_norms_from_the_apply(monkey
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 opt.step()
-            m = opt.metrics
+                m = opt.metrics  # the warning comes from the step, or here once the flags reach the host
             messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
             warned = any("'experts[3]'" in message for message in messages)
             out.append((m["muon/update_rms/muon"], m["muon/nonfinite_updates"], warned))
