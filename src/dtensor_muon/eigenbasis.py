@@ -56,15 +56,15 @@ tensor, with their products batched and their Cholesky factorizations and triang
 on SIDE_STREAMS CUDA streams (batched cuSOLVER is slower than a loop at these sizes, and one factorization
 leaves the GPU idle in its panel steps).
 
-The second-order polar correction Q·(I − F/2 + 3F²/8), F = G − I, would be a cheaper last pass (two products,
-orthogonal to O(‖F‖³)) and is not used: it rotates column pairs by F_ij/2 where Cholesky QR removes the whole
-overlap from the later column; as a last pass for ‖F‖_F up to 10⁻² it moved the parameters of
+The second-order polar correction Q·(I − F/2 + 3F²/8) would be a last pass as cheap as the series (two
+products, orthogonal to O(‖F‖³)) and is not used: it rotates column pairs by F_ij/2 where the triangular R
+removes the whole overlap from the later column; as a last pass for ‖F‖_F up to 10⁻² it moved the parameters of
 tests/test_soap.py's problem 5e-5 (relative to their change) from the float64 reference, against 3e-6 with
 Cholesky passes.
 
 A factor gets ``eigh`` (:func:`dtensor_muon.rules.soap.eigh_descending`: the sorted old basis where that fails
 too) where the refresh cannot vouch for its basis: a non-finite Ŷ or Q, a failed Cholesky, or a last pass
-whose input had η > ACCEPT_DEFECT. A zero factor, or one whose largest estimate is not finite, keeps its
+whose input had max|F| > ACCEPT_DEFECT. A zero factor, or one whose largest estimate is not finite, keeps its
 sorted old basis (Ŷ = Q_s), as eigh_descending does for a factor with an inf or NaN. The products that rotate
 SOAP's moments (Q_newᵀ·Q_old) use :func:`accurate_matmul` as well; nothing here depends on torch's float32
 matmul precision setting.
