@@ -11,11 +11,11 @@ gradient before (a warm basis, as after many refreshes). Per operation: median m
 events on the GPU, the host clock on CPU), after two untimed calls.
 
 Operations: one product K·Q in float32, TF32 and bf16; the float32-accurate split TF32 product and Gram matrix
-(:func:`accurate_matmul`, :func:`accurate_gram`); the first pass's TF32 Gram matrix; ``cholesky_ex``;
+(:func:`accurate_matmul`, :func:`accurate_gram`); a TF32 Gram matrix; ``cholesky_ex``;
 ``solve_triangular`` (Q·R⁻¹); a whole ``power_cholqr``; float32 ``eigh`` and Householder ``qr`` of K·Q.
 
-Replacements, on the two passes' real inputs (the shifted power-iteration product Ŷ with its TF32 Gram matrix,
-and the first pass's output with its float32-accurate one): Q·R⁻¹ by column blocks whose updates are products
+Replacements, on the two passes' real inputs (the shifted power-iteration product Ŷ and the first pass's
+output, each with its float32-accurate Gram matrix): Q·R⁻¹ by column blocks whose updates are products
 (TF32, or split TF32 with ``accurate``), by an explicit blocked inverse of R, and a right-looking blocked
 Cholesky with product updates; each with its largest entry error against float64 (relative to the largest
 entry) and the result's max|QᵀQ − I|. Then, on a batch of warm factors, ‖QᵀQ − I‖_F after the first pass with
