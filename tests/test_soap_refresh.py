@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from dtensor_muon import eigenbasis as eb
 from dtensor_muon.eigenbasis import (
     BATCH_MAX_SIDE,
     SERIES_DEFECT,
@@ -96,6 +97,39 @@ def test_series_pass_equals_float64_cholesky_qr_of_a_near_orthogonal_basis():
     assert (got.to(F64) - want).abs().max().item() <= 2e-7
     assert max(defect(g) for g in got) <= 1e-6
     assert min(defect(g) for g in q) >= 2e-5
+
+
+def test_members_of_a_batch_take_their_own_passes(monkeypatch):
+    """A batch of a warm basis (its second pass a series) and one with two equal columns (Cholesky passes until
+    its Gram matrix is small enough): each member takes its own passes, and each member's basis equals
+    its refresh alone within 1e-6, orthogonal within 1e-5 in float64, neither fallen back to eigh."""
+    members: dict[str, list[int]] = {"series": [], "cholesky": []}
+    series_pass_of, cholesky_pass_of = eb.series_pass, eb.cholesky_qr_pass
+
+    def series(q: Tensor, gram: Tensor) -> Tensor:
+        members["series"].append(q.shape[0])
+        return series_pass_of(q, gram)
+
+    def cholesky(q: Tensor, gram: Tensor, shift: float = 0.0) -> tuple[Tensor, Tensor]:
+        members["cholesky"].append(q.shape[0])
+        return cholesky_pass_of(q, gram, shift)
+
+    monkeypatch.setattr(eb, "series_pass", series)
+    monkeypatch.setattr(eb, "cholesky_qr_pass", cholesky)
+    k = 40
+    before = gram_factor(k, 64, seed=60)
+    warm = eigh_descending(before)[1]
+    factor = 0.95 * before + 0.05 * gram_factor(k, 64, seed=61)
+    duplicated = random_basis(k, 62)
+    duplicated[:, 1] = duplicated[:, 0]  # Ŷ singular: the shifted first pass leaves it far from orthogonal
+    factors, bases = torch.stack([factor, factor]), torch.stack([warm, duplicated])
+    q_new, _, _, fallen_back = power_cholqr(factors, bases, eigh)
+    # pass 1 on both; pass 2: the series on the warm one, a Cholesky pass on the other; pass 3: its series
+    assert members == {"series": [1, 1], "cholesky": [2, 1]} and not bool(fallen_back.any())
+    for i in range(2):
+        alone = power_cholqr(factors[i : i + 1], bases[i : i + 1], eigh)[0][0]
+        assert (q_new[i] - alone).abs().max().item() <= 1e-6
+        assert defect(q_new[i]) <= 1e-5
 
 
 @pytest.mark.parametrize("rank", [64, 12])

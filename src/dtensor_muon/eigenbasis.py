@@ -36,7 +36,7 @@ Orthogonalization, in passes on Q (first Q = Ŷ); each needs G = QᵀQ = I + F i
   triangular solve in float32. R is triangular, so Q keeps Ŷ's nested column spans (the power iteration's
   order) whatever its rounding. Cholesky QR leaves max|QᵀQ − I| ≈ 2⁻²⁴·cond(Q)², so the first pass's only
   job is a well-conditioned Q and the second makes it orthogonal.
-- series pass, where every member of the batch has ‖F‖_F ≤ SERIES_DEFECT: the same Q·R⁻¹ with the upper
+- series pass, on the members with ‖F‖_F ≤ SERIES_DEFECT: the same Q·R⁻¹ with the upper
   triangular R = I + U from products instead of cuSOLVER and cuBLAS, U₀ = Φ(F), U = Φ(F − U₀ᵀ·U₀)
   (Φ: strict upper triangle plus half the diagonal, so that U + Uᵀ + UᵀU = F to O(‖F‖³)) and
   R⁻¹ = I − U + U² to O(‖F‖³): Q ← Q + Q·(U² − U), three TF32 products on CUDA (their rounding, about
@@ -46,9 +46,9 @@ Orthogonalization, in passes on Q (first Q = Ŷ); each needs G = QᵀQ = I + F i
   2.2 for 8 factors of 1024), its result as far from float64 Cholesky QR's as the Cholesky pass's (1.5e-6
   and 7e-7 largest entry differences) and as orthogonal.
 
-Passes run until the input of a Cholesky pass had max|F| ≤ ACCEPT_DEFECT, or a series pass ran, at most
-MAX_PASSES (a basis far from K's eigenvectors, e.g. a new gradient direction in a rank-deficient factor,
-takes three or four; a warm one two). A pass whose input had max|F| ≤ ACCEPT_DEFECT leaves Q orthogonal to
+Passes run, each batch member on its own, until the input of its Cholesky pass had max|F| ≤ ACCEPT_DEFECT,
+or a series pass ran, at most MAX_PASSES (a basis far from K's eigenvectors, e.g. a new gradient direction in
+a rank-deficient factor, takes three or four; a warm one two). A pass whose input had max|F| ≤ ACCEPT_DEFECT leaves Q orthogonal to
 O(max|F|²) plus float32 rounding (tests/test_soap_refresh.py measures the result's max|QᵀQ − I| in float64).
 
 Factors of a side above BATCH_MAX_SIDE are refreshed in batches of at most LARGE_BATCH_ENTRIES entries per
@@ -238,6 +238,60 @@ def power_of_two_above(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.exp2(-first), torch.exp2(first - exponent)
 
 
+def later_passes(q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Passes 2 to MAX_PASSES on the first pass's output, member by member (module docstring): a member whose
+    ‖F‖_F ≤ SERIES_DEFECT takes the series pass and is done; the others take a Cholesky pass, done once its
+    input had max|F| ≤ ACCEPT_DEFECT. Members on the same path run as one batch (the whole batch when all
+    are). Returns (Q, done, whether every Cholesky of the member succeeded), per member."""
+    members = q.shape[0]
+    eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
+    done = [False] * members
+    cholesky_ok = torch.ones(members, dtype=torch.bool, device=q.device)
+    pending = list(range(members))
+    for _ in range(MAX_PASSES - 1):
+        q_pending = _rows(q, pending, members)
+        gram = accurate_gram(q_pending)
+        off = (gram - eye).nan_to_num(float("inf"))
+        series, within = torch.stack(
+            [torch.linalg.matrix_norm(off) <= SERIES_DEFECT, off.abs().amax(dim=(-2, -1)) <= ACCEPT_DEFECT]
+        ).tolist()
+        by_series = [j for j, s in enumerate(series) if s]
+        by_cholesky = [j for j, s in enumerate(series) if not s]
+        if by_series:
+            rows = [pending[j] for j in by_series]
+            q = _put_rows(
+                q, rows, series_pass(_rows(q_pending, by_series, len(pending)), _rows(gram, by_series, len(pending)))
+            )
+        if by_cholesky:
+            rows = [pending[j] for j in by_cholesky]
+            q_new, passed = cholesky_qr_pass(
+                _rows(q_pending, by_cholesky, len(pending)),
+                _rows(gram, by_cholesky, len(pending)),
+                q.shape[-1] * FLOAT32_UNIT,
+            )
+            q = _put_rows(q, rows, q_new)
+            cholesky_ok[rows] = cholesky_ok[rows] & passed
+        for j in range(len(pending)):
+            done[pending[j]] = series[j] or within[j]
+        pending = [i for i in pending if not done[i]]
+        if not pending:
+            break
+    return q, torch.tensor(done, device=q.device), cholesky_ok
+
+
+def _rows(x: Tensor, rows: list[int], members: int) -> Tensor:
+    """``x``'s batch members ``rows`` (``x`` itself when they are all of its ``members``, in order)."""
+    return x if len(rows) == members else x[rows]
+
+
+def _put_rows(x: Tensor, rows: list[int], values: Tensor) -> Tensor:
+    """``x`` with its batch members ``rows`` replaced by ``values`` (``values`` itself when they are all)."""
+    if len(rows) == x.shape[0]:
+        return values
+    x[rows] = values
+    return x
+
+
 def power_cholqr(
     k: Tensor, q_old: Tensor, eigh: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -264,24 +318,8 @@ def power_cholqr(
 
     ok = torch.isfinite(y_hat).flatten(1).all(dim=1)
     q, chol_ok = cholesky_qr_pass(y_hat, accurate_gram(y_hat), FIRST_PASS_SHIFT)
-    ok = ok & chol_ok
-    within = torch.zeros_like(ok)
-    eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
-    for _ in range(MAX_PASSES - 1):
-        gram = accurate_gram(q)
-        off = (gram - eye).nan_to_num(float("inf"))
-        within = off.abs().amax(dim=(-2, -1)) <= ACCEPT_DEFECT
-        series, all_within = torch.stack(
-            [(torch.linalg.matrix_norm(off) <= SERIES_DEFECT).all(), within.all()]
-        ).tolist()
-        if series:
-            q = series_pass(q, gram)
-            break
-        q, chol_ok = cholesky_qr_pass(q, gram, q.shape[-1] * FLOAT32_UNIT)
-        ok = ok & chol_ok
-        if all_within:
-            break
-    ok = ok & within & torch.isfinite(q).flatten(1).all(dim=1)
+    q, done, later_ok = later_passes(q)
+    ok = ok & chol_ok & later_ok & done & torch.isfinite(q).flatten(1).all(dim=1)
     fallen_back = ~ok
     if bool(fallen_back.any()):
         for i in fallen_back.nonzero().flatten().tolist():
