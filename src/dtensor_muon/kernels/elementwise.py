@@ -252,11 +252,19 @@ def _momentum_step_torch(
     return grad.lerp(advanced, momentum) if nesterov else advanced
 
 
+def _apply_kernel_takes(param: Tensor, update: Tensor, decay: float | Tensor, alpha: float | Tensor) -> bool:
+    """Whether the decay-and-add kernels run on (θ, O): float factors (a Tensor lr takes torch's operations) and
+    tensors :func:`_kernel_applies` takes (``update`` in any layout: the caller makes it contiguous)."""
+    return (
+        not isinstance(decay, Tensor) and not isinstance(alpha, Tensor) and _kernel_applies(param, update, any_layout=1)
+    )
+
+
 def decay_and_add_(param: Tensor, update: Tensor, decay: float | Tensor, alpha: float | Tensor) -> None:
     """θ ← θ·decay + alpha·O in place (decay = 1 − γλ, alpha = −γ'): one kernel where it applies (``update``
     in any layout: copied to a contiguous one first), else ``mul_`` then ``add_(alpha=)``; a Tensor ``decay``
     or ``alpha`` (a Tensor lr) takes the torch operations."""
-    if isinstance(decay, Tensor) or isinstance(alpha, Tensor) or not _kernel_applies(param, update, any_layout=1):
+    if not _apply_kernel_takes(param, update, decay, alpha):
         param.mul_(decay)
         param.add_(update, alpha=alpha)
         return
@@ -276,12 +284,7 @@ def decay_and_add_with_norms_(
     as :func:`decay_and_add_` does and returns None: the caller takes the norms itself."""
     if matrices < 1 or param.numel() % matrices:
         raise ValueError(f"decay_and_add_with_norms_: {param.numel()} entries are not {matrices} matrices of one size")
-    if (
-        isinstance(decay, Tensor)
-        or isinstance(alpha, Tensor)
-        or matrices > MAX_NORM_MATRICES
-        or not _kernel_applies(param, update, any_layout=1)
-    ):
+    if matrices > MAX_NORM_MATRICES or not _apply_kernel_takes(param, update, decay, alpha):
         decay_and_add_(param, update, decay, alpha)
         return None
     update = update.contiguous()  # as in decay_and_add_: a transposed view is copied once
@@ -300,7 +303,7 @@ def decay_and_add_many(
     ``mul_`` and ``add_``; on the GPU ``tests/test_elementwise_kernels.py`` compares them)."""
     small: dict[tuple[float, float, torch.device], list[int]] = {}
     for i, (p, o, decay, alpha) in enumerate(zip(params, updates, decays, alphas)):
-        if isinstance(decay, Tensor) or isinstance(alpha, Tensor) or _kernel_applies(p, o, any_layout=1):
+        if isinstance(decay, Tensor) or isinstance(alpha, Tensor) or _apply_kernel_takes(p, o, decay, alpha):
             decay_and_add_(p, o, decay, alpha)
         else:
             small.setdefault((decay, alpha, p.device), []).append(i)
