@@ -2,7 +2,7 @@
 
 Such a kernel's programs each store their block's partial sum, then take a ticket from their matrix's counter
 (an atomic add with acquire-release order); the program that draws the last ticket sums the matrix's partial
-sums in a fixed order and sets the counter back to zero (:mod:`.normalize`, :mod:`.elementwise`).
+sums in a fixed order and sets the counter back to zero (:func:`.ordered_sum.store_partial_and_total`).
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ busiest rank's share at 64 and 256 ranks (Qwen3-30B-A3B, 8 layers; shards of 0.0
 and 3.7 ms to 12.0 and 9.7 ms; ``bench/elementwise.py`` times both paths per size."""
 
 if triton is not None:
+    from .ordered_sum import store_partial_and_total
 
     @triton.jit
     def _lerp(start, end, weight, one_minus_weight, SMALL: tl.constexpr):
@@ -117,15 +118,11 @@ if triton is not None:
         o = tl.load(o_ptr + entries, mask=inside, other=0.0).to(tl.float32)
         decayed = (p * decay).to(p_ptr.dtype.element_ty).to(tl.float32)
         tl.store(p_ptr + entries, tl.fma(o, alpha, decayed).to(p_ptr.dtype.element_ty), mask=inside)
-        tl.store(partial_ptr + matrix * blocks + block, tl.sum(o * o, axis=0))
-        ticket = tl.atomic_add(counter_ptr + matrix, 1, sem="acq_rel")
-        if ticket == blocks - 1:
-            total = tl.zeros((CHUNK,), dtype=tl.float32)
-            for start in range(0, blocks, CHUNK):
-                index = start + tl.arange(0, CHUNK)
-                total += tl.load(partial_ptr + matrix * blocks + index, mask=index < blocks, other=0.0, volatile=True)
-            tl.store(norms_ptr + matrix, tl.sqrt(tl.sum(total, axis=0)))
-            tl.store(counter_ptr + matrix, 0)
+        last, total = store_partial_and_total(
+            partial_ptr, counter_ptr, matrix, block, blocks, tl.sum(o * o, axis=0), CHUNK
+        )
+        if last:
+            tl.store(norms_ptr + matrix, tl.sqrt(total))
 
 
 def _fp32(value: float) -> float:

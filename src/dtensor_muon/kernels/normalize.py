@@ -13,11 +13,9 @@ non-vectorized division). X₀ differs from torch's by at most one rounding of t
 folds s into the first products (A₀ = s²·X̃·X̃ᵀ, P₀·X₀ = (s·P₀)·X̃), so X₀ is never written: one read of G
 instead of two. Each entry of X̃ is G's rounded once; X₀ = s·X̃ is within one rounding of G / ‖G‖ as above.
 
-How a kernel ends in s without a second launch: each program stores its block's fp32 sum of squares, then
-takes a ticket from its matrix's counter (an atomic add with acquire-release order); the program that draws
-the last ticket sums the matrix's block sums in a fixed order (deterministic, whichever program finishes
-last), writes s and sets the counter back to zero. The counters are zeroed once per device and stream
-(:func:`.counters.ticket_counters`) and left zeroed by every launch.
+How a kernel ends in s without a second launch: each program stores its block's fp32 sum of squares, and the
+last program of a matrix to finish adds them in a fixed order (deterministic) and writes s
+(:func:`.ordered_sum.store_partial_and_total`).
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .counters import ticket_counters
+from .ordered_sum import store_partial_and_total
 from .shapes import matrix_count
 
 BLOCK = 4096
@@ -70,16 +69,11 @@ def _sum_squares_scale_kernel(
     values = tl.load(g_ptr + matrix * N + offsets, mask=inside, other=0.0).to(tl.float32)
     if WRITE_CAST:
         tl.store(out_ptr + matrix * N + offsets, values.to(out_ptr.dtype.element_ty), mask=inside)
-    tl.store(partial_ptr + matrix * blocks + block, tl.sum(values * values, axis=0))
-    ticket = tl.atomic_add(counter_ptr + matrix, 1, sem="acq_rel")
-    if ticket == blocks - 1:
-        total = tl.zeros((CHUNK,), dtype=tl.float32)
-        for start in range(0, blocks, CHUNK):
-            index = start + tl.arange(0, CHUNK)
-            total += tl.load(partial_ptr + matrix * blocks + index, mask=index < blocks, other=0.0, volatile=True)
-        norm = tl.sqrt(tl.sum(total, axis=0))
-        tl.store(scale_ptr + matrix, 1.0 / tl.maximum(norm, eps))
-        tl.store(counter_ptr + matrix, 0)
+    last, total = store_partial_and_total(
+        partial_ptr, counter_ptr, matrix, block, blocks, tl.sum(values * values, axis=0), CHUNK
+    )
+    if last:
+        tl.store(scale_ptr + matrix, 1.0 / tl.maximum(tl.sqrt(total), eps))
 
 
 def _sum_squares_into(g: Tensor, scale: Tensor, eps: float, cast_out: Tensor | None) -> None:
