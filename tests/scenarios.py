@@ -234,8 +234,8 @@ def fsdp_training(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     for layer in model:
         if any(p.requires_grad for p in layer.parameters()):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=make_mesh("shard0", world_size))
+    fully_shard(model, mesh=make_mesh("shard0", world_size))
     opt = Muon(model.named_parameters(), **OPTIONS)
     fed = []
     for step in range(steps):
@@ -317,9 +317,10 @@ def overlap_training(
 
     torch.manual_seed(0)
     model = Blocks()
+    mesh = make_mesh("shard0", world_size)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     if prefetch:
         for current, following in zip(model.blocks[:-1], model.blocks[1:]):
             current.set_modules_to_forward_prefetch([following])

@@ -529,10 +529,11 @@ def mlp_fsdp(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     with single_thread():
         for optimizer in MLP_OPTIMIZERS:
             model = mlp(1)
+            mesh = scenarios.make_mesh("shard0", world_size)
             for layer in model:
                 if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer)
-            fully_shard(model)
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
             opt = optimizer(model.named_parameters())
             losses = []
             for _ in range(steps):

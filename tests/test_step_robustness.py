@@ -267,10 +267,11 @@ def nonfinite_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
         nn.LayerNorm(10),
         nn.Linear(10, 37, bias=False),
     )
+    mesh = scenarios.make_mesh("shard0", world_size)
     for layer in model:
         if any(True for _ in layer.parameters()):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = Muon(model.named_parameters(), **scenarios.OPTIONS)
     shapes = [tuple(p.shape) for g in opt.param_groups if g["use_muon"] for p in g["params"]]
     out: dict[str, Any] = {"expected_flops": sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)}

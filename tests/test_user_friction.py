@@ -426,9 +426,10 @@ def fsdp_frozen_training(rank: int, world_size: int, overlap: bool, steps: int) 
     model = scenarios.Blocks()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.blocks[FROZEN_BLOCK].requires_grad_(False)
+    mesh = scenarios.make_mesh("shard0", world_size)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = Muon(model.named_parameters(), overlap=overlap, **scenarios.OPTIONS)
     opt.attach(model)
     frozen_state = [p in opt.state for p in model.blocks[FROZEN_BLOCK].parameters()]
