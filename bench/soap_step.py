@@ -1,5 +1,5 @@
 """The SOAP optimizer step on Llama3-8B's matrices, on one device, per phase, side by side with Muon: the work
-of one rank computing every matrix, and of the busiest rank of the plan at 8 and at 64 ranks.
+of one rank computing every matrix, and of the slowest rank of each optimizer's plan at 8 and at 64 ranks.
 
     PYTHONPATH=src python bench/soap_step.py                         # Llama3-8B, 16 layers: 112 matrices
     PYTHONPATH=src python bench/soap_step.py --variants SOAP KLSOAP REKLS --world-sizes 1 8 64 512
@@ -15,13 +15,14 @@ layers, and ``max_preconditioner_dim`` 128, so that its 192-long MLP side is lef
 
 Matrix sets (``--world-sizes``, default 1 8 64). At world size 1 one rank computes every matrix. At W > 1,
 every matrix is laid out as FSDP2 lays it (``Shard(0)`` over W ranks, ``dtensor_muon.simulate.fsdp_layout``)
-and planned by ``dtensor_muon.plan.build_plan`` with the variant's own rule cost (``SOAPRule.cost``: FLOPs and owner-state
-bytes, as the optimizer's engine plans it; SOAP matrices are never batched); the busiest rank is the one with
-the largest planned cost, and its set is the matrices it computes (``Plan.computed_by``). Only that set is
-allocated and timed, on one device with no process group: what the busiest rank computes per step, without
-the exchange. Each variant's plan gives its own set (a QR and an eigh refresh weigh shapes differently);
-Muon (``dtensor_muon.Muon`` defaults: momentum 0.95, Nesterov, 5 bf16 Newton–Schulz iterations) is timed on
-every distinct set, side by side.
+and planned by ``dtensor_muon.plan.build_plan`` with each optimizer's own rule cost, as its engine plans it
+(``MatrixCost.planned``: for SOAP each operation's FLOPs weighted by its measured rate, ``SOAPRule.cost``;
+``--plan-by flops`` plans nominal FLOPs instead). Every rank's set (the matrices it computes,
+``Plan.computed_by``; ranks whose matrices have the same shapes share one) is allocated and timed, on one
+device with no process group: what that rank computes per step, without the exchange. The slowest rank is
+the one whose step takes longest, and each optimizer's row is its own plan's slowest rank: SOAP's against
+Muon's (``dtensor_muon.Muon`` defaults: momentum 0.95, Nesterov, 5 bf16 Newton–Schulz iterations), each with
+the set its plan gives.
 
 Variants (``--variants``; default SOAP, SOAP-cholqr and REKLS): ``dtensor_muon.SOAP`` (Shampoo factors, one
 power iteration + Householder QR per refresh), ``SOAP-cholqr`` (``dtensor_muon.SOAP(basis="cholqr")``: the
@@ -45,7 +46,7 @@ captures and the allocator's warm-up are not counted), medians over ``--repeats`
 
 - step ms: ``optimizer.step()`` over the set (prepare, direction, apply), on the host clock with the device
   synchronized (``torch.cuda.synchronize``) before and after each step, as bench/optimizer_step.py times it;
-- per phase of the SOAP rule (``dtensor_muon.rules.soap.SOAPRule``), called on the same matrices with their
+- per phase of the SOAP rule (``dtensor_muon.rules.soap.SOAPRule``, on the slowest rank's set), called on the same matrices with their
   own owner state after the same warm-up, each call between two CUDA events (on CPU the host clock), summed
   over the set per step:
   factors (``update_factors``: G·Gᵀ and Gᵀ·G, or KL's whitened products), refresh (``refresh_basis``:
@@ -53,14 +54,14 @@ captures and the allocator's warm-up are not counted), medians over ``--repeats`
   into the new basis) and Adam (``adam_in_basis``: the projections Q_Lᵀ·G·Q_R and Q_L·N·Q_Rᵀ and Adam's
   moments in the basis); their sum is the direction alone, step ms minus it the element-wise prepare and
   apply and the engine's overhead;
-- GFLOP/step: the rule's cost model (SOAPRule.cost, MuonRule.cost: what the plan balances), and TFLOP/s =
-  that over step ms;
+- GFLOP/step: the rule's cost model's nominal FLOPs (SOAPRule.cost, MuonRule.cost), and TFLOP/s = that over
+  step ms; planned GFLOP: what the plan balanced for that rank (SOAP: TF32-product FLOP equivalents);
 - memory (CUDA): allocated after the optimizer's construction (parameters, gradients and state, which both
   optimizers create eagerly) and the peak over its steps, ``torch.cuda.max_memory_allocated`` with the peak
   statistics reset before each optimizer.
 
-Prints one Markdown table and writes ``bench/results/soap_step.json`` (rows, and every plan's busiest set
-under ``sets``).
+Prints one Markdown table and writes ``bench/results/soap_step.json`` (rows, and every timed rank set with its
+step ms under ``sets``).
 """
 
 from __future__ import annotations
@@ -122,27 +123,31 @@ def optimizer_group(cls: type[MatrixOptimizer], **options: Any) -> dict[str, Any
 
 
 @dataclass(frozen=True)
-class MatrixSet:
-    """The matrices (indices into the matrix list) of the busiest rank of a variant's plan at ``world_size``."""
+class RankSet:
+    """The matrices (indices into the matrix list) one rank computes in an optimizer's plan at ``world_size``,
+    with every rank whose matrices have the same shapes (``ranks``; ``indices`` are the lowest such rank's),
+    and the set's planned cost (what the plan balanced)."""
 
-    variant: str
+    optimizer: str
     world_size: int
-    rank: int
+    ranks: tuple[int, ...]
     indices: tuple[int, ...]
-    busiest_flops: int
-    mean_flops: float
-    lower_bound: float
+    planned: int
 
 
-def busiest_set(variant: str, matrices: list[Matrix], group: dict[str, Any], world_size: int) -> MatrixSet:
-    """Plan ``matrices`` under FSDP ``Shard(0)`` over ``world_size`` ranks with the SOAP rule's cost (as the
-    engine does) and return the set of the rank with the largest planned cost (the lowest such rank)."""
-    rule = SOAPRule()
+def rank_sets(
+    optimizer: str, cls: type[MatrixOptimizer], matrices: list[Matrix], group: dict[str, Any], world_size: int,
+    plan_by: str = "planned",
+) -> list[RankSet]:  # fmt: skip
+    """Plan ``matrices`` under FSDP ``Shard(0)`` over ``world_size`` ranks with the rule's cost, as the engine
+    does (``plan_by="planned"``: :attr:`MatrixCost.planned`; ``"flops"``: nominal FLOPs), and return each
+    distinct rank set (ranks whose matrices have the same shapes share one), by decreasing planned cost."""
+    rule = cls.rule
     layouts = [fsdp_layout(name, shape, world_size) for name, shape in matrices]
 
     def cost(k: int, shape: tuple[int, int]) -> tuple[int, int]:
         c = rule.cost(group, shape)
-        return c.flops, c.owner_state_bytes
+        return (c.planned if plan_by == "planned" else c.flops), c.owner_state_bytes
 
     plan = build_plan(
         layouts,
@@ -152,11 +157,16 @@ def busiest_set(variant: str, matrices: list[Matrix], group: dict[str, Any], wor
         batchable=[rule.can_batch(group)] * len(layouts),
         cost_fn=cost,
     )
-    busiest = max(plan.rank_flops)
-    rank = plan.rank_flops.index(busiest)
-    indices = tuple(sorted(plan.routes[i].spec.param_index for i in plan.computed_by(rank)))
-    mean = sum(plan.rank_flops) / world_size
-    return MatrixSet(variant, world_size, rank, indices, busiest, mean, plan.lower_bound)
+    by_shapes: dict[tuple, list[tuple[int, tuple[int, ...]]]] = {}
+    for rank in range(world_size):
+        indices = tuple(sorted(plan.routes[i].spec.param_index for i in plan.computed_by(rank)))
+        if indices:
+            by_shapes.setdefault(tuple(sorted(matrices[i][1] for i in indices)), []).append((rank, indices))
+    sets = [
+        RankSet(optimizer, world_size, tuple(r for r, _ in ranks), ranks[0][1], plan.rank_flops[ranks[0][0]])
+        for ranks in by_shapes.values()
+    ]
+    return sorted(sets, key=lambda s: -s.planned)
 
 
 def set_flops(matrices: list[Matrix], indices: tuple[int, ...], cls: type[MatrixOptimizer], group: dict) -> int:
@@ -308,14 +318,18 @@ def heavyball_soap(
 
 
 def case_label(world_size: int, n_matrices: int) -> str:
-    return f"all {n_matrices} matrices (1 rank)" if world_size == 1 else f"busiest of {world_size} ranks"
+    return f"all {n_matrices} matrices (1 rank)" if world_size == 1 else f"slowest of {world_size} ranks"
 
 
 def main() -> None:
     parser = benchmark_parser(__doc__, "soap_step")
     parser.add_argument("--layers", type=int, default=None, help="first N Llama3 8B layers (default 16; quick: 2)")
     parser.add_argument(
-        "--world-sizes", type=int, nargs="+", default=[1, 8, 64], help="plans whose busiest rank runs (1: every matrix)"
+        "--world-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 8, 64],
+        help="plans whose every rank set runs (1: every matrix)",
     )
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(DEFAULT_VARIANTS))
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (step 1 is SOAP's eigh)")
@@ -323,6 +337,12 @@ def main() -> None:
     parser.add_argument("--max-preconditioner-dim", type=int, default=None, help="SOAP's (default 8192; quick: 128)")
     parser.add_argument("--precondition-frequency", type=int, default=1, help="steps between basis refreshes")
     parser.add_argument("--no-heavyball", action="store_true", help="leave heavyball's SOAP out even if importable")
+    parser.add_argument(
+        "--plan-by",
+        choices=["planned", "flops"],
+        default="planned",
+        help="what the plans balance: each rule's planned cost, as the engine (default), or nominal FLOPs",
+    )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument(
         "--float32-matmul-precision",
@@ -365,64 +385,61 @@ def main() -> None:
     groups = {v: optimizer_group(VARIANTS[v], **soap_options[v]) for v in args.variants}
     muon_group = optimizer_group(dtensor_muon.Muon, **muon_options)
     world_sizes = sorted(set(args.world_sizes))
-    sets = [busiest_set(v, matrices, groups[v], w) for w in world_sizes for v in args.variants]
+    classes: dict[str, type[MatrixOptimizer]] = {**{v: VARIANTS[v] for v in args.variants}, "Muon": dtensor_muon.Muon}
+    options = {**soap_options, "Muon": muon_options}
+    plan_groups = {**groups, "Muon": muon_group}
     n_values = sum(torch.Size(s).numel() for _, s in matrices)
     print(
         f"Llama3 {QUICK_FLAVOR + ' (shrunk)' if args.quick else FLAVOR}, {args.layers} layers: {len(matrices)} "
         f"matrices, {n_values / 1e6:,.1f} M values, fp32, on {device}; shapes from the {shapes_from}; "
         f"medians of {args.repeats} steps after {args.warmup} untimed ones (step 1: SOAP's eigh); float32 "
         f"matmul precision {args.float32_matmul_precision}; precondition_frequency {args.precondition_frequency}; "
+        f"plans balance {'each rule cost planned' if args.plan_by == 'planned' else 'nominal FLOPs'}; "
         f"heavyball's SOAP {'included (one-rank set)' if heavyball else 'not included (not importable or --no-heavyball)'}"
     )
-    for s in sets:
-        if s.world_size > 1:
-            print(
-                f"  {s.variant} at {s.world_size} ranks: rank {s.rank}, {len(s.indices)} matrices "
-                f"({describe(matrices, s.indices)}), {s.busiest_flops / 1e9:.1f} GFLOP/step "
-                f"(mean {s.mean_flops / 1e9:.1f}, lower bound {s.lower_bound / 1e9:.1f})"
-            )
 
     rows: list[dict[str, Any]] = []
+    measured: list[dict[str, Any]] = []
     for w in world_sizes:
-        distinct: dict[tuple[int, ...], list[str]] = {}
-        for s in sets:
-            if s.world_size == w:
-                distinct.setdefault(s.indices, []).append(s.variant)
-        for indices, variants in distinct.items():
-            params = ParameterSet([matrices[i] for i in indices], device)
-            common = {
-                "case": case_label(w, len(indices)),
+        slowest: dict[str, tuple[RankSet, dict[str, Any]]] = {}
+        for name, cls in classes.items():
+            for rank_set in rank_sets(name, cls, matrices, plan_groups[name], w, args.plan_by):
+                params = ParameterSet([matrices[i] for i in rank_set.indices], device)
+                timing = measure_step(ours(cls, options[name]), params, args.warmup, args.repeats)
+                measured.append({**asdict(rank_set), "matrices": [matrices[i][0] for i in rank_set.indices], **timing})
+                print(
+                    f"  {name} at {w} ranks: {len(rank_set.ranks)} rank(s) with {describe(matrices, rank_set.indices)}: "
+                    f"{timing['step_ms']:.2f} ms",
+                    flush=True,
+                )
+                if name not in slowest or timing["step_ms"] > slowest[name][1]["step_ms"]:
+                    slowest[name] = (rank_set, timing)
+                del params
+                free(device)
+        for name, (rank_set, timing) in slowest.items():
+            params = ParameterSet([matrices[i] for i in rank_set.indices], device)
+            row = {
+                "case": case_label(w, len(rank_set.indices)),
                 "world_size": w,
-                "set_of": variants,
-                "set_from": "every matrix" if w == 1 else "/".join(variants),
-                "matrices": len(indices),
+                "optimizer": name,
+                "set": describe(matrices, rank_set.indices),
+                "ranks": len(rank_set.ranks),
+                "matrices": len(rank_set.indices),
                 "values_m": sum(p.numel() for _, p in params.named) / 1e6,
+                "planned_gflop": rank_set.planned / 1e9,
+                "gflop": set_flops(matrices, rank_set.indices, classes[name], plan_groups[name]) / 1e9,
+                **timing,
             }
-            muon = {
-                **common,
-                "optimizer": "Muon",
-                "gflop": set_flops(matrices, indices, dtensor_muon.Muon, muon_group) / 1e9,
-                **measure_step(ours(dtensor_muon.Muon, muon_options), params, args.warmup, args.repeats),
-            }
-            muon["vs_muon"] = 1.0
-            for v in variants:
-                row = {
-                    **common,
-                    "optimizer": v,
-                    "gflop": set_flops(matrices, indices, VARIANTS[v], groups[v]) / 1e9,
-                    **measure_step(ours(VARIANTS[v], soap_options[v]), params, args.warmup, args.repeats),
-                    **measure_phases(groups[v], params, args.warmup, args.repeats),
-                }
-                row["vs_muon"] = row["step_ms"] / muon["step_ms"]
-                rows.append(row)
-                print(f"  {row['case']}, {v}: {row['step_ms']:.2f} ms", flush=True)
-            if heavyball is not None and w == 1:
-                row = {**common, "optimizer": HEAVYBALL, **measure_step(heavyball, params, args.warmup, args.repeats)}
-                row["vs_muon"] = row["step_ms"] / muon["step_ms"]
-                rows.append(row)
-                print(f"  {row['case']}, {HEAVYBALL}: {row['step_ms']:.2f} ms", flush=True)
-            rows.append(muon)
-            print(f"  {muon['case']}, Muon ({'/'.join(variants)}'s set): {muon['step_ms']:.2f} ms", flush=True)
+            if name != "Muon":
+                row.update(measure_phases(groups[name], params, args.warmup, args.repeats))
+            row["vs_muon"] = row["step_ms"] / slowest["Muon"][1]["step_ms"]
+            rows.append(row)
+            if heavyball is not None and w == 1 and name == "Muon":
+                hb = {**row, "optimizer": HEAVYBALL, **measure_step(heavyball, params, args.warmup, args.repeats)}
+                for key in ("planned_gflop", "gflop"):
+                    hb.pop(key)
+                hb["vs_muon"] = hb["step_ms"] / row["step_ms"]
+                rows.append(hb)
             del params
             free(device)
     for row in rows:
@@ -435,8 +452,10 @@ def main() -> None:
             [
                 ("case", "case", "{}"),
                 ("optimizer", "optimizer", "{}"),
-                ("set_from", "set from the plan of", "{}"),
+                ("set", "slowest rank's matrices", "{}"),
+                ("ranks", "ranks with them", "{}"),
                 ("matrices", "matrices", "{}"),
+                ("planned_gflop", "planned GFLOP", "{:,.2f}"),
                 ("gflop", "GFLOP/step", "{:,.2f}"),
                 ("step_ms", "step ms", "{:.2f}"),
                 ("vs_muon", "× Muon", "{:.2f}"),
@@ -456,7 +475,7 @@ def main() -> None:
         model=f"{FAMILY}:{QUICK_FLAVOR if args.quick else FLAVOR}",
         shapes_from=shapes_from,
         shapes={name: list(shape) for name, shape in matrices},
-        sets=[{**asdict(s), "matrices": [matrices[i][0] for i in s.indices]} for s in sets],
+        sets=measured,
         soap_options=soap_options,
         muon_options=muon_options,
     )

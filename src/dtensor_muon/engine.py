@@ -205,7 +205,7 @@ class Engine:
 
             def cost(k: int, shape: tuple[int, int], entries: list[Entry] = entries) -> tuple[int, int]:
                 c = self.rule.cost(entries[k].group, shape)
-                return c.flops, c.owner_state_bytes
+                return c.planned, c.owner_state_bytes
 
             plan = build_plan(
                 [e.layout for e in entries],

@@ -37,10 +37,19 @@ NewtonSchulzRunner = Callable[..., Tensor]
 
 @dataclass(frozen=True)
 class MatrixCost:
-    """What one matrix costs its owner per step: FLOPs of ``direction`` and bytes of owner state kept."""
+    """What one matrix costs its owner per step: FLOPs of ``direction``, bytes of owner state kept, and the
+    work the plan balances where it is not the FLOPs: ``balance_flops``, the direction's time expressed as
+    FLOPs at the rate of a TF32 matrix product, for a rule whose operations run at very different rates (a
+    float32 Cholesky factorization runs ~30× slower per FLOP than a TF32 product)."""
 
     flops: int
     owner_state_bytes: int = 0
+    balance_flops: int | None = None
+
+    @property
+    def planned(self) -> int:
+        """What the plan balances: ``balance_flops`` where given, else ``flops``."""
+        return self.flops if self.balance_flops is None else self.balance_flops
 
 
 @dataclass(frozen=True)

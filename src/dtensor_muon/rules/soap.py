@@ -96,10 +96,38 @@ EIGH_FLOPS_PER_CUBE = 9
 QR_FLOPS_PER_CUBE = 8 / 3
 """Householder QR of a k×k matrix with Q formed: 4k³/3 for R and 4k³/3 to form Q."""
 
-CHOLQR_FLOPS_PER_CUBE = 2 + (2 + 1 / 3 + 1) + (2 + 3 * 2) + 2
+CHOLQR_ACCURATE_PER_CUBE = 2 + 2 + 2 + 2
+"""basis="cholqr" per side k, per k³, from a warm basis: the float32-accurate products K·Q, the two Gram
+matrices (of the Cholesky pass and of the series pass) and Q_newᵀ·Q_old (nominal FLOPs; on CUDA each runs as
+2–3 TF32 products)."""
+CHOLQR_CHOLESKY_PER_CUBE = 1 / 3
+"""The Cholesky factorization of the first pass, per k³."""
+CHOLQR_SOLVE_PER_CUBE = 1
+"""The triangular solve Q·R⁻¹ of the first pass, per k³."""
+CHOLQR_TF32_PER_CUBE = 3 * 2
+"""The series pass's three TF32 products, per k³."""
+CHOLQR_FLOPS_PER_CUBE = (
+    CHOLQR_ACCURATE_PER_CUBE + CHOLQR_CHOLESKY_PER_CUBE + CHOLQR_SOLVE_PER_CUBE + CHOLQR_TF32_PER_CUBE
+)
 """basis="cholqr" per side k, per k³, from a warm basis: K·Q (2), a Cholesky QR pass (Gram 2, Cholesky 1/3,
-triangular solve 1), a series pass (Gram 2, three products) and Q_newᵀ·Q_old (2); nominal products (on CUDA
-the float32-accurate ones run as 2–3 TF32 products)."""
+triangular solve 1), a series pass (Gram 2, three products) and Q_newᵀ·Q_old (2)."""
+
+OPERATION_TFLOPS = {
+    "product_highest": 49.0,
+    "product_high": 380.0,
+    "product_medium": 380.0,
+    "accurate_product": 99.0,
+    "cholesky": 12.7,
+    "triangular_solve": 24.0,
+    "eigh": 6.9,
+    "householder_qr": 6.4,
+}
+"""Rates (TFLOP/s of nominal FLOPs) of SOAP's operations on float32 k×k matrices, measured on an H200 (torch 2.11,
+k = 4096): a product at each torch float32 matmul precision (float32; TF32), a float32-accurate split-TF32
+product, ``cholesky_ex``, ``solve_triangular``, ``eigh`` (9k³) and Householder ``qr`` with Q formed (8k³/3).
+The plan weighs each operation by them (:meth:`SOAPRule.cost`): a factorization's FLOP costs 15–60 TF32
+product FLOPs, so a plan of nominal FLOPs loads the ranks that own square matrices (two factors of
+4096 to refresh) far more than it thinks."""
 
 UPDATE_RMS_EPS = 1e-7
 """Added to the update's RMS before clipping it (Emerging-Optimizers' value)."""
@@ -225,28 +253,43 @@ class SOAPRule(MatrixRule):
         ``precondition_frequency``, the refresh: the rotation of M (4m²n + 4mn²) and per side d = diag(Qᵀ·K·Q)
         for the sort (2k³), then eigh (9k³) or K·Q and QR (2k³ + 8k³/3); basis="cholqr": the rotation
         C_L·M·C_Rᵀ (2m²n + 2mn²) and ``CHOLQR_FLOPS_PER_CUBE``·k³ per side. Owner bytes: 4·(2mn + 2k² + k per
-        preconditioned side k) + 8."""
+        preconditioned side k) + 8. The plan balances each operation's FLOPs at its rate
+        (:data:`OPERATION_TFLOPS`; the products of the factors, projections and rotations at the rate of
+        torch's float32 matmul precision when the optimizer is built), as FLOPs of TF32 products."""
         m, n = shape
         left, right = preconditioned_sides(group, shape)
         sides = [k for k, keep in ((m, left), (n, right)) if keep]
         mn = m * n
-        flops = 0.0
+        product = "product_" + torch.get_float32_matmul_precision()
+        work: list[tuple[float, str]] = []  # (FLOPs, operation), refresh FLOPs already per step
         if left:
-            flops += 2 * m * mn
+            work.append((2 * m * mn, product))
         if right:
-            flops += 2 * n * mn
+            work.append((2 * n * mn, product))
         if group["kl"]:
-            flops += sum(4 * k**3 for k in sides) + 2 * mn * (m * left + n * right)
+            work.append((sum(4 * k**3 for k in sides) + 2 * mn * (m * left + n * right), product))
         projections = 2 * mn * (m * left + n * right)
-        flops += 2 * projections
+        work.append((2 * projections, product))
+        every = group["precondition_frequency"]
+        cubes = sum(k**3 for k in sides)
         if group["basis"] == "cholqr":
-            refresh = projections + sum(CHOLQR_FLOPS_PER_CUBE * k**3 for k in sides)
+            work += [
+                (projections / every, product),
+                (CHOLQR_ACCURATE_PER_CUBE * cubes / every, "accurate_product"),
+                (CHOLQR_CHOLESKY_PER_CUBE * cubes / every, "cholesky"),
+                (CHOLQR_SOLVE_PER_CUBE * cubes / every, "triangular_solve"),
+                (CHOLQR_TF32_PER_CUBE * cubes / every, "product_high"),
+            ]
         else:
-            per_side = 2 + (EIGH_FLOPS_PER_CUBE if group["basis"] == "eigh" else 2 + QR_FLOPS_PER_CUBE)
-            refresh = 2 * projections + sum(per_side * k**3 for k in sides)
-        flops += refresh / group["precondition_frequency"]
+            work += [(2 * projections / every, product), (2 * cubes / every, product)]
+            if group["basis"] == "eigh":
+                work.append((EIGH_FLOPS_PER_CUBE * cubes / every, "eigh"))
+            else:
+                work += [(2 * cubes / every, product), (QR_FLOPS_PER_CUBE * cubes / every, "householder_qr")]
+        flops = sum(f for f, _ in work)
+        balance = sum(f * OPERATION_TFLOPS["product_high"] / OPERATION_TFLOPS[op] for f, op in work)
         state_bytes = 4 * (2 * mn + sum(2 * k * k + k for k in sides)) + 8
-        return MatrixCost(int(flops), state_bytes)
+        return MatrixCost(int(flops), state_bytes, int(balance))
 
     def input_dtype(self, group: Group) -> torch.dtype:
         return torch.float32
