@@ -328,3 +328,24 @@ def test_large_factors_on_side_streams_equal_each_alone_on_cuda():
         assert torch.allclose(values[i], values_i[0], rtol=1e-6, atol=0)
         assert (q_new[i] - q_i[0]).abs().max().item() <= 1e-6
         assert defect(q_new[i].cpu()) <= 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_refresh_is_the_same_at_every_float32_matmul_precision_on_cuda():
+    """A warm refresh at k = 1024 under torch's "high" float32 matmul precision (TF32, which cuBLAS's
+    triangular solve would take) gives the bits of the refresh under "highest": every product and solve of
+    the refresh sets its own precision."""
+    k = 1024
+    before = gram_factor(k, 2 * k, seed=70, scale=1 / k)
+    q_old = eigh_descending(before)[1].cuda()
+    factor = (0.95 * before + 0.05 * gram_factor(k, 2 * k, seed=71, scale=1 / k)).cuda()
+    results = {}
+    previous = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "high"):
+            torch.set_float32_matmul_precision(precision)
+            results[precision] = power_cholqr(factor[None], q_old[None], eigh)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    for got, want in zip(results["high"], results["highest"]):
+        assert torch.equal(got, want)

@@ -33,7 +33,10 @@ Orthogonalization, in passes on Q (first Q = Ŷ); each needs G = QᵀQ = I + F i
 
 - Cholesky pass: Q ← Q·R⁻¹ with RᵀR = Cholesky(G) (float32; on G + s·I where G is not numerically positive
   definite: s = FIRST_PASS_SHIFT on the first pass, whose input Ŷ may have cond up to ~1e5, k·2⁻²⁴ later),
-  triangular solve in float32. R is triangular, so Q keeps Ŷ's nested column spans (the power iteration's
+  triangular solve in float32 whatever torch's float32 matmul precision (under "high" cuBLAS's solve runs
+  in TF32: 1.85 ms against 2.87 at k = 4096 on an H200, but the first pass then left ‖F‖_F = 3.5e-3 at
+  k = 4096 and 1.7e-3 at 1024, above SERIES_DEFECT, and the whole refresh took a second Cholesky pass and
+  longer: 12.8–13.0 ms against 11.9–12.4). R is triangular, so Q keeps Ŷ's nested column spans (the power iteration's
   order) whatever its rounding. Cholesky QR leaves max|QᵀQ − I| ≈ 2⁻²⁴·cond(Q)², so the first pass's only
   job is a well-conditioned Q and the second makes it orthogonal.
 - series pass, on the members with ‖F‖_F ≤ SERIES_DEFECT: the same Q·R⁻¹ with the upper
@@ -188,13 +191,14 @@ def cholesky_qr_pass(q: Tensor, gram: Tensor, shift: float = 0.0) -> tuple[Tenso
         shifted, info_shifted = torch.linalg.cholesky_ex(gram[failed] + shift * eye)
         chol[failed] = shifted
         info[failed] = info_shifted
-    if one_per_member:
-        q_new = torch.empty_like(q)
-        for i, on_stream in _spread_over_side_streams(q.shape[0], q.device):
-            with on_stream:
-                torch.linalg.solve_triangular(chol[i].mT, q[i], upper=True, left=False, out=q_new[i])
-    else:
-        q_new = torch.linalg.solve_triangular(chol.mT, q, upper=True, left=False)
+    with float32_matmul_precision("highest"):  # cuBLAS's solve takes TF32 under "high" (module docstring)
+        if one_per_member:
+            q_new = torch.empty_like(q)
+            for i, on_stream in _spread_over_side_streams(q.shape[0], q.device):
+                with on_stream:
+                    torch.linalg.solve_triangular(chol[i].mT, q[i], upper=True, left=False, out=q_new[i])
+        else:
+            q_new = torch.linalg.solve_triangular(chol.mT, q, upper=True, left=False)
     return q_new, info == 0
 
 

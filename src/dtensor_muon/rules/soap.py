@@ -112,6 +112,11 @@ CHOLQR_FLOPS_PER_CUBE = (
 """basis="cholqr" per side k, per k³, from a warm basis: K·Q (2), a Cholesky QR pass (Gram 2, Cholesky 1/3,
 triangular solve 1), a series pass (Gram 2, three products) and Q_newᵀ·Q_old (2)."""
 
+CHOLQR_BATCH_SECONDS = 2.4e-3
+"""The fixed time of one basis="cholqr" refresh batch besides its operations' FLOPs (its host synchronizations
+and small launches): on an H200 one refresh took 2.6 ms at k = 1024, whose FLOPs take 0.3 ms at the rates of
+:data:`OPERATION_TFLOPS`, and 13.7 ms at k = 4096 against 11.3."""
+
 OPERATION_TFLOPS = {
     "product_highest": 49.0,
     "product_high": 380.0,
@@ -255,7 +260,8 @@ class SOAPRule(MatrixRule):
         C_L·M·C_Rᵀ (2m²n + 2mn²) and ``CHOLQR_FLOPS_PER_CUBE``·k³ per side. Owner bytes: 4·(2mn + 2k² + k per
         preconditioned side k) + 8. The plan balances each operation's FLOPs at its rate
         (:data:`OPERATION_TFLOPS`; the products of the factors, projections and rotations at the rate of
-        torch's float32 matmul precision when the optimizer is built), as FLOPs of TF32 products."""
+        torch's float32 matmul precision when the optimizer is built), plus with basis="cholqr" the fixed time
+        of each refresh batch (:data:`CHOLQR_BATCH_SECONDS`, one per side length), as FLOPs of TF32 products."""
         m, n = shape
         left, right = preconditioned_sides(group, shape)
         sides = [k for k, keep in ((m, left), (n, right)) if keep]
@@ -288,6 +294,8 @@ class SOAPRule(MatrixRule):
                 work += [(2 * cubes / every, product), (QR_FLOPS_PER_CUBE * cubes / every, "householder_qr")]
         flops = sum(f for f, _ in work)
         balance = sum(f * OPERATION_TFLOPS["product_high"] / OPERATION_TFLOPS[op] for f, op in work)
+        if group["basis"] == "cholqr":  # one refresh batch per side length, each with its fixed time
+            balance += len(set(sides)) * CHOLQR_BATCH_SECONDS * OPERATION_TFLOPS["product_high"] * 1e12 / every
         state_bytes = 4 * (2 * mn + sum(2 * k * k + k for k in sides)) + 8
         return MatrixCost(int(flops), state_bytes, int(balance))
 
