@@ -21,9 +21,10 @@ coefficients, ``adjust_lr_fn="match_rms_adamw"``) on one CPU process.
   (``RuntimeWarning``, once). ``skip_nonfinite=True`` skips such steps on every rank instead.
 - ``muon/skipped_steps``: steps skipped so far (``skip_nonfinite=True``); ``muon/step_skipped``: 1.0 on a skipped
   step, whose metrics are only these two.
-- ``muon/plan_imbalance``: max/mean of the per-rank FLOPs of the plan (worst mesh); 1.0 is
-  perfect balance.
-- ``muon/plan_max_gflop``: the busiest rank's GFLOP per step in the plan, the rule's cost (worst mesh).
+- ``muon/plan_imbalance``: max/mean of the per-rank cost the plan balanced (worst mesh); 1.0 is perfect
+  balance. The cost is the rule's ``MatrixCost.planned``: FLOPs, or for SOAP its operations' time as TF32
+  product FLOPs.
+- ``muon/plan_max_gflop``: the busiest rank's planned cost per step, in GFLOP (worst mesh).
 - ``muon/plan_owner_state_mb``: the most owner state one rank keeps (MiB; rules with owner state only, e.g.
   NorMuon: 4 bytes per matrix row).
 - ``muon/update_rms/<rule>`` (``muon``, ``mop``, ``normuon``, ``soap``): RMS of γ'·O over the matrices this

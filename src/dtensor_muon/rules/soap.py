@@ -106,12 +106,6 @@ CHOLQR_SOLVE_PER_CUBE = 1
 """The triangular solve Q·R⁻¹ of the first pass, per k³."""
 CHOLQR_TF32_PER_CUBE = 3 * 2
 """The series pass's three TF32 products, per k³."""
-CHOLQR_FLOPS_PER_CUBE = (
-    CHOLQR_ACCURATE_PER_CUBE + CHOLQR_CHOLESKY_PER_CUBE + CHOLQR_SOLVE_PER_CUBE + CHOLQR_TF32_PER_CUBE
-)
-"""basis="cholqr" per side k, per k³, from a warm basis: K·Q (2), a Cholesky QR pass (Gram 2, Cholesky 1/3,
-triangular solve 1), a series pass (Gram 2, three products) and Q_newᵀ·Q_old (2)."""
-
 CHOLQR_BATCH_SECONDS = 2.4e-3
 """The fixed time of one basis="cholqr" refresh batch besides its operations' FLOPs (its host synchronizations
 and small launches): on an H200 one refresh took 2.6 ms at k = 1024, whose FLOPs take 0.3 ms at the rates of
@@ -257,7 +251,8 @@ class SOAPRule(MatrixRule):
         Q·Λ⁻¹·Qᵀ and 2mn·k for the extra product), the projections G' and O (4m²n + 4mn²) and, divided by
         ``precondition_frequency``, the refresh: the rotation of M (4m²n + 4mn²) and per side d = diag(Qᵀ·K·Q)
         for the sort (2k³), then eigh (9k³) or K·Q and QR (2k³ + 8k³/3); basis="cholqr": the rotation
-        C_L·M·C_Rᵀ (2m²n + 2mn²) and ``CHOLQR_FLOPS_PER_CUBE``·k³ per side. Owner bytes: 4·(2mn + 2k² + k per
+        C_L·M·C_Rᵀ (2m²n + 2mn²) and per side 46k³/3 from a warm basis (K·Q 2, a Cholesky QR pass: Gram 2,
+        Cholesky 1/3, triangular solve 1; a series pass: Gram 2, three products 6; Q_newᵀ·Q_old 2). Owner bytes: 4·(2mn + 2k² + k per
         preconditioned side k) + 8. The plan balances each operation's FLOPs at its rate
         (:data:`OPERATION_TFLOPS`; the products of the factors, projections and rotations at the rate of
         torch's float32 matmul precision when the optimizer is built), plus with basis="cholqr" the fixed time
@@ -267,6 +262,7 @@ class SOAPRule(MatrixRule):
         sides = [k for k, keep in ((m, left), (n, right)) if keep]
         mn = m * n
         product = "product_" + torch.get_float32_matmul_precision()
+        product = product if product in OPERATION_TFLOPS else "product_highest"
         work: list[tuple[float, str]] = []  # (FLOPs, operation), refresh FLOPs already per step
         if left:
             work.append((2 * m * mn, product))
