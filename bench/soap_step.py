@@ -145,9 +145,11 @@ def rank_sets(
     rule = cls.rule
     layouts = [fsdp_layout(name, shape, world_size) for name, shape in matrices]
 
-    def cost(k: int, shape: tuple[int, int]) -> tuple[int, int]:
+    def cost(k: int, shape: tuple[int, int]) -> tuple[int, int, int]:
         c = rule.cost(group, shape)
-        return (c.planned if plan_by == "planned" else c.flops), c.owner_state_bytes
+        if plan_by == "planned":
+            return c.planned, c.owner_state_bytes, c.batch_flops
+        return c.flops, c.owner_state_bytes, 0
 
     plan = build_plan(
         layouts,

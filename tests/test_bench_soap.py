@@ -15,12 +15,15 @@ RULE = SOAPRule()
 
 def check_rank_sets(sets: list, shapes: dict[str, tuple[int, int]], names: list[list[str]], group: dict) -> None:
     """Every matrix is computed by exactly one rank (each set counted once per rank that has its shapes), and
-    each set's planned cost is the sum of its matrices' planned costs."""
+    each set's planned cost is the sum of its matrices' planned costs (each its own unit: its batch cost
+    included)."""
     count = sum(len(s.ranks) * len(n) for s, n in zip(sets, names))
     assert count == len(shapes)
     for s, n in zip(sets, names):
         assert n and set(n) <= set(shapes) and len(set(n)) == len(n)
-        assert s.planned == sum(RULE.cost(group, shapes[m]).planned for m in n)
+        assert s.planned == sum(
+            RULE.cost(group, shapes[m]).planned + RULE.cost(group, shapes[m]).batch_flops for m in n
+        )
 
 
 @pytest.mark.parametrize("variant", ["SOAP", "SOAP-cholqr", "REKLS"])
@@ -55,7 +58,8 @@ def test_soap_plan_balances_time_not_nominal_flops():
     fixed = 2.4e-3 * 380e12  # one refresh batch (both sides have length 4096)
     want = products * 380 / 49 + accurate * 380 / 99 + cholesky * 380 / 12.7 + solve * 380 / 24 + tf32 + fixed
     square = RULE.cost(group, (k, k))
-    assert square.planned == pytest.approx(want, rel=1e-9)
+    assert square.planned + square.batch_flops == pytest.approx(want, rel=1e-9)
+    assert square.batch_flops == pytest.approx(fixed, rel=1e-9)
     assert square.flops == pytest.approx(products + accurate + cholesky + solve + tf32, rel=1e-9)
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
@@ -63,7 +67,8 @@ def test_soap_plan_balances_time_not_nominal_flops():
         square, long = RULE.cost(group, (k, k)), RULE.cost(group, (14336, k))
     finally:
         torch.set_float32_matmul_precision(previous)
-    assert square.flops / long.flops < 1.1 and square.planned / long.planned > 1.4
+    assert square.flops / long.flops < 1.1
+    assert (square.planned + square.batch_flops) / (long.planned + long.batch_flops) > 1.4
 
 
 @pytest.mark.slow

@@ -157,3 +157,21 @@ def test_thousands_of_units_on_512_ranks_are_fast_and_near_the_bound():
     elapsed = time.perf_counter() - start
     assert max(rank_sums(owners, costs, 512)) <= 1.001 * lower_bound(costs, [0] * 512, 512)
     assert elapsed < 5.0  # about 0.2 s; the margin is for a busy machine
+
+
+def test_a_units_shared_cost_counts_once_per_unit():
+    """16 stacked experts of 6×10 (one parameter, one rank): the plan stacks them in units of 2, and a cost of
+    (10 FLOPs, no state, 6 shared) per matrix gives 16·10 + 8·6 = 208 (the shared 6 once per unit), against
+    16·(10 + 6) = 256 for the same cost given per matrix."""
+    from dtensor_muon.plan import build_plan
+    from dtensor_muon.simulate import fsdp_layout
+
+    layout = fsdp_layout("layers.0.moe.experts.w1", (16, 6, 10), 1)
+
+    def plan_with(cost):
+        return build_plan([layout], [0], 64 * 2**20, 4, batchable=[True], cost_fn=cost)
+
+    shared = plan_with(lambda k, shape: (10, 0, 6))
+    assert {len(unit.members) for unit in shared.units} == {2}
+    assert shared.rank_flops == [16 * 10 + 8 * 6]
+    assert plan_with(lambda k, shape: (16, 0)).rank_flops == [16 * 16]

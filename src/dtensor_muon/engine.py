@@ -203,9 +203,9 @@ class Engine:
             wire = self._wire_dtype(entries)
             mesh = entries[0].param.device_mesh if key is not None else None
 
-            def cost(k: int, shape: tuple[int, int], entries: list[Entry] = entries) -> tuple[int, int]:
+            def cost(k: int, shape: tuple[int, int], entries: list[Entry] = entries) -> tuple[int, int, int]:
                 c = self.rule.cost(entries[k].group, shape)
-                return c.planned, c.owner_state_bytes
+                return c.planned, c.owner_state_bytes, c.batch_flops
 
             plan = build_plan(
                 [e.layout for e in entries],

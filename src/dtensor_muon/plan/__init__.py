@@ -261,7 +261,7 @@ def build_plan(
     *,
     splits: Sequence[MatrixSplit | None] | None = None,
     batchable: Sequence[bool] | None = None,
-    cost_fn: Callable[[int, tuple[int, int]], tuple[int, int]] | None = None,
+    cost_fn: Callable[[int, tuple[int, int]], tuple[int, ...]] | None = None,
     gather_all: bool = False,
     tensor_parallel: Sequence[tuple[str, TensorParallelLayout] | None] | None = None,
 ) -> Plan:
@@ -270,7 +270,8 @@ def build_plan(
     ``splits[k]`` cuts parameter k into views; ``batchable[k]``: whether its rule may stack its matrices
     (default: yes); ``cost_fn(k, shape)`` gives (FLOPs, owner-state bytes) of one
     matrix of parameter k (default: one Newton–Schulz iteration, no state), counted on the first part of a
-    grouped split's matrix at its whole shape. ``gather_all``: units that are not
+    grouped split's matrix at its whole shape, or (FLOPs, bytes, shared FLOPs): a fixed cost the matrices of
+    one unit share (the largest of its members', counted once per unit, spread over its members). ``gather_all``: units that are not
     local are computed on every rank. ``tensor_parallel[k]``: (``tp_mode``: "duplicated", "distributed" or
     "auto"; TP layout) to compute parameter k's units on one TP group where :func:`tensor_parallel_mode` says
     so, the group chosen per unit by least busiest-member load, before the owned units are balanced around
@@ -281,21 +282,28 @@ def build_plan(
     batchable = list(batchable) if batchable is not None else [True] * len(layouts)
     specs: list[MatrixSpec] = []
     costs: list[int] = []
+    shared: list[int] = []
     state_bytes: list[int] = []
     for k, (index, layout) in enumerate(zip(param_indices, layouts)):
         if layout.world_size != world:
             raise ValueError(f"parameter {layout.name!r}: world size {layout.world_size} != {world}")
         for spec in matrices_of(index, layout, splits[k]):
             if spec.part > 0:
-                flops, nbytes = 0, 0
+                flops, nbytes, fixed = 0, 0, 0
             elif cost_fn is not None:
-                flops, nbytes = cost_fn(k, spec.whole_shape)
+                flops, nbytes, *rest = cost_fn(k, spec.whole_shape)
+                fixed = rest[0] if rest else 0
             else:
-                flops, nbytes = ns_iteration_flops(spec.whole_shape), 0
+                flops, nbytes, fixed = ns_iteration_flops(spec.whole_shape), 0, 0
             specs.append(spec)
             costs.append(flops)
+            shared.append(fixed)
             state_bytes.append(nbytes)
     groups = group_units(specs, {index for index, ok in zip(param_indices, batchable) if ok})
+    for group in groups:  # a unit's shared cost once, spread over its members
+        fixed = max(shared[i] for i in group)
+        for position, i in enumerate(group):
+            costs[i] += fixed // len(group) + (fixed % len(group) if position == 0 else 0)
 
     box_tensors = {i: torch.tensor(layout.boxes, dtype=torch.int64) for i, layout in zip(param_indices, layouts)}
     holders = [_holder_boxes(s, box_tensors[s.param_index]) for s in specs]

@@ -45,6 +45,9 @@ class MatrixCost:
     flops: int
     owner_state_bytes: int = 0
     balance_flops: int | None = None
+    batch_flops: int = 0
+    """Planned cost (as ``balance_flops``) of a fixed time that the matrices computed together as one unit
+    share: the plan counts it once per unit."""
 
     @property
     def planned(self) -> int:

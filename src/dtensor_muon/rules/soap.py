@@ -255,8 +255,9 @@ class SOAPRule(MatrixRule):
         Cholesky 1/3, triangular solve 1; a series pass: Gram 2, three products 6; Q_newᵀ·Q_old 2). Owner bytes: 4·(2mn + 2k² + k per
         preconditioned side k) + 8. The plan balances each operation's FLOPs at its rate
         (:data:`OPERATION_TFLOPS`; the products of the factors, projections and rotations at the rate of
-        torch's float32 matmul precision when the optimizer is built), plus with basis="cholqr" the fixed time
-        of each refresh batch (:data:`CHOLQR_BATCH_SECONDS`, one per side length), as FLOPs of TF32 products."""
+        torch's float32 matmul precision when the optimizer is built), as FLOPs of TF32 products; with
+        basis="cholqr" the fixed time of the refresh batches (:data:`CHOLQR_BATCH_SECONDS`, one per side
+        length) is ``batch_flops``, which the matrices of a unit (stacked experts) share."""
         m, n = shape
         left, right = preconditioned_sides(group, shape)
         sides = [k for k, keep in ((m, left), (n, right)) if keep]
@@ -290,10 +291,11 @@ class SOAPRule(MatrixRule):
                 work += [(2 * cubes / every, product), (QR_FLOPS_PER_CUBE * cubes / every, "householder_qr")]
         flops = sum(f for f, _ in work)
         balance = sum(f * OPERATION_TFLOPS["product_high"] / OPERATION_TFLOPS[op] for f, op in work)
-        if group["basis"] == "cholqr":  # one refresh batch per side length, each with its fixed time
-            balance += len(set(sides)) * CHOLQR_BATCH_SECONDS * OPERATION_TFLOPS["product_high"] * 1e12 / every
+        batch = 0.0
+        if group["basis"] == "cholqr":  # one refresh batch per side length for the whole unit
+            batch = len(set(sides)) * CHOLQR_BATCH_SECONDS * OPERATION_TFLOPS["product_high"] * 1e12 / every
         state_bytes = 4 * (2 * mn + sum(2 * k * k + k for k in sides)) + 8
-        return MatrixCost(int(flops), state_bytes, int(balance))
+        return MatrixCost(int(flops), state_bytes, int(balance), int(batch))
 
     def input_dtype(self, group: Group) -> torch.dtype:
         return torch.float32
