@@ -17,7 +17,7 @@ Matrix sets (``--world-sizes``, default 1 8 64). At world size 1 one rank comput
 every matrix is laid out as FSDP2 lays it (``Shard(0)`` over W ranks, ``dtensor_muon.simulate.fsdp_layout``)
 and planned by ``dtensor_muon.plan.build_plan`` with each optimizer's own rule cost, as its engine plans it
 (``MatrixCost.planned``: for SOAP each operation's FLOPs weighted by its measured rate, ``SOAPRule.cost``;
-``--plan-by flops`` plans nominal FLOPs instead). Every rank's set (the matrices it computes,
+``--plan-by flops`` plans nominal FLOPs instead, ``--plan-by planned flops`` both, one after the other). Every rank's set (the matrices it computes,
 ``Plan.computed_by``; ranks whose matrices have the same shapes share one) is allocated and timed, on one
 device with no process group: what that rank computes per step, without the exchange. The slowest rank is
 the one whose step takes longest, and each optimizer's row is its own plan's slowest rank: SOAP's against
@@ -103,6 +103,7 @@ WIRE_ITEMSIZE = 4
 """SOAP's wire dtype, float32."""
 SOAP_LR, MUON_LR, WEIGHT_DECAY = 3e-3, 0.02, 0.1
 PHASES = ("factors", "refresh", "adam")
+PLAN_NAMES = {"planned": "each rule's planned cost", "flops": "nominal FLOPs"}
 GIB = 2**30
 
 Matrix = tuple[str, tuple[int, int]]
@@ -341,9 +342,11 @@ def main() -> None:
     parser.add_argument("--no-heavyball", action="store_true", help="leave heavyball's SOAP out even if importable")
     parser.add_argument(
         "--plan-by",
+        nargs="+",
         choices=["planned", "flops"],
-        default="planned",
-        help="what the plans balance: each rule's planned cost, as the engine (default), or nominal FLOPs",
+        default=["planned"],
+        help="what the plans balance: each rule's planned cost, as the engine (default), or nominal FLOPs; "
+        "both: each plan's sets timed in this process, one after the other",
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument(
@@ -396,54 +399,64 @@ def main() -> None:
         f"matrices, {n_values / 1e6:,.1f} M values, fp32, on {device}; shapes from the {shapes_from}; "
         f"medians of {args.repeats} steps after {args.warmup} untimed ones (step 1: SOAP's eigh); float32 "
         f"matmul precision {args.float32_matmul_precision}; precondition_frequency {args.precondition_frequency}; "
-        f"plans balance {'each rule cost planned' if args.plan_by == 'planned' else 'nominal FLOPs'}; "
+        f"plans balance {' and '.join(PLAN_NAMES[p] for p in args.plan_by)}; "
         f"heavyball's SOAP {'included (one-rank set)' if heavyball else 'not included (not importable or --no-heavyball)'}"
     )
 
     rows: list[dict[str, Any]] = []
     measured: list[dict[str, Any]] = []
     for w in world_sizes:
-        slowest: dict[str, tuple[RankSet, dict[str, Any]]] = {}
-        for name, cls in classes.items():
-            for rank_set in rank_sets(name, cls, matrices, plan_groups[name], w, args.plan_by):
+        muon_slowest = None  # Muon's cost has no separate planned part: every --plan-by gives it the same plan
+        for plan_by in args.plan_by if w > 1 else args.plan_by[:1]:
+            slowest: dict[str, tuple[RankSet, dict[str, Any]]] = {}
+            for name, cls in classes.items():
+                if name == "Muon" and muon_slowest is not None:
+                    slowest[name] = muon_slowest
+                    continue
+                for rank_set in rank_sets(name, cls, matrices, plan_groups[name], w, plan_by):
+                    params = ParameterSet([matrices[i] for i in rank_set.indices], device)
+                    timing = measure_step(ours(cls, options[name]), params, args.warmup, args.repeats)
+                    measured.append(
+                        {**asdict(rank_set), "plan": plan_by, "matrices": [matrices[i][0] for i in rank_set.indices]}
+                        | timing
+                    )
+                    print(
+                        f"  {name} at {w} ranks, plan of {plan_by}: {len(rank_set.ranks)} rank(s) with "
+                        f"{describe(matrices, rank_set.indices)}: {timing['step_ms']:.2f} ms",
+                        flush=True,
+                    )
+                    if name not in slowest or timing["step_ms"] > slowest[name][1]["step_ms"]:
+                        slowest[name] = (rank_set, timing)
+                    del params
+                    free(device)
+            muon_slowest = slowest["Muon"]
+            for name, (rank_set, timing) in slowest.items():
                 params = ParameterSet([matrices[i] for i in rank_set.indices], device)
-                timing = measure_step(ours(cls, options[name]), params, args.warmup, args.repeats)
-                measured.append({**asdict(rank_set), "matrices": [matrices[i][0] for i in rank_set.indices], **timing})
-                print(
-                    f"  {name} at {w} ranks: {len(rank_set.ranks)} rank(s) with {describe(matrices, rank_set.indices)}: "
-                    f"{timing['step_ms']:.2f} ms",
-                    flush=True,
-                )
-                if name not in slowest or timing["step_ms"] > slowest[name][1]["step_ms"]:
-                    slowest[name] = (rank_set, timing)
+                row = {
+                    "case": case_label(w, len(rank_set.indices)),
+                    "world_size": w,
+                    "plan": plan_by,
+                    "optimizer": name,
+                    "set": describe(matrices, rank_set.indices),
+                    "ranks": len(rank_set.ranks),
+                    "matrices": len(rank_set.indices),
+                    "values_m": sum(p.numel() for _, p in params.named) / 1e6,
+                    "planned_gflop": rank_set.planned / 1e9,
+                    "gflop": set_flops(matrices, rank_set.indices, classes[name], plan_groups[name]) / 1e9,
+                    **timing,
+                }
+                if name != "Muon":
+                    row.update(measure_phases(groups[name], params, args.warmup, args.repeats))
+                row["vs_muon"] = row["step_ms"] / muon_slowest[1]["step_ms"]
+                rows.append(row)
+                if heavyball is not None and w == 1 and name == "Muon":
+                    hb = {**row, "optimizer": HEAVYBALL, **measure_step(heavyball, params, args.warmup, args.repeats)}
+                    for key in ("planned_gflop", "gflop"):
+                        hb.pop(key)
+                    hb["vs_muon"] = hb["step_ms"] / row["step_ms"]
+                    rows.append(hb)
                 del params
                 free(device)
-        for name, (rank_set, timing) in slowest.items():
-            params = ParameterSet([matrices[i] for i in rank_set.indices], device)
-            row = {
-                "case": case_label(w, len(rank_set.indices)),
-                "world_size": w,
-                "optimizer": name,
-                "set": describe(matrices, rank_set.indices),
-                "ranks": len(rank_set.ranks),
-                "matrices": len(rank_set.indices),
-                "values_m": sum(p.numel() for _, p in params.named) / 1e6,
-                "planned_gflop": rank_set.planned / 1e9,
-                "gflop": set_flops(matrices, rank_set.indices, classes[name], plan_groups[name]) / 1e9,
-                **timing,
-            }
-            if name != "Muon":
-                row.update(measure_phases(groups[name], params, args.warmup, args.repeats))
-            row["vs_muon"] = row["step_ms"] / slowest["Muon"][1]["step_ms"]
-            rows.append(row)
-            if heavyball is not None and w == 1 and name == "Muon":
-                hb = {**row, "optimizer": HEAVYBALL, **measure_step(heavyball, params, args.warmup, args.repeats)}
-                for key in ("planned_gflop", "gflop"):
-                    hb.pop(key)
-                hb["vs_muon"] = hb["step_ms"] / row["step_ms"]
-                rows.append(hb)
-            del params
-            free(device)
     for row in rows:
         if "gflop" in row:
             row["tflops"] = row["gflop"] / row["step_ms"]  # GFLOP / ms = TFLOP/s
@@ -453,6 +466,7 @@ def main() -> None:
             rows,
             [
                 ("case", "case", "{}"),
+                ("plan", "plan of", "{}"),
                 ("optimizer", "optimizer", "{}"),
                 ("set", "slowest rank's matrices", "{}"),
                 ("ranks", "ranks with them", "{}"),
