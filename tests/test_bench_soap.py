@@ -92,9 +92,8 @@ def test_soap_step_quick_rows_and_sets(tmp_path):
             assert row["vs_muon"] > 0
     assert all(r["matrices"] == 14 for r in rows if r["world_size"] == 1)
     for row in rows:  # each row is its optimizer's slowest timed set at that world size
-        timed = [
-            s for s in result["sets"] if (s["optimizer"], s["world_size"]) == (row["optimizer"], row["world_size"])
-        ]
+        key = (row["optimizer"], row["world_size"], row["plan"])
+        timed = [s for s in result["sets"] if (s["optimizer"], s["world_size"], s["plan"]) == key]
         assert sum(len(s["ranks"]) * len(s["matrices"]) for s in timed) == 14
         assert row["step_ms"] == max(s["step_ms"] for s in timed)
         assert row["planned_gflop"] == pytest.approx(
