@@ -271,8 +271,8 @@ def build_plan(
     (default: yes); ``cost_fn(k, shape)`` gives (FLOPs, owner-state bytes) of one
     matrix of parameter k (default: one Newton–Schulz iteration, no state), counted on the first part of a
     grouped split's matrix at its whole shape, or (FLOPs, bytes, shared FLOPs): a fixed cost the matrices of
-    one unit share (the largest of its members', counted once per unit, spread over its members). ``gather_all``: units that are not
-    local are computed on every rank. ``tensor_parallel[k]``: (``tp_mode``: "duplicated", "distributed" or
+    one unit share (the largest of its members', counted once per unit, spread over its members).
+    ``gather_all``: units that are not local are computed on every rank. ``tensor_parallel[k]``: (``tp_mode``: "duplicated", "distributed" or
     "auto"; TP layout) to compute parameter k's units on one TP group where :func:`tensor_parallel_mode` says
     so, the group chosen per unit by least busiest-member load, before the owned units are balanced around
     them.
