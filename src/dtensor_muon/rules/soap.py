@@ -107,9 +107,10 @@ CHOLQR_SOLVE_PER_CUBE = 1
 CHOLQR_TF32_PER_CUBE = 3 * 2
 """The series pass's three TF32 products, per k³."""
 CHOLQR_BATCH_SECONDS = 2.4e-3
-"""The fixed time of one basis="cholqr" refresh batch besides its operations' FLOPs (its host synchronizations
-and small launches): on an H200 one refresh took 2.6 ms at k = 1024, whose FLOPs take 0.3 ms at the rates of
-:data:`OPERATION_TFLOPS`, and 13.7 ms at k = 4096 against 11.3."""
+"""The fixed time of one basis="cholqr" refresh batch besides its operations' FLOPs: on an H200 one refresh took
+2.6 ms at k = 1024, whose FLOPs take 0.3 ms at the rates of :data:`OPERATION_TFLOPS`, and 13.7 ms at k = 4096
+against 11.3. It is the host's: profiled (torch.profiler), a refresh at k = 1024 launched 133 kernels and
+waited for the device 4 times, and the device was idle 2.35 of its 3.39 ms (1.31 of 12.56 at k = 4096)."""
 
 OPERATION_TFLOPS = {
     "product_highest": 49.0,
