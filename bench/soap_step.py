@@ -17,9 +17,10 @@ Matrix sets (``--world-sizes``, default 1 8 64). At world size 1 one rank comput
 every matrix is laid out as FSDP2 lays it (``Shard(0)`` over W ranks, ``dtensor_muon.simulate.fsdp_layout``)
 and planned by ``dtensor_muon.plan.build_plan`` with each optimizer's own rule cost, as its engine plans it
 (``MatrixCost.planned``: for SOAP each operation's FLOPs weighted by its measured rate, ``SOAPRule.cost``;
-``--plan-by flops`` plans nominal FLOPs instead, ``--plan-by planned flops`` both, one after the other). Every rank's set (the matrices it computes,
-``Plan.computed_by``; ranks whose matrices have the same shapes share one) is allocated and timed, on one
-device with no process group: what that rank computes per step, without the exchange. The slowest rank is
+``--plan-by flops`` plans nominal FLOPs instead, ``--plan-by planned flops`` both, one after the other).
+Every rank's set (the matrices it computes, ``Plan.computed_by``; ranks whose matrices have the same shapes
+share one) is allocated and timed, on one device with no process group: what that rank computes per step,
+without the exchange. The slowest rank is
 the one whose step takes longest, and each optimizer's row is its own plan's slowest rank: SOAP's against
 Muon's (``dtensor_muon.Muon`` defaults: momentum 0.95, Nesterov, 5 bf16 Newton–Schulz iterations), each with
 the set its plan gives.
@@ -46,9 +47,9 @@ captures and the allocator's warm-up are not counted), medians over ``--repeats`
 
 - step ms: ``optimizer.step()`` over the set (prepare, direction, apply), on the host clock with the device
   synchronized (``torch.cuda.synchronize``) before and after each step, as bench/optimizer_step.py times it;
-- per phase of the SOAP rule (``dtensor_muon.rules.soap.SOAPRule``, on the slowest rank's set), called on the same matrices with their
-  own owner state after the same warm-up, each call between two CUDA events (on CPU the host clock), summed
-  over the set per step:
+- per phase of the SOAP rule (``dtensor_muon.rules.soap.SOAPRule``, on the slowest rank's set), called on the
+  same matrices with their own owner state after the same warm-up, each call between two CUDA events (on CPU
+  the host clock), summed over the set per step:
   factors (``update_factors``: G·Gᵀ and Gᵀ·G, or KL's whitened products), refresh (``refresh_basis``:
   eigh, or the Rayleigh quotients, the sort, K·Q and QR per side, plus the rotation of the first moment
   into the new basis) and Adam (``adam_in_basis``: the projections Q_Lᵀ·G·Q_R and Q_L·N·Q_Rᵀ and Adam's
@@ -148,9 +149,7 @@ def rank_sets(
 
     def cost(k: int, shape: tuple[int, int]) -> tuple[int, int, int]:
         c = rule.cost(group, shape)
-        if plan_by == "planned":
-            return c.planned, c.owner_state_bytes, c.batch_flops
-        return c.flops, c.owner_state_bytes, 0
+        return c.plan_entry() if plan_by == "planned" else (c.flops, c.owner_state_bytes, 0)
 
     plan = build_plan(
         layouts,

@@ -36,8 +36,8 @@ Orthogonalization, in passes on Q (first Q = Ŷ); each needs G = QᵀQ = I + F i
   triangular solve in float32 whatever torch's float32 matmul precision (under "high" cuBLAS's solve runs
   in TF32: 1.85 ms against 2.87 at k = 4096 on an H200, but the first pass then left ‖F‖_F = 3.5e-3 at
   k = 4096 and 1.7e-3 at 1024, above SERIES_DEFECT, and the whole refresh took a second Cholesky pass and
-  longer: 12.8–13.0 ms against 11.9–12.4). R is triangular, so Q keeps Ŷ's nested column spans (the power iteration's
-  order) whatever its rounding. Cholesky QR leaves max|QᵀQ − I| ≈ 2⁻²⁴·cond(Q)², so the first pass's only
+  longer: 12.8–13.0 ms against 11.9–12.4). R is triangular, so Q keeps Ŷ's nested column spans (the power
+  iteration's order) whatever its rounding. Cholesky QR leaves max|QᵀQ − I| ≈ 2⁻²⁴·cond(Q)², so the first pass's only
   job is a well-conditioned Q and the second makes it orthogonal.
 - series pass, on the members with ‖F‖_F ≤ SERIES_DEFECT: the same Q·R⁻¹ with the upper
   triangular R = I + U from products instead of cuSOLVER and cuBLAS, U₀ = Φ(F), U = Φ(F − U₀ᵀ·U₀)
@@ -51,8 +51,8 @@ Orthogonalization, in passes on Q (first Q = Ŷ); each needs G = QᵀQ = I + F i
 
 Passes run, each batch member on its own, until the input of its Cholesky pass had max|F| ≤ ACCEPT_DEFECT,
 or a series pass ran, at most MAX_PASSES (a basis far from K's eigenvectors, e.g. a new gradient direction in
-a rank-deficient factor, takes three or four; a warm one two). A pass whose input had max|F| ≤ ACCEPT_DEFECT leaves Q orthogonal to
-O(max|F|²) plus float32 rounding (tests/test_soap_refresh.py measures the result's max|QᵀQ − I| in float64).
+a rank-deficient factor, takes three or four; a warm one two). A pass whose input had max|F| ≤ ACCEPT_DEFECT
+leaves Q orthogonal to O(max|F|²) plus float32 rounding (tests/test_soap_refresh.py measures the result's max|QᵀQ − I| in float64).
 
 Factors of a side above BATCH_MAX_SIDE are refreshed in batches of at most LARGE_BATCH_ENTRIES entries per
 tensor, with their products batched and their Cholesky factorizations and triangular solves one per factor

@@ -204,8 +204,7 @@ class Engine:
             mesh = entries[0].param.device_mesh if key is not None else None
 
             def cost(k: int, shape: tuple[int, int], entries: list[Entry] = entries) -> tuple[int, int, int]:
-                c = self.rule.cost(entries[k].group, shape)
-                return c.planned, c.owner_state_bytes, c.batch_flops
+                return self.rule.cost(entries[k].group, shape).plan_entry()
 
             plan = build_plan(
                 [e.layout for e in entries],

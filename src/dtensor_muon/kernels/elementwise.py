@@ -12,9 +12,9 @@ adds −γ'·O with one fused multiply-add, as ``mul_`` then ``add_(alpha=)`` do
 two or three kernels: on the Qwen3-30B-A3B shapes that is 24 + 18 bytes per fp32 element for momentum and
 apply, against 16 (12 without the buffer write) and 10 here. ``decay_and_add_with_norms_`` gives the step's
 metrics the norm of each matrix it applies (a unit of stacked experts: one launch instead of a norm's and the
-apply's); it ends in the norms as normalize.py's kernel ends in its scale: each program stores its block's
-sum of squares and takes a ticket, the last program of a matrix sums the block sums in a fixed order, so the
-norms are the same from launch to launch.
+apply's); it ends in the norms as normalize.py's kernel ends in its scale, the last program of a matrix adding
+the block sums in a fixed order (:func:`.ordered_sum.store_partial_and_total`), so the norms are the same from
+launch to launch.
 
 On CUDA the kernels run on tensors of at least :data:`MIN_KERNEL_NUMEL` entries; smaller ones take torch's
 operations, which give the same bits there (``tests/test_elementwise_kernels.py`` checks it on the GPU), so the

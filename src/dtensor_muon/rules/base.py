@@ -54,6 +54,10 @@ class MatrixCost:
         """What the plan balances: ``balance_flops`` where given, else ``flops``."""
         return self.flops if self.balance_flops is None else self.balance_flops
 
+    def plan_entry(self) -> tuple[int, int, int]:
+        """(planned cost, owner-state bytes, cost shared per unit): what ``build_plan``'s ``cost_fn`` returns."""
+        return self.planned, self.owner_state_bytes, self.batch_flops
+
 
 @dataclass(frozen=True)
 class ApplyScalars:

@@ -254,8 +254,8 @@ class SOAPRule(MatrixRule):
         for the sort (2k³), then eigh (9k³) or K·Q and QR (2k³ + 8k³/3); basis="cholqr": the rotation
         C_L·M·C_Rᵀ (2m²n + 2mn²) and per side 46k³/3 from a warm basis (K·Q 2, a Cholesky QR pass: Gram 2,
         Cholesky 1/3, triangular solve 1; a series pass: Gram 2, three products 6; Q_newᵀ·Q_old 2). Owner
-        bytes: 4·(2mn + 2k² + k per preconditioned side k) + 8. The plan balances each operation's FLOPs at its rate
-        (:data:`OPERATION_TFLOPS`; the products of the factors, projections and rotations at the rate of
+        bytes: 4·(2mn + 2k² + k per preconditioned side k) + 8. The plan balances each operation's FLOPs at
+        its rate (:data:`OPERATION_TFLOPS`; the products of the factors, projections and rotations at the rate of
         torch's float32 matmul precision when the optimizer is built), as FLOPs of TF32 products; with
         basis="cholqr" the fixed time of the refresh batches (:data:`CHOLQR_BATCH_SECONDS`, one per side
         length) is ``batch_flops``, which the matrices of a unit (stacked experts) share."""
