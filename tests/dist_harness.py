@@ -1,4 +1,10 @@
-"""Runs a function on N real gloo processes (CPU) and collects what each returns.
+"""Runs a function on N real gloo processes and collects what each returns.
+
+Two devices: ``device="cpu"`` (the default), and ``device="cuda"``, where every rank of the call shares
+``cuda:0`` (gloo takes CUDA tensors for the collectives the library uses; NCCL refuses two ranks on one GPU).
+A function asks :func:`worker_device` which one it runs on; :data:`DEVICES` parametrizes a test over both,
+the CUDA case skipped where no GPU is present. Workers run torch on one CPU thread, so CPU results are
+comparable bit for bit with a one-process reference computed on one thread (:func:`one_thread`).
 
 Starting a process and initializing gloo takes seconds on a small machine, so the processes are kept: per
 world size, a pool of workers with gloo initialized is started at first use and reused by every later call
@@ -31,13 +37,14 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -50,6 +57,31 @@ ERROR_GRACE_S = 3.0
 """After one rank raised, how long the others may take to report their own errors before the pool is killed."""
 MAX_POOLED_WORKERS = 20
 """Idle workers kept over all world sizes; the least recently used pools are closed beyond this."""
+
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the ranks share cuda:0 over gloo)"
+)
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+"""``@pytest.mark.parametrize("device", DEVICES)``: a distributed test on CPU workers and on CUDA workers."""
+
+_worker_device = torch.device("cpu")
+
+
+def worker_device() -> torch.device:
+    """The device of this worker's tensors and meshes: ``cuda:0`` in a CUDA pool, else the CPU."""
+    return _worker_device
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch on one CPU thread, as the workers do: CPU matrix products can round differently with
+    another thread count, so a one-process reference is computed under this to compare bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class DistributedRunError(RuntimeError):
@@ -167,11 +199,15 @@ def _call(rank: int, world_size: int, request: bytes, state: _ProcessState, grou
         faulthandler.cancel_dump_traceback_later()
 
 
-def _serve(rank: int, world_size: int, init_file: str, conn: Connection, pg_timeout_s: float) -> None:
+def _serve(rank: int, world_size: int, init_file: str, conn: Connection, pg_timeout_s: float, device: str) -> None:
     """Worker loop: initialize gloo, then run requests until told to stop or the test process is gone."""
+    global _worker_device
     faulthandler.enable()  # a crash inside torch/gloo prints every thread's Python stack
     _reseed()
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(0)  # before any mesh: DeviceMesh takes the current device of its type
+        _worker_device = torch.device("cuda", 0)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=pg_timeout_s),
@@ -232,6 +268,7 @@ class _Pool:
     """``world_size`` spawned workers with gloo initialized, each with a pipe to the test process."""
 
     world_size: int
+    device: str
     processes: list[BaseProcess]
     connections: list[Connection]
     workdir: tempfile.TemporaryDirectory
@@ -240,7 +277,12 @@ class _Pool:
 
     @classmethod
     def start(
-        cls, world_size: int, timeout: float, pg_timeout_s: float = PROCESS_GROUP_TIMEOUT_S, fresh: bool = False
+        cls,
+        world_size: int,
+        timeout: float,
+        pg_timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
+        fresh: bool = False,
+        device: str = "cpu",
     ) -> _Pool:
         """Start the workers and wait (at most ``timeout`` seconds) until each has initialized gloo."""
         workdir = tempfile.TemporaryDirectory(prefix=f"gloo{world_size}-")
@@ -250,13 +292,13 @@ class _Pool:
         for rank in range(world_size):
             parent_end, child_end = context.Pipe()
             process = context.Process(
-                target=_serve, args=(rank, world_size, init_file, child_end, pg_timeout_s), daemon=False
+                target=_serve, args=(rank, world_size, init_file, child_end, pg_timeout_s, device), daemon=False
             )
             process.start()
             child_end.close()
             processes.append(process)
             connections.append(parent_end)
-        pool = cls(world_size, processes, connections, workdir)
+        pool = cls(world_size, device, processes, connections, workdir)
         try:
             pool._collect(time.monotonic() + timeout, "starting gloo")
         except BaseException:
@@ -271,7 +313,7 @@ class _Pool:
         for conn, path in zip(self.connections, paths):
             conn.send_bytes(pickle.dumps((fn, args, path, timeout)))
         self._collect(time.monotonic() + timeout, getattr(fn, "__qualname__", repr(fn)))
-        results = [torch.load(path, weights_only=False) for path in paths]
+        results = [torch.load(path, weights_only=False, map_location="cpu") for path in paths]
         for path in paths:
             os.remove(path)
         return results
@@ -346,17 +388,18 @@ class _Pool:
         self.workdir.cleanup()
 
 
-_pools: dict[int, _Pool] = {}
+_pools: dict[tuple[int, str], _Pool] = {}
 
 
-def _pooled(world_size: int, timeout: float) -> _Pool:
-    """The pool of ``world_size`` workers (started now if there is none), most recently used last."""
-    pool = _pools.pop(world_size, None)
+def _pooled(world_size: int, timeout: float, device: str) -> _Pool:
+    """The pool of ``world_size`` workers on ``device`` (started now if there is none), most recently used last."""
+    key = (world_size, device)
+    pool = _pools.pop(key, None)
     if pool is None:
         while _pools and sum(p.world_size for p in _pools.values()) + world_size > MAX_POOLED_WORKERS:
             _pools.pop(next(iter(_pools))).close()
-        pool = _Pool.start(world_size, timeout)
-    _pools[world_size] = pool
+        pool = _Pool.start(world_size, timeout, device=device)
+    _pools[key] = pool
     return pool
 
 
@@ -367,15 +410,22 @@ def run_distributed(
     timeout: float = DEFAULT_TIMEOUT_S,
     fresh: bool = False,
     pg_timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
+    device: str = "cpu",
 ) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return their results by rank.
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return their results by rank
+    (tensors moved to the CPU).
 
     ``fn`` must be a module-level function. The call raises :class:`DistributedRunError` if it runs past
     ``timeout`` seconds or any rank raises. ``fresh`` runs on newly spawned processes (gloo timeout
-    ``pg_timeout_s``) that end with the call, instead of the shared ones of the pytest run.
+    ``pg_timeout_s``) that end with the call, instead of the shared ones of the pytest run. ``device="cuda"``
+    runs on workers that share ``cuda:0`` (:func:`worker_device`).
     """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DistributedRunError("device='cuda' needs a CUDA GPU; none is available")
     if fresh:
-        pool = _Pool.start(world_size, timeout, pg_timeout_s, fresh=True)
+        pool = _Pool.start(world_size, timeout, pg_timeout_s, fresh=True, device=device)
         try:
             results = pool.run(fn, args, timeout)
         except BaseException:
@@ -383,15 +433,15 @@ def run_distributed(
             raise
         pool.close()
         return results
-    pool = _pooled(world_size, timeout)
+    pool = _pooled(world_size, timeout, device)
     try:
         results = pool.run(fn, args, timeout)
     except BaseException:
-        del _pools[world_size]
+        del _pools[(world_size, device)]
         pool.kill()
         raise
     if pool.spent:
-        del _pools[world_size]
+        del _pools[(world_size, device)]
         pool.close()
     return results
 

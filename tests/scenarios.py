@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dist_harness import one_thread, worker_device
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -43,15 +44,17 @@ def gradients(step: int) -> dict[str, torch.Tensor | None]:
     return {name: (None if name in NO_GRAD else torch.randn(shape, generator=g)) for name, shape in SHAPES}
 
 
-def reference_run(steps: int, **options: Any) -> list[torch.Tensor]:
-    """Single process, plain tensors: the result every distributed run must reproduce."""
-    params = [(n, p.clone().requires_grad_()) for n, p in initial_params()]
-    opt = Muon(params, **{**OPTIONS, **options})
-    for step in range(steps):
-        for (_, p), (_, g) in zip(params, gradients(step).items()):
-            p.grad = g
-        opt.step()
-    return [p.detach() for _, p in params]
+def reference_run(steps: int, device: str = "cpu", **options: Any) -> list[torch.Tensor]:
+    """Single process, plain tensors on ``device`` (on the CPU on one thread, as the gloo workers run): the
+    result every distributed run must reproduce; returned on the CPU."""
+    with one_thread():
+        params = [(n, p.to(device).requires_grad_()) for n, p in initial_params()]
+        opt = Muon(params, **{**OPTIONS, **options})
+        for step in range(steps):
+            for (_, p), (_, g) in zip(params, gradients(step).items()):
+                p.grad = None if g is None else g.to(device)
+            opt.step()
+    return [p.detach().cpu() for _, p in params]
 
 
 def placements_for(kind: str, ndim: int) -> list:
@@ -69,9 +72,11 @@ def placements_for(kind: str, ndim: int) -> list:
 
 
 def make_mesh(kind: str, world_size: int):
+    """A mesh of this worker's device type (:func:`dist_harness.worker_device`)."""
+    device_type = worker_device().type
     if kind in ("hsdp", "2d"):
-        return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("a", "b"))
-    return init_device_mesh("cpu", (world_size,))
+        return init_device_mesh(device_type, (2, world_size // 2), mesh_dim_names=("a", "b"))
+    return init_device_mesh(device_type, (world_size,))
 
 
 class ParamHolder(nn.Module):
@@ -85,8 +90,8 @@ class ParamHolder(nn.Module):
 
 def distributed_params(kind: str, world_size: int) -> list[tuple[str, nn.Parameter]]:
     if kind == "two_meshes":  # experts on sub-meshes of 2 ranks (rows split), the rest on all ranks
-        dense = init_device_mesh("cpu", (world_size,))
-        experts = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "ep"))["ep"]
+        dense = init_device_mesh(worker_device().type, (world_size,))
+        experts = init_device_mesh(worker_device().type, (world_size // 2, 2), mesh_dim_names=("dp", "ep"))["ep"]
         return [
             (
                 name,
@@ -218,8 +223,6 @@ def dcp_resume(
 
 def fsdp_training(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     """A real ``fully_shard`` model; returns, per step, the full gradients fed to Muon and the full params."""
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Embedding(37, 10),
@@ -234,12 +237,13 @@ def fsdp_training(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     for layer in model:
         if any(p.requires_grad for p in layer.parameters()):
-            fully_shard(layer, mesh=make_mesh("shard0", world_size))
-    fully_shard(model, mesh=make_mesh("shard0", world_size))
+            shard(layer, make_mesh("shard0", world_size))
+    shard(model, make_mesh("shard0", world_size))
     opt = Muon(model.named_parameters(), **OPTIONS)
     fed = []
     for step in range(steps):
         tokens = torch.randint(0, 37, (4, 6), generator=torch.Generator().manual_seed(100 * step + rank))
+        tokens = tokens.to(worker_device())
         logits = model(tokens)
         loss = nn.functional.cross_entropy(logits.reshape(-1, 37), tokens.roll(1, dims=1).reshape(-1))
         loss.backward()
@@ -260,7 +264,7 @@ def failure_cases(rank: int, world_size: int) -> dict[str, str]:
 
     out: dict[str, str] = {}
     mesh = make_mesh("shard0", world_size)
-    partial = nn.Parameter(DTensor.from_local(torch.randn(4, 4), mesh, [Partial()]))
+    partial = nn.Parameter(DTensor.from_local(torch.randn(4, 4, device=worker_device()), mesh, [Partial()]))
     try:
         Muon([("w_partial", partial)])
     except ValueError as exc:
@@ -276,7 +280,9 @@ def failure_cases(rank: int, world_size: int) -> dict[str, str]:
     set_gradients(params, 0)
     if rank == 0:  # a gradient in other placements on one rank only: redistributing it alone would hang
         p = params[1][1]
-        p.grad = DTensor.from_local(torch.randn(p.shape), p.device_mesh, [Partial()], run_check=False)
+        p.grad = DTensor.from_local(
+            torch.randn(p.shape, device=worker_device()), p.device_mesh, [Partial()], run_check=False
+        )
     before = [p.full_tensor() for _, p in params]
     try:
         opt.step()
@@ -313,14 +319,13 @@ def overlap_training(
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-    from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = Blocks()
     mesh = make_mesh("shard0", world_size)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        shard(block, mesh)
+    shard(model, mesh)
     if prefetch:
         for current, following in zip(model.blocks[:-1], model.blocks[1:]):
             current.set_modules_to_forward_prefetch([following])
@@ -353,6 +358,7 @@ def overlap_training(
         current_step[0] = step
         model.skip_block = 2 if step % 2 == 1 else -1
         tokens = torch.randint(0, 29, (3, 5), generator=torch.Generator().manual_seed(100 * step + rank))
+        tokens = tokens.to(worker_device())
         loss = nn.functional.cross_entropy(model(tokens).reshape(-1, 29), tokens.roll(1, dims=1).reshape(-1))
         loss.backward()
         opt.step()
@@ -368,3 +374,89 @@ def overlap_training(
         "saved": saved,
         "observations": observations,
     }
+
+
+class ResidualMLP(nn.Module):
+    """An embedding, three Linear→GELU→Linear residual blocks, a LayerNorm and a head: wide enough that a
+    block's work on a GPU takes longer than launching the next one."""
+
+    VOCAB, DIM, HIDDEN = 512, 256, 1024
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(self.VOCAB, self.DIM)
+        self.blocks = nn.ModuleList(
+            [
+                nn.Sequential(nn.Linear(self.DIM, self.HIDDEN), nn.GELU(), nn.Linear(self.HIDDEN, self.DIM))
+                for _ in range(3)
+            ]
+        )
+        self.norm = nn.LayerNorm(self.DIM)
+        self.output = nn.Linear(self.DIM, self.VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.output(self.norm(h))
+
+
+def residual_mlp_batch(step: int, device: torch.device) -> torch.Tensor:
+    """4×64 tokens, the same on every rank."""
+    generator = torch.Generator().manual_seed(500 + step)
+    return torch.randint(0, ResidualMLP.VOCAB, (4, 64), generator=generator).to(device)
+
+
+def residual_mlp_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits.reshape(-1, ResidualMLP.VOCAB), tokens.roll(1, dims=1).reshape(-1))
+
+
+def residual_mlp_one_process(steps: int, device: torch.device) -> dict[str, Any]:
+    """The reference: :class:`ResidualMLP` and ``Muon(lr=0.02)`` in one process on ``device``."""
+    torch.manual_seed(0)
+    model = ResidualMLP().to(device)
+    opt = Muon(model.named_parameters(), lr=0.02)
+    losses = []
+    for step in range(steps):
+        loss = residual_mlp_loss(model, residual_mlp_batch(step, device))
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "params": {n: p.detach().cpu() for n, p in model.named_parameters()}}
+
+
+def shard(module: nn.Module, mesh) -> None:
+    """``fully_shard(module, mesh=mesh)``; on CUDA workers FSDP2 reduces gradients with SUM and divides them
+    itself, since gloo's reduce-scatter of CUDA tensors takes no ReduceOp.AVG."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=mesh)
+    if worker_device().type == "cuda":
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def residual_mlp_fsdp(rank: int, world_size: int, steps: int, overlap: bool, prefetch: bool) -> dict[str, Any]:
+    """:func:`residual_mlp_one_process` under FSDP2 (each block, then the root), the same batch on every rank,
+    with or without overlap; ``prefetch``: each block unshards the next one (explicit forward prefetch)."""
+    torch.manual_seed(0)
+    model = ResidualMLP()
+    mesh = make_mesh("shard0", world_size)
+    for block in model.blocks:
+        shard(block, mesh)
+    shard(model, mesh)
+    if prefetch:
+        for current, following in zip(model.blocks[:-1], model.blocks[1:]):
+            current.set_modules_to_forward_prefetch([following])
+    opt = Muon(model.named_parameters(), lr=0.02, overlap=overlap)
+    opt.attach(model)
+    losses = []
+    for step in range(steps):
+        loss = residual_mlp_loss(model, residual_mlp_batch(step, worker_device()))
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    return {"losses": losses, "params": {n: p.full_tensor() for n, p in model.named_parameters()}}

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import scenarios
 import torch
-from dist_harness import run_distributed
+from dist_harness import DEVICES, run_distributed, worker_device
 
 from dtensor_muon import Muon
 
@@ -123,3 +123,41 @@ def test_failures_raise_on_every_rank_without_hanging():
         assert "gradient placements differ across ranks" in r["step"]
     assert "'layers.0.attention.wq'" in results[0]["step"] and "gradients in other placements" in results[0]["step"]
     assert "placements than their parameter's: none" in results[1]["step"]
+
+
+def equal_meshes_of_other_groups(rank: int, world_size: int) -> list[torch.Tensor]:
+    """Two meshes equal by value (same ranks and device type) over different process groups: the first
+    one's group is destroyed (as a training script's teardown or a test harness does) while that mesh is still
+    alive; the optimizer built on the second mesh must use the second mesh's group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    device_type = worker_device().type
+    first_group = dist.new_group(list(range(world_size)))
+    first = DeviceMesh.from_group(first_group, device_type)
+    first_params = [
+        (n, torch.nn.Parameter(distribute_tensor(p, first, [Shard(0)]))) for n, p in scenarios.initial_params()
+    ]
+    Muon(first_params, **scenarios.OPTIONS)
+    dist.destroy_process_group(first_group)
+    second = DeviceMesh.from_group(dist.new_group(list(range(world_size))), device_type)
+    assert second == first  # DeviceMesh compares by value
+    params = [(n, torch.nn.Parameter(distribute_tensor(p, second, [Shard(0)]))) for n, p in scenarios.initial_params()]
+    opt = Muon(params, **scenarios.OPTIONS)
+    for step in range(STEPS):
+        for (_, p), g in zip(params, scenarios.gradients(step).values()):
+            p.grad = None if g is None else distribute_tensor(g, second, [Shard(0)])
+        opt.step()
+    # torch's own redistribute caches plans by mesh value too: return the Shard(0) pieces, joined by the test
+    return [p.to_local() for _, p in params]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_mesh_equal_to_one_whose_group_was_destroyed_trains_on_its_own_group(reference, device):
+    pieces = run_distributed(equal_meshes_of_other_groups, 2, device=device)
+    got = [torch.cat(by_rank) for by_rank in zip(*pieces)]
+    if device == "cpu":
+        assert_all_equal(got, reference)
+    else:  # the one-process reference on the GPU
+        assert_all_equal(got, scenarios.reference_run(STEPS, device="cuda"))

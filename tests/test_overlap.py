@@ -5,7 +5,7 @@ import tempfile
 import pytest
 import scenarios
 import torch
-from dist_harness import run_distributed
+from dist_harness import DEVICES, one_thread, run_distributed
 
 from dtensor_muon import Muon
 
@@ -53,6 +53,31 @@ def test_block_prefetched_by_fsdp_is_finished_by_the_hook_of_the_block_before():
             assert not obs["next_pending"], obs  # FSDP prefetches block k+1 from block k: already applied
             checked += 1
     assert checked >= 4
+
+
+RESIDUAL_STEPS = 6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefetch", [False, True], ids=["implicit-prefetch", "explicit-prefetch"])
+def test_fsdp2_residual_model_with_overlap_equals_no_overlap_and_one_process(device, prefetch):
+    """On CUDA, FSDP2 all-gathers a module's shards on its own stream, which waits for the default stream only
+    at the root's forward: an update applied by a later module's pre-forward hook must be ordered before that
+    all-gather, or the forward reads half-written weights."""
+    with one_thread():  # as the workers run: CPU products may round otherwise with other thread counts
+        reference = scenarios.residual_mlp_one_process(RESIDUAL_STEPS, torch.device(device))
+    runs = {
+        overlap: run_distributed(scenarios.residual_mlp_fsdp, 2, RESIDUAL_STEPS, overlap, prefetch, device=device)
+        for overlap in (False, True)
+    }
+    for overlap, results in runs.items():
+        for rank, result in enumerate(results):
+            assert result["losses"] == reference["losses"], (overlap, rank, result["losses"], reference["losses"])
+            for name, want in reference["params"].items():
+                got = result["params"][name]
+                assert torch.equal(got, want), (
+                    f"{name} overlap={overlap} rank {rank}: max |Δ| {(got - want).abs().max():.3e}"
+                )
 
 
 def test_overlap_needs_attach_single_process_and_local_matrices_apply_in_step():

@@ -218,7 +218,7 @@ class Engine:
                 tensor_parallel=[self._tensor_parallel(e) for e in entries],
             )
             comm = mesh_group(mesh, entries[0].layout.mesh_rank)
-            _check_same_plan_everywhere(plan, comm)
+            _check_same_plan_everywhere(plan, comm, local(entries[0].param).device)
             self.meshes.append(MeshWork(mesh, entries, plan, comm, wire, plan.fully_local_params()))
         # the shape of this rank's local piece of each DTensor parameter (and of its gradient), by its layout
         self.local_shapes = {
@@ -464,10 +464,9 @@ class Engine:
                 stacklevel=2,
             )
 
-    def finish(self, indices: list[int]) -> None:
-        """Apply the pending updates of the parameters with these engine indices (no-op when none)."""
-        if self.pending is not None:
-            self.pending.finish(indices)
+    def finish(self, indices: list[int]) -> bool:
+        """Apply the pending updates of the parameters with these engine indices; whether any was applied."""
+        return self.pending is not None and self.pending.finish(indices)
 
     def flush(self) -> None:
         """Apply every pending update (waiting for the return exchanges they need)."""
@@ -614,12 +613,11 @@ class Engine:
                 ctx.scalars[e.index] = self.rule.scalars(e.group, e.regions)
 
 
-def _check_same_plan_everywhere(plan: Plan, comm: MeshGroup) -> None:
-    """Compare the plan digest across the mesh's ranks; raise on every rank if any differs."""
+def _check_same_plan_everywhere(plan: Plan, comm: MeshGroup, device: torch.device) -> None:
+    """Compare the plan digest across the mesh's ranks (on ``device``, where the mesh's parameters live, so
+    any backend of the mesh takes it); raise on every rank if any differs."""
     if comm.group is None:
         return
-    backend = dist.get_backend(comm.group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     digests = consensus.distinct_across(int(plan.digest[:15], 16), comm.group, device)
     if digests != 1:
         raise RuntimeError(

@@ -37,23 +37,34 @@ class MeshGroup:
         return order
 
 
-# Cached per mesh object and dropped with it: a module-level cache would keep process groups alive past
+# Cached per mesh object (by identity: DeviceMesh compares by value, so a mesh over another process group, e.g.
+# one made after the first one's group was destroyed, would otherwise be handed the first one's group) and
+# dropped with it: a module-level cache holding meshes would keep process groups alive past
 # destroy_process_group(), to be destroyed during interpreter shutdown, which can abort gloo.
-_GROUP_CACHE: weakref.WeakKeyDictionary[DeviceMesh, MeshGroup] = weakref.WeakKeyDictionary()
+_GROUP_CACHE: dict[int, tuple[weakref.ref[DeviceMesh], MeshGroup]] = {}
 
 
 def mesh_group(mesh: DeviceMesh | None, mesh_rank: int) -> MeshGroup:
     """The group of all ranks of ``mesh`` (flattened when it has several dims); None mesh: a world of one."""
     if mesh is None:
         return MeshGroup(None, 0, [0])
-    cached = _GROUP_CACHE.get(mesh)
-    if cached is None:
-        flat = mesh if mesh.ndim == 1 else mesh._flatten()
-        group = flat.get_group()
-        global_ranks = mesh.mesh.flatten().tolist()
-        cached = MeshGroup(group, mesh_rank, [dist.get_group_rank(group, r) for r in global_ranks])
-        _GROUP_CACHE[mesh] = cached
-    return cached
+    key = id(mesh)
+    cached = _GROUP_CACHE.get(key)
+    if cached is not None and cached[0]() is mesh:
+        return cached[1]
+    flat = mesh if mesh.ndim == 1 else mesh._flatten()
+    group = flat.get_group()
+    global_ranks = mesh.mesh.flatten().tolist()
+    entry = MeshGroup(group, mesh_rank, [dist.get_group_rank(group, r) for r in global_ranks])
+    _GROUP_CACHE[key] = (weakref.ref(mesh, lambda _ref, key=key: _forget(key, _ref)), entry)
+    return entry
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    """Drop a dead mesh's entry (unless a newer mesh with the same ``id`` has replaced it)."""
+    cached = _GROUP_CACHE.get(key)
+    if cached is not None and cached[0] is ref:
+        del _GROUP_CACHE[key]
 
 
 @dataclass

@@ -6,6 +6,11 @@ all-gathers the module's parameters). For an FSDP2 module the parameters are tho
 plus those of the modules FSDP will prefetch from it (``set_modules_to_forward_prefetch``); for any other
 module, the parameters it registers itself. On the root modules, state-dict and load-state-dict pre-hooks
 flush everything, so nothing reads or overwrites a parameter with an update still pending.
+
+Stream order (CUDA): updates are applied on the current stream, but FSDP2 copies a module's shards into its
+all-gather buffer on streams of its own, which wait for the current stream only in the root module's
+pre-forward (before any of these hooks but the root's has run). So once a hook has applied updates, FSDP2's
+all-gather streams are made to wait for the current stream before FSDP2's pre-forward reads the shards.
 """
 
 from __future__ import annotations
@@ -31,16 +36,29 @@ def _fsdp_managed_params(state) -> list[nn.Parameter]:
     return [fp.sharded_param for group in groups for fp in group.fsdp_params]
 
 
+def _order_all_gathers_after_current_stream(state) -> None:
+    """Make FSDP2's all-gather streams (shared by every FSDP2 state under one root) wait for the work queued
+    so far on the current stream: the updates just applied to the shards they copy. Before FSDP2's lazy
+    initialization (the first forward) there are no such streams, and the root's pre-forward waits anyway."""
+    comm = getattr(state, "_comm_ctx", None)
+    copy_in = getattr(comm, "all_gather_copy_in_stream", None)
+    if copy_in is None:
+        return
+    current = comm.device_handle.current_stream()
+    copy_in.wait_stream(current)
+    comm.all_gather_stream.wait_stream(current)
+
+
 def attach_hooks(
     roots: Iterable[nn.Module],
     index_of_param: dict[int, int],
-    finish: Callable[[list[int]], None],
+    finish: Callable[[list[int]], bool],
     flush: Callable[[], None],
 ) -> list[RemovableHandle]:
     """Register the overlap hooks on ``roots`` (see module docstring); returns their handles.
 
     ``index_of_param`` maps ``id(parameter)`` to the optimizer's index for it; ``finish(indices)`` applies
-    those parameters' pending updates and ``flush()`` applies all of them.
+    those parameters' pending updates (returning whether it applied any) and ``flush()`` applies all of them.
     """
     handles: list[RemovableHandle] = []
     claimed: set[int] = set()
@@ -62,7 +80,8 @@ def attach_hooks(
             indices = list(state_indices[id(state)])
             for target in state._states_to_forward_prefetch:
                 indices.extend(state_indices.get(id(target), []))
-            finish(indices)
+            if finish(indices):
+                _order_all_gathers_after_current_stream(state)
 
         return hook
 

@@ -46,9 +46,9 @@ class PendingUpdates:
                 self.backs_of[i].append(back)
         self.seconds = 0.0
 
-    def finish(self, indices: Iterable[int]) -> None:
+    def finish(self, indices: Iterable[int]) -> bool:
         """Wait for and unpack the updates of these parameters (skipping those already applied), then apply
-        them at once."""
+        them at once; whether any was applied."""
         start = time.perf_counter()
         ready = list(dict.fromkeys(i for i in indices if i in self.remaining))
         for index in ready:
@@ -63,6 +63,7 @@ class PendingUpdates:
         for index in ready:
             del self.remaining[index]
         self.seconds += time.perf_counter() - start
+        return bool(ready)
 
     def finish_all(self) -> None:
         """Apply every remaining update."""

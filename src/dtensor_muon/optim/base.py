@@ -539,11 +539,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
             handle.remove()
         self._hook_handles = []
 
-    def _finish(self, param_ids: list[int]) -> None:
-        if self._engine is not None and self._engine.pending is not None:
-            index_of = self._index_of_param
-            with torch.no_grad():
-                self._engine.finish([index_of[i] for i in param_ids if i in index_of])
+    def _finish(self, param_ids: list[int]) -> bool:
+        """Apply the pending updates of these parameters (by ``id``); whether any was applied."""
+        if self._engine is None or self._engine.pending is None:
+            return False
+        index_of = self._index_of_param
+        with torch.no_grad():
+            return self._engine.finish([index_of[i] for i in param_ids if i in index_of])
 
     def flush(self) -> None:
         """Apply every pending update now (overlap mode); a no-op when nothing is pending."""
