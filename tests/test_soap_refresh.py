@@ -18,7 +18,9 @@ from torch import Tensor
 
 from dtensor_muon import eigenbasis as eb
 from dtensor_muon.eigenbasis import (
+    ACCEPT_DEFECT,
     BATCH_MAX_SIDE,
+    FLOAT32_UNIT,
     SERIES_DEFECT,
     accurate_gram,
     power_cholqr,
@@ -99,37 +101,143 @@ def test_series_pass_equals_float64_cholesky_qr_of_a_near_orthogonal_basis():
     assert min(defect(g) for g in q) >= 2e-5
 
 
+def float32_gamma(n: int) -> float:
+    """γₙ = n·u/(1 − n·u), u = 2⁻²⁴: a float32 sum of n products differs from the exact one by at most γₙ times
+    the sum of their absolute values, whatever the order of the additions."""
+    return n * FLOAT32_UNIT / (1 - n * FLOAT32_UNIT)
+
+
+def at_most(low: float, high: float, threshold: float) -> bool | None:
+    """Whether a value known to lie in [low, high] is ≤ ``threshold``; None where the interval holds it."""
+    return True if high <= threshold else False if low > threshold else None
+
+
+def pass_choice(x: Tensor) -> tuple[bool | None, bool | None]:
+    """(series, ends) of a later pass on the basis ``x`` (k×k, float32) by the rule of
+    :func:`dtensor_muon.eigenbasis.later_passes`, from F = XᵀX − I in float64: the series pass where
+    ‖F‖_F ≤ SERIES_DEFECT (it ends the member's passes), else a Cholesky pass, which ends them where
+    max|F| ≤ ACCEPT_DEFECT. The float32 Gram matrix the refresh reads is within γ_k·|X|ᵀ|X| of XᵀX entrywise, and
+    its float32 Frobenius norm within γ_{k²+2} relative of the exact one: each answer is None where an error
+    that large could tip it."""
+    k = x.shape[-1]
+    x64 = x.to(F64)
+    f = x64.T @ x64 - torch.eye(k, dtype=F64)
+    rounding = float32_gamma(k) * (x64.abs().T @ x64.abs())
+    fro, fro_rounding = torch.linalg.matrix_norm(f).item(), torch.linalg.matrix_norm(rounding).item()
+    relative = float32_gamma(k * k + 2)
+    series = at_most((fro - fro_rounding) * (1 - relative), (fro + fro_rounding) * (1 + relative), SERIES_DEFECT)
+    ends = at_most((f.abs() - rounding).max().item(), (f.abs() + rounding).max().item(), ACCEPT_DEFECT)
+    return series, True if series else ends
+
+
+def with_singular_values(values: Tensor, seed: int) -> Tensor:
+    """U·diag(values)·Vᵀ with U, V random orthogonal (float64, then rounded to float32)."""
+    u, v = random_basis(len(values), seed).to(F64), random_basis(len(values), seed + 1).to(F64)
+    return ((u * values) @ v.T).float()
+
+
 def test_members_of_a_batch_take_their_own_passes(monkeypatch):
-    """A batch of a warm basis (its second pass a series) and one with two equal columns (Cholesky passes until
-    its Gram matrix is small enough): each member takes its own passes, and each member's basis equals
-    its refresh alone within 1e-6, orthogonal within 1e-5 in float64, neither fallen back to eigh."""
-    members: dict[str, list[int]] = {"series": [], "cholesky": []}
-    series_pass_of, cholesky_pass_of = eb.series_pass, eb.cholesky_qr_pass
+    """later_passes on a batch of four k = 40 bases X, each off orthogonal by a set amount in exact arithmetic:
+    singular values from 1 down to 10^-3.5 (a Cholesky pass leaves such a basis up to about 2⁻²⁴·cond² ≈ 0.6 off
+    orthogonal, :mod:`dtensor_muon.eigenbasis`: two Cholesky passes, then the series), an orthogonal one (the series at
+    once), singular values in [0.8, 1.25] (a Cholesky pass, then the series) and XᵀX = I + F with every
+    off-diagonal |F_ij| = ACCEPT_DEFECT/2 (‖F‖_F ≈ 0.02 > SERIES_DEFECT: one Cholesky pass, which ends its
+    passes). Every pass is replayed from the float64 Gram matrix of each member's actual input
+    (:func:`pass_choice`): which members take the series and which a Cholesky pass, each member's input its own
+    previous output, which members go on, and which are done at the end. The four members take four
+    different sequences of passes; every Cholesky succeeds; each basis ends orthogonal and is the Q factor of
+    its input (QᵀX upper triangular), within first-order bounds of float32's rounding."""
+    calls: list[tuple[str, Tensor, Tensor]] = []  # (function, its input Q, its output: Q, or the Gram matrix)
+    gram_of, series_pass_of, cholesky_pass_of = eb.accurate_gram, eb.series_pass, eb.cholesky_qr_pass
+
+    def gram(q: Tensor) -> Tensor:
+        out = gram_of(q)
+        calls.append(("gram", q.clone(), out))
+        return out
 
     def series(q: Tensor, gram: Tensor) -> Tensor:
-        members["series"].append(q.shape[0])
-        return series_pass_of(q, gram)
+        out = series_pass_of(q, gram)
+        calls.append(("series", q.clone(), out.clone()))
+        return out
 
     def cholesky(q: Tensor, gram: Tensor, shift: float = 0.0) -> tuple[Tensor, Tensor]:
-        members["cholesky"].append(q.shape[0])
-        return cholesky_pass_of(q, gram, shift)
+        out, passed = cholesky_pass_of(q, gram, shift)
+        calls.append(("cholesky", q.clone(), out.clone()))
+        return out, passed
 
+    monkeypatch.setattr(eb, "accurate_gram", gram)
     monkeypatch.setattr(eb, "series_pass", series)
     monkeypatch.setattr(eb, "cholesky_qr_pass", cholesky)
     k = 40
-    before = gram_factor(k, 64, seed=60)
-    warm = eigh_descending(before)[1]
-    factor = 0.95 * before + 0.05 * gram_factor(k, 64, seed=61)
-    duplicated = random_basis(k, 62)
-    duplicated[:, 1] = duplicated[:, 0]  # Ŷ singular: the shifted first pass leaves it far from orthogonal
-    factors, bases = torch.stack([factor, factor]), torch.stack([warm, duplicated])
-    q_new, _, _, fallen_back = power_cholqr(factors, bases, eigh)
-    # pass 1 on both; pass 2: the series on the warm one, a Cholesky pass on the other; pass 3: its series
-    assert members == {"series": [1, 1], "cholesky": [2, 1]} and not bool(fallen_back.any())
-    for i in range(2):
-        alone = power_cholqr(factors[i : i + 1], bases[i : i + 1], eigh)[0][0]
-        assert (q_new[i] - alone).abs().max().item() <= 1e-6
-        assert defect(q_new[i]) <= 1e-5
+    signs = (torch.randint(0, 2, (k, k), generator=torch.Generator().manual_seed(68), dtype=F64) * 2 - 1).triu(1)
+    values, vectors = torch.linalg.eigh(torch.eye(k, dtype=F64) + ACCEPT_DEFECT / 2 * (signs + signs.T))
+    inputs = torch.stack(
+        [
+            with_singular_values(torch.logspace(0, -3.5, k, dtype=F64), seed=60),
+            random_basis(k, 62),
+            with_singular_values(torch.linspace(0.8, 1.25, k, dtype=F64), seed=64),
+            (random_basis(k, 66).to(F64) @ (vectors * values.sqrt()) @ vectors.T).float(),  # Q·(I + F)^½
+        ]
+    )
+    q_out, done, cholesky_ok = eb.later_passes(inputs.clone())
+
+    current = list(inputs)  # each member's input to its next pass
+    taken: list[list[str]] = [[] for _ in current]
+    ends: list[bool | None] = [False] * len(current)  # whether the member's last pass ended its passes
+    last_input = list(inputs)
+
+    def members(q: Tensor, among: list[int]) -> list[int]:
+        """The members of ``among`` whose current input is a row of ``q``, in order."""
+        return [i for i in among if any(torch.equal(current[i], row) for row in q)]
+
+    pending, position = list(range(len(current))), 0
+    for _ in range(eb.MAX_PASSES - 1):
+        name, q, _ = calls[position]
+        assert name == "gram" and torch.equal(q, torch.stack([current[i] for i in pending])), (name, pending)
+        position += 1
+        choices = {i: pass_choice(current[i]) for i in pending}
+        took: dict[int, str] = {}
+        while position < len(calls) and calls[position][0] != "gram":  # this pass's series and Cholesky calls
+            name, q, out = calls[position]
+            position += 1
+            rows = members(q, pending)
+            assert torch.equal(q, torch.stack([current[i] for i in rows])) and not set(rows) & set(took), name
+            for i, row in zip(rows, out):
+                took[i], last_input[i], current[i] = name, current[i], row
+                taken[i].append(name)
+        assert sorted(took) == pending
+        for i in pending:
+            series, end = choices[i]
+            assert series is None or series == (took[i] == "series"), (i, taken[i], choices[i])
+            ends[i] = True if took[i] == "series" else end
+        if position == len(calls):
+            break
+        # the next pass's Gram matrix names the members that go on: none whose pass ended by the rule, and
+        # every one whose pass did not (where float32 rounding could tip the rule, either)
+        going_on = members(calls[position][1], pending)
+        assert all(ends[i] is not True for i in going_on) and all(
+            ends[i] is not False for i in pending if i not in going_on
+        )
+        for i in pending:
+            ends[i] = i not in going_on
+        pending = going_on
+    assert position == len(calls)
+    assert all(e is None or e == d for e, d in zip(ends, done.tolist())), (ends, done)
+    assert done.all() and cholesky_ok.all() and len({tuple(t) for t in taken}) == len(taken), taken
+    for i, (x, q) in enumerate(zip(inputs, q_out)):
+        x64, q64 = x.to(F64), q.to(F64)
+        # first order, for a last Cholesky pass: its float32 Gram matrix (γ_k), Cholesky (γ_{k+1}) and solve (γ_k,
+        # on either side of QᵀQ) each err by ≤ γ_{k+1}·|x_i|·|x_j| entrywise, and R⁻¹ on both sides multiplies
+        # that by at most cond² of the pass's input; a last series pass is within ‖F‖³ + 2u·|Q|ᵀ|Q|, smaller
+        cond = torch.linalg.cond(last_input[i].to(F64)).item()
+        assert defect(q) <= 4 * float32_gamma(k + 1) * cond**2, (i, defect(q))
+        # each pass's solve (or series) is backward stable: X = Q·R + ΔX, R upper triangular, ‖ΔX‖_F growing by
+        # ≤ γ_{k+1}·‖Q‖_F·‖R‖_F ≤ γ_{k+1}·k·‖X‖₂ a pass (doubled for Q and R above their first-order sizes);
+        # QᵀX = R + (QᵀQ − I)·R + Qᵀ·ΔX, so its strict lower triangle is within the last two terms
+        lower = torch.linalg.matrix_norm(torch.tril(q64.T @ x64, -1)).item()
+        orthogonality = torch.linalg.matrix_norm(q64.T @ q64 - torch.eye(k, dtype=F64)).item()
+        norm = torch.linalg.matrix_norm(x64, ord=2).item()
+        assert lower <= norm * (orthogonality + 2 * len(taken[i]) * k * float32_gamma(k + 1)), (i, lower)
 
 
 @pytest.mark.parametrize("rank", [64, 12])
