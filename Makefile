@@ -11,8 +11,10 @@ STAMP := .venv-installed
 # PyTorch's index of CPU-only wheels: the package index's torch on Linux is the CUDA build (several GB of
 # CUDA libraries); where no GPU is present the CPU build is the one to install.
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+# Whether a GPU is present (an nvidia-smi on the PATH); `make HAS_GPU=1 ...` or `make HAS_GPU= ...` overrides it.
+HAS_GPU ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: install lint format test test-fast train train-titan03 test-titan03 clean
+.PHONY: install lint format test test-fast test-gpu train train-titan03 test-titan03 clean
 
 # torchtitan 0.3 lives in a second environment beside the main one (torchtitan 0.2.x): .venv-titan03,
 # the same CPU torch 2.13.0, this project with its dev-titan03 extra.
@@ -22,7 +24,7 @@ STAMP03 := .venv-titan03-installed
 $(STAMP03): pyproject.toml
 	@[ -x $(PY03) ] || { echo "install (torchtitan 0.3): creating .venv-titan03"; python3 -m venv .venv-titan03; }
 	@$(PY03) -c "import torch" 2>/dev/null && echo "install (torchtitan 0.3): torch present, kept" || \
-	if command -v nvidia-smi >/dev/null 2>&1; then \
+	if [ -n "$(HAS_GPU)" ]; then \
 		echo "install (torchtitan 0.3): torch 2.13.0 from the package index"; $(PY03) -m pip install -q "torch==2.13.0"; \
 	else \
 		echo "install (torchtitan 0.3): torch 2.13.0, the CPU build"; \
@@ -34,9 +36,9 @@ $(STAMP03): pyproject.toml
 	@touch $(STAMP03)
 
 $(STAMP): pyproject.toml
-	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x .venv/bin/python ]; then echo "install: creating .venv"; python3 -m venv .venv; fi
+	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x $(PY) ]; then echo "install: creating .venv"; python3 -m venv .venv; fi
 	@$(PY) -c "import torch" 2>/dev/null && echo "install: torch present, kept" || \
-	if command -v nvidia-smi >/dev/null 2>&1; then \
+	if [ -n "$(HAS_GPU)" ]; then \
 		echo "install: torch 2.13.0 from the package index (on Linux its default build, for CUDA GPUs)"; \
 		$(PY) -m pip install -q "torch==2.13.0"; \
 	else \
@@ -59,6 +61,13 @@ test: $(STAMP)
 # the suite without the long end-to-end runs (torchtitan trainings, the example script): see the e2e marker
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not e2e"
+
+# On a machine with a CUDA GPU: the whole suite, e2e and the GPU-only tests included (multi-rank tests put 2-4
+# gloo ranks on cuda:0); 8 pytest workers where pytest-xdist is installed. A test that needs more (two or more
+# GPUs, NCCL) is skipped with a reason that says so: -rs lists them.
+test-gpu: $(STAMP)
+	@$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch sees no CUDA GPU here (make test runs the CPU suite)')"
+	$(PY) -m pytest -q -rs tests $$($(PY) -c "import xdist" 2>/dev/null && echo "-n 8")
 
 # ruff: lint rules and formatting as configured in pyproject.toml (CI runs this before the tests).
 lint: $(STAMP)

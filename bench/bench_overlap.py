@@ -83,6 +83,7 @@ def slowest(seconds: float) -> float:
 
 
 def worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(max(1, torch.get_num_threads() // world) if args.device == "cpu" else 4)
@@ -96,13 +97,15 @@ def worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace)
         world_size=world,
         timeout=timedelta(seconds=300),
     )
+    # an explicit mesh of the chosen device: fully_shard without one takes the GPU wherever one is present
+    mesh = init_device_mesh(device.type, (world,))
     results = {}
     for overlap in (False, True):
         torch.manual_seed(0)
         model = Stack(args.vocab, args.dim, args.hidden, args.blocks).to(device)
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         opt = Muon(model.named_parameters(), lr=0.02, overlap=overlap)
         opt.attach(model)
         step_ms, total_ms, losses = [], [], []

@@ -25,21 +25,22 @@ def test_the_distribution_is_not_named_like_the_other_projects_package():
 
 
 def make_install(tmp_path: Path, with_gpu: bool) -> str:
-    """``make install`` with a stand-in python that records its calls (and has no torch), on a PATH with or
-    without an ``nvidia-smi``; returns the recorded calls."""
+    """``make install`` with a stand-in python that records its calls (and has no torch); with a GPU: an
+    ``nvidia-smi`` first on the PATH (what the Makefile looks for); without: ``HAS_GPU=`` (a PATH without any
+    ``nvidia-smi`` would drop the folder of ``make`` itself on machines that have one). Returns the calls."""
     fake = tmp_path / "python"
     fake.write_text(f'#!/bin/sh\necho "python $*" >> {tmp_path}/calls\n[ "$1" = "-c" ] && exit 1\nexit 0\n')
     fake.chmod(0o755)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    if with_gpu:
-        (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
-        (bin_dir / "nvidia-smi").chmod(0o755)
-    path = os.pathsep.join(
-        [str(bin_dir), *(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "nvidia-smi").exists())]
-    )
-    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"} | {"PATH": path}
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "HAS_GPU")}
     cmd = ["make", "-B", "install", f"PY={fake}", f"STAMP={tmp_path}/stamp"]
+    if with_gpu:
+        env["PATH"] = os.pathsep.join([str(bin_dir), env["PATH"]])
+    else:
+        cmd.append("HAS_GPU=")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return (tmp_path / "calls").read_text()

@@ -28,8 +28,15 @@ from dtensor_muon import Muon
 
 pytestmark = pytest.mark.slow
 ABORT_MESSAGE = "terminate called without an active exception"
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+torch_2_13_or_newer = pytest.mark.skipif(
+    TORCH_VERSION < (2, 13),
+    reason=f"describes torch >= 2.13 (the CPU build this project pins); torch {torch.__version__} differs: "
+    "it does not abort at this exit, and its DeviceMesh registry keeps meshes the caches below do not hold",
+)
 
 
+@torch_2_13_or_newer
 def test_torch_alone_aborts_when_a_gloo_worker_frees_a_tensor_during_finalization():
     (code0, out0), (code1, out1) = run_both(end_with_helper=False)
     assert code1 == 0, out1
@@ -91,6 +98,7 @@ def hsdp_muon_thread_counts(rank: int, world_size: int, init_file: str, out_dir:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(counts))
 
 
+@torch_2_13_or_newer
 def test_only_torchs_dtensor_caches_keep_gloo_threads_alive_after_muon_and_its_model_are_deleted(tmp_path):
     mp.spawn(hsdp_muon_thread_counts, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):

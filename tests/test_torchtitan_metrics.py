@@ -180,6 +180,7 @@ def test_make_install_says_what_it_does(tmp_path):
     cmd = ["make", "-B", "install", f"PY={fake}", f"STAMP={tmp_path}/stamp"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the given python exists: no .venv is created, whether or not this checkout has one
     said = [line for line in proc.stdout.splitlines() if line.startswith("install: ")]
     assert [s.split()[1] for s in said] == ["torch", "dtensor_muon", "done"], proc.stdout
     assert "torch==2.13.0" in (tmp_path / "calls").read_text() and (tmp_path / "stamp").is_file()
