@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node N bench/nccl_correctness.py          # bench/results/nccl_correctness.json
     python bench/nccl_correctness.py --world-size N                # the same, N processes spawned here
+    python bench/nccl_correctness.py --backend gloo --nproc 2      # 2 processes sharing cuda:0 over gloo
     python bench/nccl_correctness.py --quick                       # 2 gloo processes on CPU, tiny shapes
 
 Every rank holds the same full parameters and per-step gradients (seeded), sharded with ``Shard(0)`` over
@@ -11,6 +12,12 @@ reports the max relative difference of every parameter after the steps; the tole
 (the Newton–Schulz matmuls may take different cuBLAS kernels for a batch of another size): 1e-2 relative
 on the update, checked as |Δθ_dist − Δθ_single| ≤ 1e-2·|Δθ_single|_max per parameter. Exits 1 when a mode
 is outside it. ``--device cpu`` (``--quick``'s) runs the same check over gloo.
+
+NCCL takes one GPU per process. ``--backend gloo`` on CUDA puts every process on ``cuda:0`` instead and talks
+through gloo (which copies CUDA tensors through the host), so N ranks can be checked on a one-GPU machine
+before a several-GPU one is at hand; the DTensors, meshes and Newton–Schulz stay on the GPU. ``--nproc`` is
+another name for ``--world-size``. A gloo run that is neither ``--quick`` nor given ``--json`` writes
+bench/results/nccl_correctness_gloo.json, never nccl_correctness.json.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import benchmark_parser, markdown_table, write_result
+from common import RESULTS_DIR, benchmark_parser, markdown_table, write_result
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -73,7 +80,17 @@ def run(
             p.grad = distribute_tensor(g, mesh, [Shard(0)]) if mesh is not None else g
         opt.step()
     opt.flush()
-    return {n: (p.full_tensor() if mesh is not None else p.detach()) for n, p in named}
+    return {n: (whole(p) if mesh is not None else p.detach()) for n, p in named}
+
+
+def whole(p: torch.Tensor) -> torch.Tensor:
+    """The whole of a ``Shard(0)`` DTensor over every rank. Over gloo with CUDA tensors the pieces travel as
+    CPU objects: DTensor's own all-gather (``full_tensor``) of CUDA tensors over gloo crashes in torch 2.11."""
+    if dist.get_backend() != "gloo" or p.device.type != "cuda":
+        return p.full_tensor()
+    pieces: list[torch.Tensor | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, p.to_local().cpu())
+    return torch.cat(pieces).to(p.device)
 
 
 def check(args) -> list[dict]:
@@ -109,7 +126,7 @@ def report(args, rows: list[dict]) -> None:
             ],
         )
     )
-    write_result(args, rows, tolerance=TOLERANCE, device=args.device)
+    write_result(args, rows, tolerance=TOLERANCE, device=args.device, backend=args.backend)
 
 
 def spawned(rank: int, world: int, init_file: str, args) -> None:
@@ -119,18 +136,24 @@ def spawned(rank: int, world: int, init_file: str, args) -> None:
     exit_without_finalization()  # a spawned child finalizes CPython; gloo can abort it there (README, Limits)
 
 
+def cuda_index(args) -> int:
+    """This process's GPU: its local rank over NCCL, ``cuda:0`` for every process over gloo (one GPU shared)."""
+    return 0 if args.backend == "gloo" else int(os.environ.get("LOCAL_RANK", 0))
+
+
 def ranked(args, init_method: str | None = None) -> None:
     rank = int(os.environ.get("RANK", 0))
     if args.device == "cpu":
         torch.set_num_threads(1)
     else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(cuda_index(args))
+        torch.cuda.init()  # the device mesh then keeps this device instead of choosing cuda:LOCAL_RANK
     kwargs = (
         {}
         if init_method is None
         else {"init_method": init_method, "rank": rank, "world_size": int(os.environ["WORLD_SIZE"])}
     )
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", **kwargs)
+    dist.init_process_group(args.backend, **kwargs)
     rows = check(args)
     if rank == 0:
         report(args, rows)
@@ -144,18 +167,38 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda (quick: cpu)")
     parser.add_argument(
+        "--backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="default: nccl on cuda, gloo on cpu; gloo on cuda runs every process on cuda:0 (one GPU shared)",
+    )
+    parser.add_argument(
         "--world-size",
+        "--nproc",
         type=int,
         default=None,
-        help="processes to spawn when not under torchrun (default: the GPUs; quick: 2)",
+        help="processes to spawn when not under torchrun (default: the GPUs over nccl; 2 over gloo)",
     )
     args = parser.parse_args()
     if args.device is None:
         args.device = "cpu" if args.quick else "cuda"
+    if args.backend is None:
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cpu" and args.backend == "nccl":
+        parser.error("--backend nccl needs --device cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA GPU here: use --device cpu (gloo), or --quick")
+    if args.json is None and not args.quick and args.backend == "gloo":
+        args.json = str(RESULTS_DIR / "nccl_correctness_gloo.json")  # never in place of the NCCL result
     if "RANK" in os.environ:  # under torchrun
         ranked(args)
-        return
-    world = args.world_size or (2 if args.quick or args.device == "cpu" else torch.cuda.device_count())
+        exit_without_finalization()
+    world = args.world_size or (torch.cuda.device_count() if args.backend == "nccl" else 2)
+    if args.backend == "nccl" and world > torch.cuda.device_count():
+        parser.error(
+            f"NCCL takes one GPU per process: {world} processes, {torch.cuda.device_count()} GPUs"
+            " (--backend gloo shares one GPU between the processes)"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(spawned, args=(world, os.path.join(tmp, "init"), args), nprocs=world, join=True)
 
