@@ -93,6 +93,13 @@ def whole(p: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces).to(p.device)
 
 
+def modes_for(args) -> list[tuple[str, dict]]:
+    """The modes to check: all of :data:`MODES`, but ``gather_all`` over gloo on CUDA, where its
+    ``full_tensor()`` (DTensor's all-gather of CUDA tensors over gloo) crashes the process in torch 2.11."""
+    shared_gpu = args.backend == "gloo" and args.device == "cuda"
+    return [(mode, options) for mode, options in MODES if not (shared_gpu and mode == "gather_all")]
+
+
 def check(args) -> list[dict]:
     """Every mode against the single-process run, on this process's rank; returns the rows."""
     world = dist.get_world_size()
@@ -102,7 +109,7 @@ def check(args) -> list[dict]:
     init = [(n, torch.randn(s, generator=gen, device=device)) for n, s in (QUICK_SHAPES if args.quick else SHAPES)]
     single = run(init, args.steps, None, device)
     rows = []
-    for mode, options in MODES:
+    for mode, options in modes_for(args):
         dist_result = run(init, args.steps, mesh, device, **options)
         worst = 0.0
         for name, start in init:
