@@ -1,9 +1,10 @@
 """``python -m torchtitan_ext.train --job.config_file X.toml [overrides]`` (under torchrun).
 
 Runs torchtitan's own ``Trainer`` unchanged. It first checks the configuration (TOML sections and keys,
-section values, ``[optimizer] name``) and stops with one line from rank 0 and exit status 2 when it cannot
-run, before any model or process group exists (``--check-config``: only that). Where no GPU is present it points torchtitan at
-the CPU and gloo (:mod:`torchtitan_ext.cpu`). It also builds the offline dataset and tokenizer
+section values, ``[optimizer] name``, ``[model] name`` and ``flavor``, the cut-down flavors of
+:mod:`torchtitan_ext.flavors` included) and stops with one line from rank 0 and exit status 2 when it cannot
+run, before any model or process group exists (``--check-config``: only that). Where no GPU is present it
+points torchtitan at the CPU and gloo (:mod:`torchtitan_ext.cpu`). It also builds the offline dataset and tokenizer
 (:mod:`torchtitan_ext.data`) when they are missing. The job config always has the matrix
 optimizers' sections (``[muon]``, ``[mop]``, ``[normuon]``), an unknown TOML key is reported with
 its section's valid keys (:func:`torchtitan_ext.job_config.use_in_config_manager`; ``--help`` lists
@@ -22,6 +23,7 @@ of a gloo worker thread freeing a tensor during finalization, a torch/CPython in
 """
 
 import contextlib
+import importlib
 import io
 import os
 import sys
@@ -29,7 +31,7 @@ import sys
 import torch
 
 from dtensor_muon import exit_without_finalization
-from torchtitan_ext import cpu, data, job_config, metrics
+from torchtitan_ext import cpu, data, flavors, job_config, metrics
 from torchtitan_ext.registry import check_optimizer_name
 
 CHECK_ONLY = "--check-config"
@@ -53,7 +55,8 @@ def parse(argv: list[str]) -> object:
 
 def config_problem(argv: list[str]) -> str | None:
     """Why the job's configuration cannot run, in one line, or None: an unknown TOML section or key, a bad
-    section value (:mod:`torchtitan_ext.sections`), an unknown ``[optimizer] name`` (names are case-sensitive).
+    section value (:mod:`torchtitan_ext.sections`), an unknown ``[optimizer] name`` (names are case-sensitive),
+    an unknown model or flavor (:func:`model_problem`).
     Parses the arguments as torchtitan will, before any model, process group or data exists. A command-line
     error is tyro's: it prints its own message (rank 0 only here) and exits the process."""
     quiet = contextlib.nullcontext() if is_first_rank() else contextlib.redirect_stderr(io.StringIO())
@@ -63,7 +66,20 @@ def config_problem(argv: list[str]) -> str | None:
         check_optimizer_name(config.optimizer.name)
     except ValueError as exc:
         return str(exc)
-    return None
+    return model_problem(config)
+
+
+def model_problem(config) -> str | None:
+    """Why torchtitan cannot build the job's model, in one line, or None: ``[experimental] custom_import`` that
+    does not import (imported here as the trainer will), an unknown ``[model] name``, or a ``flavor`` its train
+    spec lacks (:func:`torchtitan_ext.flavors.flavor_problem`)."""
+    custom = config.experimental.custom_import
+    if custom:
+        try:
+            importlib.import_module(custom)
+        except ImportError as exc:
+            return f"[experimental] custom_import = {custom!r} cannot be imported: {exc}"
+    return flavors.flavor_problem(config.model.name, config.model.flavor)
 
 
 def main() -> None:
