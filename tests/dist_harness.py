@@ -72,6 +72,38 @@ def worker_device() -> torch.device:
     return _worker_device
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of a DTensor (a plain tensor as it is), on the CPU. On CUDA workers the local pieces are
+    gathered as CPU tensors over a CPU mesh of the same ranks: DTensor's own all-gather of CUDA tensors over
+    gloo (``full_tensor()``) crashes the process in torch 2.11."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor.detach().cpu()
+    if tensor.device.type == "cpu":
+        return tensor.full_tensor()
+    return gathered_over_a_cpu_mesh(tensor)
+
+
+def gathered_over_a_cpu_mesh(tensor: Any) -> torch.Tensor:
+    """A DTensor's whole value, gathered from its local pieces copied to the CPU, over a CPU mesh of the
+    same ranks (made once per mesh and call)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = tensor.device_mesh
+    cached = _CPU_MESHES.get(id(mesh))
+    if cached is None or cached[0] is not mesh:
+        cached = _CPU_MESHES[id(mesh)] = (mesh, DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names))
+    local = tensor.to_local().detach().cpu()
+    on_cpu = DTensor.from_local(local, cached[1], tensor.placements, shape=tensor.shape, stride=tensor.stride())
+    return on_cpu.full_tensor()
+
+
+_CPU_MESHES: dict[int, tuple[Any, Any]] = {}
+"""CUDA mesh id → (that mesh, a CPU mesh of the same ranks), for :func:`full_tensor`; emptied after each call."""
+
+
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:
     """Run torch on one CPU thread, as the workers do: CPU matrix products can round differently with
@@ -189,6 +221,7 @@ def _call(rank: int, world_size: int, request: bytes, state: _ProcessState, grou
         if not dist.is_initialized():
             return False
         dist.barrier()  # every rank has left its collectives before any group is torn down
+        _CPU_MESHES.clear()
         _clear_dtensor_caches()
         gc.collect()  # optimizers, meshes and the Works they hold go before their groups
         _destroy_groups_since(groups)

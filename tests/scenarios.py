@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_harness import one_thread, worker_device
+from dist_harness import full_tensor, one_thread, worker_device
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -126,10 +126,10 @@ def train_steps(rank: int, world_size: int, kind: str, steps: int, options: dict
     layout_ok = []
     for name, p in params:
         box = read_layout(name, p).local_box
-        layout_ok.append(torch.equal(p.to_local(), p.full_tensor()[tuple(slice(a, b) for a, b in box)]))
+        layout_ok.append(torch.equal(p.to_local().cpu(), full_tensor(p)[tuple(slice(a, b) for a, b in box)]))
     return {
         "layout_ok": layout_ok,
-        "params": [p.full_tensor() for _, p in params],
+        "params": [full_tensor(p) for _, p in params],
         "imbalance": [plan.imbalance for plan in opt.plans],
         "metrics": opt.metrics,
     }
@@ -137,10 +137,7 @@ def train_steps(rank: int, world_size: int, kind: str, steps: int, options: dict
 
 def full_state(opt: Muon, params: list[tuple[str, nn.Parameter]]) -> dict[str, dict[str, torch.Tensor]]:
     """Every parameter's optimizer state, gathered whole (DTensors) or copied (plain tensors)."""
-    return {
-        n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v.clone()) for k, v in opt.state[p].items()}
-        for n, p in params
-    }
+    return {n: {k: full_tensor(v) for k, v in opt.state[p].items()} for n, p in params}
 
 
 def nonfinite_step(rank: int, world_size: int) -> dict[str, Any]:
@@ -149,13 +146,13 @@ def nonfinite_step(rank: int, world_size: int) -> dict[str, Any]:
     opt = Muon(params, skip_nonfinite=True, **OPTIONS)
     set_gradients(params, 0)
     opt.step()
-    before = [p.full_tensor() for _, p in params]
+    before = [full_tensor(p) for _, p in params]
     state_before = full_state(opt, params)
     set_gradients(params, 1)
     if rank == 1:
         params[1][1].grad.to_local().view(-1)[0] = float("nan")
     opt.step()
-    after = [p.full_tensor() for _, p in params]
+    after = [full_tensor(p) for _, p in params]
     state_after = full_state(opt, params)
     skipped = opt.skipped_steps
     set_gradients(params, 1)
@@ -166,7 +163,7 @@ def nonfinite_step(rank: int, world_size: int) -> dict[str, Any]:
         "state_before": state_before,
         "state_after": state_after,
         "skipped": skipped,
-        "final": [p.full_tensor() for _, p in params],
+        "final": [full_tensor(p) for _, p in params],
     }
 
 
@@ -218,7 +215,7 @@ def dcp_resume(
     for step in range(start, start + steps):
         set_gradients(named, step)
         opt.step()
-    return [p.full_tensor() for _, p in named]
+    return [full_tensor(p) for _, p in named]
 
 
 def fsdp_training(rank: int, world_size: int, steps: int) -> dict[str, Any]:
@@ -247,13 +244,13 @@ def fsdp_training(rank: int, world_size: int, steps: int) -> dict[str, Any]:
         logits = model(tokens)
         loss = nn.functional.cross_entropy(logits.reshape(-1, 37), tokens.roll(1, dims=1).reshape(-1))
         loss.backward()
-        fed.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        fed.append({n: full_tensor(p.grad) for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
     return {
         "initial": initial,
         "grads": fed,
-        "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+        "params": {n: full_tensor(p) for n, p in model.named_parameters()},
         "names": [n for n, _ in model.named_parameters()],
     }
 
@@ -283,12 +280,12 @@ def failure_cases(rank: int, world_size: int) -> dict[str, str]:
         p.grad = DTensor.from_local(
             torch.randn(p.shape, device=worker_device()), p.device_mesh, [Partial()], run_check=False
         )
-    before = [p.full_tensor() for _, p in params]
+    before = [full_tensor(p) for _, p in params]
     try:
         opt.step()
     except RuntimeError as exc:
         out["step"] = str(exc)
-    out["unchanged"] = str(all(torch.equal(a, p.full_tensor()) for a, (_, p) in zip(before, params)))
+    out["unchanged"] = str(all(torch.equal(a, full_tensor(p)) for a, (_, p) in zip(before, params)))
     return out
 
 
@@ -366,11 +363,11 @@ def overlap_training(
         snapshot = {k: b[0].weight.to_local().clone() for k, b in enumerate(model.blocks)}
         if step == 2:
             state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-            saved = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state["model"].items()}
+            saved = {k: full_tensor(v) for k, v in state["model"].items()}
             dcp.save(state, checkpoint_id=path)
     opt.flush()
     return {
-        "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+        "params": {n: full_tensor(p) for n, p in model.named_parameters()},
         "saved": saved,
         "observations": observations,
     }

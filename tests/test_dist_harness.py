@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import DistributedRunError, run_distributed
+from dist_harness import DEVICES, DistributedRunError, run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 
 pytestmark = pytest.mark.slow
@@ -99,3 +99,30 @@ def test_fresh_runs_on_its_own_processes_and_leaves_the_pool():
     fresh = run_distributed(observe, WORLD_SIZE, fresh=True)
     assert not pooled & {r["pid"] for r in fresh} and [r["world_size"] for r in fresh] == [WORLD_SIZE] * WORLD_SIZE
     assert pooled == {r["pid"] for r in run_distributed(observe, WORLD_SIZE)}
+
+
+def pieces_gathered_on_a_cpu_mesh(rank: int, world_size: int, device: str) -> dict[str, Any]:
+    """Uneven Shard(0), Shard(1) and a 2-D mesh's (Replicate, Shard(0)), gathered by full_tensor (through a
+    CPU mesh of the same ranks on CUDA workers; here directly as well, so CPU runs check that path too)."""
+    from dist_harness import full_tensor, gathered_over_a_cpu_mesh, worker_device
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    assert worker_device().type == device
+    whole = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)
+    flat = init_device_mesh(device, (world_size,))
+    square = init_device_mesh(device, (2, world_size // 2), mesh_dim_names=("a", "b"))
+    cases = {
+        "shard0": distribute_tensor(whole, flat, [Shard(0)]),
+        "shard1": distribute_tensor(whole, flat, [Shard(1)]),
+        "2d": distribute_tensor(whole, square, [Replicate(), Shard(0)]),
+    }
+    return {name: (full_tensor(t), gathered_over_a_cpu_mesh(t), t.to_local().device.type) for name, t in cases.items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_full_tensor_gathers_uneven_and_2d_pieces_on_either_device(device):
+    whole = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)
+    for result in run_distributed(pieces_gathered_on_a_cpu_mesh, 4, device, device=device):
+        for name, (gathered, over_cpu, local_device) in result.items():
+            assert local_device == device, name
+            assert torch.equal(gathered, whole) and torch.equal(over_cpu, whole), name

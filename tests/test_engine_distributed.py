@@ -5,13 +5,14 @@ in bf16 (the Newton–Schulz input dtype, so nothing is rounded twice), and each
 Newton–Schulz on the same full matrix as the single process.
 """
 
+import functools
 import os
 import tempfile
 
 import pytest
 import scenarios
 import torch
-from dist_harness import DEVICES, run_distributed, worker_device
+from dist_harness import DEVICES, one_thread, requires_cuda, run_distributed, worker_device
 
 from dtensor_muon import Muon
 
@@ -19,9 +20,15 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 
 
+@functools.cache
+def reference_on(device: str, steps: int = STEPS) -> list[torch.Tensor]:
+    """The one-process run on ``device`` (on the CPU on one thread, as the workers run)."""
+    return scenarios.reference_run(steps, device=device)
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return scenarios.reference_run(STEPS)
+    return reference_on("cpu")
 
 
 def assert_all_equal(got, want):
@@ -59,6 +66,20 @@ def test_distributed_equals_single_process(world_size, kind, exchange, reference
         assert len(results[0]["imbalance"]) == 2  # one plan per mesh
 
 
+CUDA_LAYOUTS = [(2, "shard0"), (3, "shard0"), (4, "shard0"), (3, "shard1"), (4, "hsdp"), (4, "2d"), (4, "two_meshes")]
+
+
+@requires_cuda
+@pytest.mark.parametrize("world_size, kind", CUDA_LAYOUTS)
+def test_distributed_equals_single_process_on_one_gpu(world_size, kind):
+    """Ranks sharing cuda:0 over gloo against one process on the same GPU, bit for bit (the gather_all
+    exchange is left out: its full_tensor() of CUDA tensors over gloo crashes in torch 2.11)."""
+    results = run_distributed(scenarios.train_steps, world_size, kind, STEPS, {}, device="cuda")
+    for result in results:
+        assert all(result["layout_ok"]), "a local shard is not the box layout.py computed for it"
+        assert_all_equal(result["params"], reference_on("cuda"))
+
+
 def test_wire_dtype_none_and_small_buckets_equal_single_process(reference):
     results = run_distributed(scenarios.train_steps, 4, "shard0", STEPS, {"wire_dtype": None, "bucket_size_mb": 1e-4})
     assert_all_equal(results[0]["params"], reference)
@@ -78,21 +99,25 @@ def test_float32_newton_schulz_refuses_bf16_wire_and_matches_with_fp32_wire():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_fsdp2_model_equals_single_process_fed_the_same_gradients():
-    result = run_distributed(scenarios.fsdp_training, 2, 3)[0]
-    params = [(n, result["initial"][n].clone().requires_grad_()) for n in result["names"]]
-    opt = Muon(params, **scenarios.OPTIONS)
-    for grads in result["grads"]:
-        for n, p in params:
-            p.grad = grads[n]
-        opt.step()
+@pytest.mark.parametrize("device", DEVICES)
+def test_fsdp2_model_equals_single_process_fed_the_same_gradients(device):
+    result = run_distributed(scenarios.fsdp_training, 2, 3, device=device)[0]
+    with one_thread():
+        params = [(n, result["initial"][n].to(device).requires_grad_()) for n in result["names"]]
+        opt = Muon(params, **scenarios.OPTIONS)
+        for grads in result["grads"]:
+            for n, p in params:
+                p.grad = grads[n].to(device)
+            opt.step()
+    params = [(n, p.detach().cpu()) for n, p in params]
     for n, p in params:
         assert torch.equal(p, result["params"][n]), n
 
 
-def test_nan_on_one_rank_skips_the_step_everywhere():
-    results = run_distributed(scenarios.nonfinite_step, 4)
-    reference = scenarios.reference_run(2)  # steps 0 and 1 (the skipped step's gradients are reused after)
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_on_one_rank_skips_the_step_everywhere(device):
+    results = run_distributed(scenarios.nonfinite_step, 4, device=device)
+    reference = reference_on(device, 2)  # steps 0 and 1 (the skipped step's gradients are reused after)
     for r in results:
         assert r["skipped"] == 1
         assert_all_equal(r["after"], r["before"])
@@ -102,18 +127,20 @@ def test_nan_on_one_rank_skips_the_step_everywhere():
         assert_all_equal(r["final"], reference)
 
 
-def test_dcp_save_on_4_ranks_load_on_2_continues_exactly():
+@pytest.mark.parametrize("device", DEVICES)
+def test_dcp_save_on_4_ranks_load_on_2_continues_exactly(device):
     with tempfile.TemporaryDirectory() as path:
-        run_distributed(scenarios.dcp_save, 4, path, 2)
+        run_distributed(scenarios.dcp_save, 4, path, 2, device=device)
         assert os.listdir(path)
-        results = run_distributed(scenarios.dcp_resume, 2, path, 2, 2)
-    reference = scenarios.reference_run(4)
+        results = run_distributed(scenarios.dcp_resume, 2, path, 2, 2, device=device)
+    reference = reference_on(device, 4)
     for r in results:
         assert_all_equal(r, reference)
 
 
-def test_failures_raise_on_every_rank_without_hanging():
-    results = run_distributed(scenarios.failure_cases, 2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_failures_raise_on_every_rank_without_hanging(device):
+    results = run_distributed(scenarios.failure_cases, 2, device=device)
     for r in results:
         assert "w_partial" in r["placement"] and "Partial" in r["placement"]
         assert "built differently across ranks" in r["plan"] and "'w' differs across ranks" in r["plan"]
@@ -160,4 +187,4 @@ def test_a_mesh_equal_to_one_whose_group_was_destroyed_trains_on_its_own_group(r
     if device == "cpu":
         assert_all_equal(got, reference)
     else:  # the one-process reference on the GPU
-        assert_all_equal(got, scenarios.reference_run(STEPS, device="cuda"))
+        assert_all_equal(got, reference_on("cuda"))

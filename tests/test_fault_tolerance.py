@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_harness import run_distributed
+from dist_harness import DEVICES, full_tensor, one_thread, run_distributed, worker_device
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -40,7 +40,7 @@ class CholeskyCheckedRule(NorMuonRule):
     def direction(self, u: Tensor, owner_states, group, runner) -> Tensor:
         o = super().direction(u, owner_states, group, runner)
         u32 = u.to(torch.float32)
-        torch.linalg.cholesky(u32 @ u32.mT + torch.eye(u.shape[-2]))
+        torch.linalg.cholesky(u32 @ u32.mT + torch.eye(u.shape[-2], device=u.device))
         return o
 
 
@@ -75,9 +75,11 @@ def set_gradients(params: list[tuple[str, nn.Parameter]], step: int, poison: str
         if name == poison:
             g[0, 0] = float("nan")
         p.grad = (
-            g
+            g.to(p.device)
             if not isinstance(p, DTensor)
-            else DTensor.from_local(g[_local_slices(p)], p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            else DTensor.from_local(
+                g[_local_slices(p)].to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            )
         )
 
 
@@ -89,18 +91,23 @@ def _local_slices(p: DTensor) -> tuple[slice, ...]:
 
 def sharded_model(shapes: list[tuple[str, tuple[int, ...]]] = SHAPES) -> Holder:
     model = Holder(shapes)
-    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    fully_shard(model, mesh=init_device_mesh(worker_device().type, (2,)))
     return model
 
 
-def reference(optimizer: type, steps: int, shapes: list[tuple[str, tuple[int, ...]]] = SHAPES) -> dict[str, Tensor]:
-    """One process, plain tensors: the parameters after ``steps`` steps."""
-    params = Holder(shapes).named()
-    opt = optimizer(params, **OPTIONS)
-    for step in range(steps):
-        set_gradients(params, step)
-        opt.step()
-    return {name: p.detach().clone() for name, p in params}
+def reference(
+    optimizer: type, steps: int, shapes: list[tuple[str, tuple[int, ...]]] = SHAPES, device: str = "cpu"
+) -> dict[str, Tensor]:
+    """One process, plain tensors on ``device`` (on the CPU on one thread, as the workers run): the parameters
+    after ``steps`` steps, on the CPU."""
+    with one_thread():
+        holder = Holder(shapes).to(device)
+        params = holder.named()
+        opt = optimizer(params, **OPTIONS)
+        for step in range(steps):
+            set_gradients(params, step)
+            opt.step()
+    return {name: p.detach().cpu() for name, p in params}
 
 
 def snapshot(params: list[tuple[str, nn.Parameter]], opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -168,14 +175,15 @@ def owner_failure(rank: int, world_size: int, overlap: bool) -> dict[str, Any]:
         "poison": poison,
         "error": error,
         "unchanged": unchanged,
-        "params": {name: p.full_tensor() for name, p in params},
+        "params": {name: full_tensor(p) for name, p in params},
     }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_failing_direction_raises_on_every_rank_and_changes_nothing(overlap):
-    results = run_distributed(owner_failure, 2, overlap)
-    want = reference(CholeskyCheckedNorMuon, 2)
+def test_a_failing_direction_raises_on_every_rank_and_changes_nothing(overlap, device):
+    results = run_distributed(owner_failure, 2, overlap, device=device)
+    want = reference(CholeskyCheckedNorMuon, 2, device=device)
     for rank, r in enumerate(results):
         assert r["error"] is not None, f"rank {rank} did not raise"
         assert r["error"].startswith("StepFailedError"), r["error"]
