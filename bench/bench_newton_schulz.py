@@ -7,9 +7,9 @@ optimizer runs it and eagerly, against plain torch, torch.optim.Muon's Newton–
     PYTHONPATH=src python bench/bench_newton_schulz.py --shapes 4096x4096,8x1024x4096 --json ''
 
 Methods:
-- ``ours``: :class:`dtensor_muon.ns_graphs.NewtonSchulzGraphs`, what the optimizer calls on CUDA (replayed from a
+- ``ours``: :class:`dtensor_muon.linalg.ns_graphs.NewtonSchulzGraphs`, what the optimizer calls on CUDA (replayed from a
   CUDA graph where the dispatch captures one, eager above ``MAX_GRAPH_WORK``);
-- ``ours, eager``: :func:`dtensor_muon.newton_schulz.newton_schulz` called directly;
+- ``ours, eager``: :func:`dtensor_muon.linalg.newton_schulz.newton_schulz` called directly;
 - ``torch``: the same iteration on plain torch matmuls, batched (the library's torch backend);
 - ``torch.optim.Muon``: torch's own ``_zeropower_via_newtonschulz`` (a batch slice by slice, as Muon runs one
   parameter after the other);
@@ -36,8 +36,8 @@ from torch import Tensor
 
 from dtensor_muon.kernels import select_backend, use_backend, use_gram
 from dtensor_muon.kernels.shapes import gram_work
-from dtensor_muon.newton_schulz import KELLER_COEFFICIENTS, newton_schulz
-from dtensor_muon.ns_graphs import MAX_GRAPH_WORK, NewtonSchulzGraphs
+from dtensor_muon.linalg.newton_schulz import KELLER_COEFFICIENTS, newton_schulz
+from dtensor_muon.linalg.ns_graphs import MAX_GRAPH_WORK, NewtonSchulzGraphs
 
 FULL_SHAPES: list[tuple[int, ...]] = [
     (1024, 4096),

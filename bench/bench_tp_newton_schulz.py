@@ -7,9 +7,9 @@ can orthogonalize it.
 
 Modes (5 steps of Keller's quintic, bf16 working dtype, fp32 Gaussian input):
 - ``duplicated``: every rank runs the whole matrix's Newton–Schulz, as the engine calls it on CUDA
-  (:class:`dtensor_muon.ns_graphs.NewtonSchulzGraphs`: eager above ``MAX_GRAPH_WORK``, which 4096×14336 is; the GPU
+  (:class:`dtensor_muon.linalg.ns_graphs.NewtonSchulzGraphs`: eager above ``MAX_GRAPH_WORK``, which 4096×14336 is; the GPU
   backend in Gram form there). It needs the whole matrix on every rank (an all-gather, not timed here).
-- ``distributed``: :func:`dtensor_muon.distributed_newton_schulz.distributed_newton_schulz` on one rank's block (the
+- ``distributed``: :func:`dtensor_muon.linalg.distributed_ns.distributed_newton_schulz` on one rank's block (the
   largest, rank 0's) with the all-reduce replaced by nothing: per iteration its block's partial Gram, P = a·I + b·A
   + c·A·A (m³, the same on every rank), P·X_j. The values differ from a real run's (A is the block's alone) but the
   products and their shapes are those a rank runs.
@@ -21,7 +21,7 @@ standard form's count (distributed: steps·(2m²·n_j + m³); duplicated: steps�
 what a rank all-reduces per optimizer step (steps × m²·itemsize of partial Grams, plus the norm's 4 bytes; a ring
 all-reduce sends and receives about 2·(k−1)/k times that buffer) and in how many collectives; and, for the
 distributed rows, the relative Frobenius difference between the emulated distributed result
-(:func:`~dtensor_muon.distributed_newton_schulz.distributed_newton_schulz_blocks`, the all-reduce summed) and the
+(:func:`~dtensor_muon.linalg.distributed_ns.distributed_newton_schulz_blocks`, the all-reduce summed) and the
 duplicated one, against ``BF16_TOLERANCE`` of bench/bench_newton_schulz.py.
 """
 
@@ -35,8 +35,8 @@ from bench_newton_schulz import BF16_TOLERANCE
 from common import benchmark_parser, markdown_table, median, write_result
 from torch import Tensor
 
-from dtensor_muon.distributed_newton_schulz import distributed_newton_schulz, distributed_newton_schulz_blocks
-from dtensor_muon.ns_graphs import NewtonSchulzGraphs
+from dtensor_muon.linalg.distributed_ns import distributed_newton_schulz, distributed_newton_schulz_blocks
+from dtensor_muon.linalg.ns_graphs import NewtonSchulzGraphs
 
 FULL_SHAPE = (4096, 14336)
 QUICK_SHAPE = (64, 256)

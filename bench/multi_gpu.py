@@ -128,7 +128,7 @@ def median_after_warmup(series: list[tuple[int, float]] | None, skip: int = 2) -
 def ns_gflop_per_step(config: str, world: int) -> float | None:
     """Busiest rank's Newton–Schulz GFLOP per step from the plan simulator (FSDP layout, 5 iterations); None
     for a model flavor the simulator does not know."""
-    from dtensor_muon.simulate import simulate
+    from dtensor_muon.plan.simulate import simulate
 
     with open(ROOT / config, "rb") as f:
         model = tomllib.load(f)["model"]

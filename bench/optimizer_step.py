@@ -62,7 +62,7 @@ symmetric products (3m²n + m³ per iteration, m ≤ n) and plainly (4m²n + 2m�
 rate measured in the same run.
 
 Per-rank view (``--world-size W``, repeatable or a comma list): the Muon parameters are laid out as FSDP2 lays
-them over W ranks (``Shard(0)``, ``dtensor_muon.simulate.fsdp_layout``) and planned by
+them over W ranks (``Shard(0)``, ``dtensor_muon.plan.simulate.fsdp_layout``) and planned by
 ``dtensor_muon.plan.build_plan`` with ``MuonRule.cost`` (as the optimizer plans them; bf16 wire, the default
 bucket size). The busiest rank (the largest planned FLOPs; the lowest such rank) is then timed alone on this
 device, with real random data and no communication. Its share per step, in the optimizer's order:
@@ -100,15 +100,15 @@ from torch import nn
 from torch.autograd import DeviceType
 
 from dtensor_muon import Muon
+from dtensor_muon.distributed.layout import box_shape
 from dtensor_muon.kernels.elementwise import decay_and_add_many, momentum_steps
-from dtensor_muon.layout import box_shape
-from dtensor_muon.newton_schulz import newton_schulz
-from dtensor_muon.ns_graphs import NewtonSchulzGraphs
-from dtensor_muon.placement import Local, Owned
+from dtensor_muon.linalg.newton_schulz import newton_schulz
+from dtensor_muon.linalg.ns_graphs import NewtonSchulzGraphs
 from dtensor_muon.plan import Plan, build_plan, matrix_shape
-from dtensor_muon.routing import uses_muon
+from dtensor_muon.plan.placement import Local, Owned
+from dtensor_muon.plan.routing import uses_muon
+from dtensor_muon.plan.simulate import MODEL_FAMILIES, fsdp_layout
 from dtensor_muon.rules.muon import MuonRule
-from dtensor_muon.simulate import MODEL_FAMILIES, fsdp_layout
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 
@@ -320,7 +320,7 @@ def torchtitan_shapes(
         check_experts(experts, args.moe_args.num_experts, family, flavor)
         args.moe_args.num_experts = experts
     if family == "deepseek_v3" and not hasattr(args, "moe_impl"):
-        args.moe_impl = "standard"  # what torchtitan's update_from_config sets (as in dtensor_muon.simulate)
+        args.moe_impl = "standard"  # what torchtitan's update_from_config sets (as in dtensor_muon.plan.simulate)
     with torch.device("meta"):
         net = getattr(importlib.import_module(module_name), class_name)(args)
     return [(n, tuple(p.shape)) for n, p in net.named_parameters()]

@@ -14,7 +14,7 @@ layers, and ``max_preconditioner_dim`` 128, so that its 192-long MLP side is lef
 8B model's 14336-long one is by the default 8192.
 
 Matrix sets (``--world-sizes``, default 1 8 64). At world size 1 one rank computes every matrix. At W > 1,
-every matrix is laid out as FSDP2 lays it (``Shard(0)`` over W ranks, ``dtensor_muon.simulate.fsdp_layout``)
+every matrix is laid out as FSDP2 lays it (``Shard(0)`` over W ranks, ``dtensor_muon.plan.simulate.fsdp_layout``)
 and planned by ``dtensor_muon.plan.build_plan`` with each optimizer's own rule cost, as its engine plans it
 (``MatrixCost.planned``: for SOAP each operation's FLOPs weighted by its measured rate, ``SOAPRule.cost``;
 ``--plan-by flops`` plans nominal FLOPs instead, ``--plan-by planned flops`` both, one after the other).
@@ -27,7 +27,7 @@ the set its plan gives.
 
 Variants (``--variants``; default SOAP, SOAP-cholqr and REKLS): ``dtensor_muon.SOAP`` (Shampoo factors, one
 power iteration + Householder QR per refresh), ``SOAP-cholqr`` (``dtensor_muon.SOAP(basis="cholqr")``: the
-power iteration orthogonalized by Cholesky QR on matrix products, :mod:`dtensor_muon.eigenbasis`), ``KLSOAP``
+power iteration orthogonalized by Cholesky QR on matrix products, :mod:`dtensor_muon.linalg.eigenbasis`), ``KLSOAP``
 (KL-Shampoo factors, QR) and ``REKLS`` (KL-Shampoo factors, eigh per refresh), with the front ends' defaults:
 betas (0.9, 0.95), shampoo_beta 0.95, precondition_frequency ``--precondition-frequency`` (default 1: the basis
 is refreshed every step), max_preconditioner_dim 8192. SOAP's factor, projection and rotation products run in
@@ -82,9 +82,9 @@ from optimizer_step import QUICK_FLAVOR, ParameterSet, parameter_shapes
 import dtensor_muon
 from dtensor_muon.optim.base import MatrixOptimizer
 from dtensor_muon.plan import build_plan
-from dtensor_muon.routing import uses_muon
+from dtensor_muon.plan.routing import uses_muon
+from dtensor_muon.plan.simulate import fsdp_layout
 from dtensor_muon.rules.soap import SOAPRule
-from dtensor_muon.simulate import fsdp_layout
 
 VARIANTS: dict[str, type[MatrixOptimizer]] = {
     "SOAP": dtensor_muon.SOAP,

@@ -121,7 +121,7 @@ def train_steps(rank: int, world_size: int, kind: str, steps: int, options: dict
     for step in range(steps):
         set_gradients(params, step)
         opt.step()
-    from dtensor_muon.layout import read_layout
+    from dtensor_muon.distributed.layout import read_layout
 
     layout_ok = []
     for name, p in params:

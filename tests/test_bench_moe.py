@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from dtensor_muon.plan import build_plan
-from dtensor_muon.routing import uses_muon
+from dtensor_muon.plan.routing import uses_muon
+from dtensor_muon.plan.simulate import fsdp_layout
 from dtensor_muon.rules.muon import MuonRule
-from dtensor_muon.simulate import fsdp_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"

@@ -10,8 +10,8 @@ import torch
 from dist_harness import run_distributed
 from torch import Tensor
 
-from dtensor_muon.distributed_newton_schulz import distributed_newton_schulz, distributed_newton_schulz_blocks
-from dtensor_muon.newton_schulz import KELLER_COEFFICIENTS, NAMED_COEFFICIENTS, newton_schulz
+from dtensor_muon.linalg.distributed_ns import distributed_newton_schulz, distributed_newton_schulz_blocks
+from dtensor_muon.linalg.newton_schulz import KELLER_COEFFICIENTS, NAMED_COEFFICIENTS, newton_schulz
 
 # (shape of G, dim of G split = its long side, block sizes along it)
 SPLITS = [

@@ -84,7 +84,7 @@ def set_gradients(params: list[tuple[str, nn.Parameter]], step: int, poison: str
 
 
 def _local_slices(p: DTensor) -> tuple[slice, ...]:
-    from dtensor_muon.layout import read_layout
+    from dtensor_muon.distributed.layout import read_layout
 
     return tuple(slice(a, b) for a, b in read_layout("p", p).local_box)
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dtensor_muon import Muon
-from dtensor_muon.gram_newton_schulz import gram_newton_schulz
 from dtensor_muon.kernels import TORCH_MATMULS, use_gram
-from dtensor_muon.newton_schulz import (
+from dtensor_muon.linalg.gram import gram_newton_schulz
+from dtensor_muon.linalg.newton_schulz import (
     KELLER_COEFFICIENTS,
     NAMED_COEFFICIENTS,
     coefficients_at,

@@ -59,9 +59,9 @@ def _patch_interpreter_bf16() -> None:
 def _interpreter_checks() -> Numbers:
     """Runs in the child process. Max errors (abs or norm-relative) of each kernel against float64."""
     _patch_interpreter_bf16()
-    from dtensor_muon.gram_newton_schulz import gram_newton_schulz
     from dtensor_muon.kernels.triton_matmuls import SYRK_MATMULS
     from dtensor_muon.kernels.triton_syrk import symmetric_product, syrk
+    from dtensor_muon.linalg.gram import gram_newton_schulz
 
     torch.manual_seed(0)
     bf16, f64 = torch.bfloat16, torch.float64
@@ -219,7 +219,7 @@ def _interpreter_checks() -> Numbers:
 
     # Five iterations from the folded start (round(G) and s; A₀ = s²·X̃·X̃ᵀ, X₁ = (s·P₀)·X̃) on the SYRK
     # backend, standard and Gram form, against the float64 iteration from G / ‖G‖.
-    from dtensor_muon.newton_schulz import in_layout_of, iterate
+    from dtensor_muon.linalg.newton_schulz import in_layout_of, iterate
 
     schedule = [(3.4445, -4.775, 2.0315)] * 5
     for name, g in (("tall", torch.randn(96, 40) * 1e3), ("batched", torch.randn(2, 33, 64) * 1e-4)):
@@ -442,7 +442,7 @@ def test_ws_syrk_refuses_what_it_cannot_run() -> None:
 def test_torch_backend_honours_a_scale() -> None:
     # The torch backend never hands out a scale, but one passed to it means X₀ = s·x, as on the GPU backend:
     # five iterations from (round(G), s) land within bf16 rounding of those from X₀ = G / ‖G‖ written.
-    from dtensor_muon.newton_schulz import iterate
+    from dtensor_muon.linalg.newton_schulz import iterate
 
     g = torch.randn(3, 24, 56, dtype=torch.float64) * 1e3
     norms = torch.linalg.vector_norm(g, dim=(-2, -1))
@@ -526,7 +526,7 @@ def test_import_without_triton() -> None:
         "import sys; sys.modules['triton'] = None\n"
         "import torch, dtensor_muon\n"
         "from dtensor_muon.kernels import select_backend, TORCH_MATMULS\n"
-        "from dtensor_muon.newton_schulz import newton_schulz\n"
+        "from dtensor_muon.linalg.newton_schulz import newton_schulz\n"
         "g = torch.randn(40, 24)\n"
         "assert select_backend(g) is TORCH_MATMULS\n"
         "print(float(torch.linalg.svdvals(newton_schulz(g).double()).min()))\n"

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from dtensor_muon.layout import box_numel, chunk_range, intersect
+from dtensor_muon.distributed.layout import box_numel, chunk_range, intersect
 from dtensor_muon.plan import build_plan, matrices_of, ns_iteration_flops
-from dtensor_muon.simulate import fsdp_layout
+from dtensor_muon.plan.simulate import fsdp_layout
 
 
 @pytest.mark.parametrize("length, n", [(10, 3), (3, 8), (16, 4), (1, 2), (0, 3), (7, 7)])

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from dtensor_muon.newton_schulz import (
+from dtensor_muon.linalg.newton_schulz import (
     NAMED_COEFFICIENTS,
     coefficients_at,
     newton_schulz,

@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtensor_muon import Muon, ns_graphs
+from dtensor_muon import Muon
 from dtensor_muon.kernels import use_backend
-from dtensor_muon.newton_schulz import newton_schulz
-from dtensor_muon.ns_graphs import NewtonSchulzGraphs
+from dtensor_muon.linalg import ns_graphs
+from dtensor_muon.linalg.newton_schulz import newton_schulz
+from dtensor_muon.linalg.ns_graphs import NewtonSchulzGraphs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

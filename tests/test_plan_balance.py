@@ -164,7 +164,7 @@ def test_a_units_shared_cost_counts_once_per_unit():
     (10 FLOPs, no state, 6 shared) per matrix gives 16·10 + 8·6 = 208 (the shared 6 once per unit), against
     16·(10 + 6) = 256 for the same cost given per matrix."""
     from dtensor_muon.plan import build_plan
-    from dtensor_muon.simulate import fsdp_layout
+    from dtensor_muon.plan.simulate import fsdp_layout
 
     layout = fsdp_layout("layers.0.moe.experts.w1", (16, 6, 10), 1)
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dtensor_muon import SOAP, Muon, NorMuon, muon_param_groups
-from dtensor_muon.param_groups import sequential_output_linear
+from dtensor_muon.optim.param_groups import sequential_output_linear
 
 
 def classifier() -> nn.Sequential:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dtensor_muon.simulate import format_table, main, model_matrix_shapes, simulate
+from dtensor_muon.plan.simulate import format_table, main, model_matrix_shapes, simulate
 
 
 def test_debugmodel_totals_match_independent_count():
@@ -32,7 +32,7 @@ def test_tensor_and_expert_parallel_layouts_follow_torchtitan():
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from dtensor_muon.simulate import dense_placements, expert_placements, mesh_layout
+    from dtensor_muon.plan.simulate import dense_placements, expert_placements, mesh_layout
 
     assert dense_placements("layers.0.attention.wq.weight", (8, 4), 2) == (_StridedShard(0, split_factor=2), Shard(0))
     assert dense_placements("layers.0.feed_forward.w2.weight", (4, 8), 2) == (Shard(0), Shard(1))

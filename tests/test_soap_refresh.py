@@ -1,4 +1,4 @@
-"""SOAP's refresh on matrix products (``basis="cholqr"``, :mod:`dtensor_muon.eigenbasis`) against float64 references.
+"""SOAP's refresh on matrix products (``basis="cholqr"``, :mod:`dtensor_muon.linalg.eigenbasis`) against float64 references.
 
 One refresh is Householder QR of the shifted power-iteration product, Q_new = qr((K + 10⁻⁵·2ᵉ·I)·Q_s).Q with
 Q_s the old basis sorted by decreasing Rayleigh quotient d and 2ᵉ⁻¹ ≤ max d < 2ᵉ, written here in float64 from
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from dtensor_muon import eigenbasis as eb
-from dtensor_muon.eigenbasis import (
+from dtensor_muon.linalg import eigenbasis as eb
+from dtensor_muon.linalg.eigenbasis import (
     ACCEPT_DEFECT,
     BATCH_MAX_SIDE,
     FLOAT32_UNIT,
@@ -114,7 +114,7 @@ def at_most(low: float, high: float, threshold: float) -> bool | None:
 
 def pass_choice(x: Tensor) -> tuple[bool | None, bool | None]:
     """(series, ends) of a later pass on the basis ``x`` (k×k, float32) by the rule of
-    :func:`dtensor_muon.eigenbasis.later_passes`, from F = XᵀX − I in float64: the series pass where
+    :func:`dtensor_muon.linalg.eigenbasis.later_passes`, from F = XᵀX − I in float64: the series pass where
     ‖F‖_F ≤ SERIES_DEFECT (it ends the member's passes), else a Cholesky pass, which ends them where
     max|F| ≤ ACCEPT_DEFECT. The float32 Gram matrix the refresh reads is within γ_k·|X|ᵀ|X| of XᵀX entrywise, and
     its float32 Frobenius norm within γ_{k²+2} relative of the exact one: each answer is None where an error
@@ -139,7 +139,7 @@ def with_singular_values(values: Tensor, seed: int) -> Tensor:
 def test_members_of_a_batch_take_their_own_passes(monkeypatch):
     """later_passes on a batch of four k = 40 bases X, each off orthogonal by a set amount in exact arithmetic:
     singular values from 1 down to 10^-3.5 (a Cholesky pass leaves such a basis up to about 2⁻²⁴·cond² ≈ 0.6 off
-    orthogonal, :mod:`dtensor_muon.eigenbasis`: two Cholesky passes, then the series), an orthogonal one (the series at
+    orthogonal, :mod:`dtensor_muon.linalg.eigenbasis`: two Cholesky passes, then the series), an orthogonal one (the series at
     once), singular values in [0.8, 1.25] (a Cholesky pass, then the series) and XᵀX = I + F with every
     off-diagonal |F_ij| = ACCEPT_DEFECT/2 (‖F‖_F ≈ 0.02 > SERIES_DEFECT: one Cholesky pass, which ends its
     passes). Every pass is replayed from the float64 Gram matrix of each member's actual input
@@ -391,7 +391,7 @@ def test_experts_batched_by_the_plan_equal_each_expert_alone():
     same experts as 16 separate 2-D parameters within 1e-5 of the largest change (measured 1.4e-6)."""
     from dtensor_muon import SOAP
     from dtensor_muon.plan import build_plan
-    from dtensor_muon.simulate import fsdp_layout
+    from dtensor_muon.plan.simulate import fsdp_layout
 
     layout = fsdp_layout("layers.0.moe.experts.w1", (16, 6, 10), 1)
     plan = build_plan([layout], [0], 64 * 2**20, 4, batchable=[True])

@@ -18,9 +18,9 @@ from dist_harness import run_distributed
 from torch import nn
 
 from dtensor_muon import Muon
+from dtensor_muon.engine.context import StepContext
+from dtensor_muon.engine.metrics import StepStats
 from dtensor_muon.kernels import elementwise
-from dtensor_muon.metrics import StepStats
-from dtensor_muon.step_context import StepContext
 
 PROCESS_GROUP_TIMEOUT_S = 60  # a collective that waits longer than this raises (gloo's own timeout)
 DEADLINE_S = 300  # every rank must have finished by then
@@ -314,7 +314,7 @@ def exchange_handles_after_step(rank: int, world_size: int) -> dict[str, int]:
     import gc
     import weakref
 
-    from dtensor_muon.strategies import owned
+    from dtensor_muon.engine.strategies import owned
 
     launched: list[weakref.ref] = []
     start = owned.start_all_to_all

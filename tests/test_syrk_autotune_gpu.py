@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dtensor_muon.kernels import triton_syrk, use_backend
-from dtensor_muon.newton_schulz import newton_schulz
+from dtensor_muon.linalg.newton_schulz import newton_schulz
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

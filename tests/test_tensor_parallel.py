@@ -13,7 +13,7 @@ from dist_harness import run_distributed
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dtensor_muon.layout import _shard_order
+from dtensor_muon.distributed.layout import _shard_order
 
 pytestmark = pytest.mark.slow
 STEPS = 3

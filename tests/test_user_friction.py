@@ -15,7 +15,7 @@ from torch import nn
 
 import dtensor_muon
 from dtensor_muon import Muon, muon_param_groups
-from dtensor_muon.routing import ELEMENTWISE_NAME_COMPONENTS
+from dtensor_muon.plan.routing import ELEMENTWISE_NAME_COMPONENTS
 
 OPTIONS = dict(lr=0.02, weight_decay=0.1, momentum=0.9)
 ADAMW_OPTIONS = dict(lr=0.02, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dtensor_muon.kernels.ws_syrk import ws_syrk, ws_syrk_enabled, ws_syrk_pays, ws_syrk_supports
-from dtensor_muon.newton_schulz import newton_schulz
+from dtensor_muon.linalg.newton_schulz import newton_schulz
 
 
 def _hopper_with_gluon() -> bool:

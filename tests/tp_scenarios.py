@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtensor_muon import MatrixSplit, Muon, NorMuon
-from dtensor_muon.layout import box_slices, read_layout, tensor_parallel_blocks
+from dtensor_muon.distributed.layout import box_slices, read_layout, tensor_parallel_blocks
 
 VOCAB, DIM, HIDDEN, EXPERTS = 23, 12, 20, 4
 OPTIONS: dict[str, Any] = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")

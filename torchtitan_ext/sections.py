@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from dtensor_muon.kernels import NS_ALGORITHMS
-from dtensor_muon.newton_schulz import NAMED_COEFFICIENTS, SUPPORTED_NS_DTYPES
+from dtensor_muon.linalg.newton_schulz import NAMED_COEFFICIENTS, SUPPORTED_NS_DTYPES
 from dtensor_muon.optim.base import TP_MODES
 from dtensor_muon.rules.mop import MOP_SCALES
 from dtensor_muon.rules.soap import SOAP_BASES
@@ -225,7 +225,7 @@ class SOAP:
 
     basis: Literal["qr", "eigh", "cholqr"] = "qr"
     """Eigenbasis refresh: "qr" (one power iteration and QR per side; eigh on the first step), "eigh", or
-    "cholqr" (the power iteration orthogonalized by Cholesky QR on matrix products: dtensor_muon.eigenbasis)."""
+    "cholqr" (the power iteration orthogonalized by Cholesky QR on matrix products: dtensor_muon.linalg.eigenbasis)."""
 
     kl: bool = False
     """KL-Shampoo's factor update (each factor whitened by the other side's eigenvalue estimates)."""

@@ -19,7 +19,7 @@ sometimes aborted after "Process group destroyed" ("terminate called without an 
 SIGABRT; seen on rank 1 in CI and in 1 of 74 local runs of the tiny Llama3 job). That is the signature
 of a gloo worker thread freeing a tensor during finalization, a torch/CPython interaction that
 ``tests/gloo_exit_abort.py`` reproduces without this library (the mechanism is in
-:mod:`dtensor_muon.process_exit`). A run that raises leaves through the normal path, with its traceback.
+:mod:`dtensor_muon.distributed.process_exit`). A run that raises leaves through the normal path, with its traceback.
 """
 
 import contextlib

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from dtensor_muon.kernels import triton_syrk, ws_syrk
 from dtensor_muon.kernels.triton_matmuls import TritonMatmuls
-from dtensor_muon.newton_schulz import (
+from dtensor_muon.linalg.newton_schulz import (
     KELLER_COEFFICIENTS,
     in_layout_of,
     iterate,

@@ -26,7 +26,7 @@ import torch
 
 from dtensor_muon.kernels.normalize import normalize_into
 from dtensor_muon.kernels.triton_syrk import _host_descriptors, symmetric_product, syrk
-from dtensor_muon.newton_schulz import newton_schulz
+from dtensor_muon.linalg.newton_schulz import newton_schulz
 
 FIXED_CONFIG = {"RATIO": 1, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 

@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from bench_newton_schulz import COLUMNS, QUICK_SHAPES, measure_shape, plain_torch
 from common import machine, markdown_table
 
-from dtensor_muon import ns_graphs
 from dtensor_muon.kernels import dispatch, triton_matmuls, use_backend, ws_syrk
-from dtensor_muon.newton_schulz import newton_schulz
+from dtensor_muon.linalg import ns_graphs
+from dtensor_muon.linalg.newton_schulz import newton_schulz
 
 TUNABLES: dict[str, ModuleType] = {
     **dict.fromkeys(("WS_MIN_WORK", "WS_MAX_DIM", "TURN_LEAD", "STAGES"), ws_syrk),

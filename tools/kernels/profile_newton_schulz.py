@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dtensor_muon.newton_schulz import newton_schulz
+from dtensor_muon.linalg.newton_schulz import newton_schulz
 
 
 def kernel_times(shape: tuple[int, ...], algorithm: str, calls: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""SOAP's basis refresh (``basis="cholqr"``, :mod:`dtensor_muon.eigenbasis`) taken apart: what each operation of
+"""SOAP's basis refresh (``basis="cholqr"``, :mod:`dtensor_muon.linalg.eigenbasis`) taken apart: what each operation of
 one refresh of a k×k factor costs, and what the float32 Cholesky passes' replacements cost and how accurate they
 are. This is how BENCHMARKS.md's "What the rest of the step is made of" figures were measured.
 
@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from dtensor_muon import eigenbasis as eb
+from dtensor_muon.linalg import eigenbasis as eb
 from dtensor_muon.rules.soap import eigh_descending
 
 

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 import dtensor_muon.rules.soap as soap_rule
-from dtensor_muon import eigenbasis
+from dtensor_muon.linalg import eigenbasis
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "train_configs" / "llama3_tiny.toml"

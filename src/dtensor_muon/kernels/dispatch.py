@@ -113,9 +113,9 @@ def use_gram(algorithm: str, x: Tensor, backend: Backend, schedule_validated: bo
 
     "standard" never, "gram" always; "auto" where it is as accurate and was measured faster: for a
     coefficient schedule validated in Gram form (``schedule_validated``: Keller's, see
-    :func:`dtensor_muon.newton_schulz.gram_validated`), on the GPU backend (plain torch keeps the standard
+    :func:`dtensor_muon.linalg.newton_schulz.gram_validated`), on the GPU backend (plain torch keeps the standard
     form, bitwise torch.optim.Muon), for n ≥ aspect·m, where the m²n products it saves outweigh the extra
-    m³ ones (:mod:`..gram_newton_schulz`), and for m×m products large enough that the GPU, not the launches,
+    m³ ones (:mod:`..linalg.gram`), and for m×m products large enough that the GPU, not the launches,
     sets the pace: the aspect and work floor are GRAM_MIN_ASPECT and MIN_GRAM_PRODUCT_WORK, the ``_SMALL``
     pair for m ≤ GRAM_SMALL_DIM where the backend runs the m×m products through cuBLAS, and GRAM_MIN_ASPECT
     alone where the Gluon kernel runs them (its own floor, 2³³ multiply-adds, is the work floor).

@@ -4,7 +4,7 @@
 
 For 2-D inputs these are exactly the calls torch.optim.Muon makes (``addmm``), so results match it bit
 for bit; 3-D inputs (a batch of matrices) use the batched equivalents (``baddbmm``). ``poly``,
-``symmetric_product`` and ``apply`` are the products of Gram Newton–Schulz (:mod:`..gram_newton_schulz`).
+``symmetric_product`` and ``apply`` are the products of Gram Newton–Schulz (:mod:`..linalg.gram`).
 
 A per-matrix ``scale`` s (fp32, from a backend's ``start_into``) multiplies a product's result by s or s²;
 this backend never hands one out (its start writes X₀ itself) but honours one, in fp32 with one rounding.

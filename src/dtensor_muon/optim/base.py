@@ -6,13 +6,13 @@ its own hyperparameters; this base does the rest, for whole models on one device
 - param groups: each user group is split into a matrix-rule group (``"use_muon": True``) and an AdamW group
   (``"use_muon": False``, with ``lr``/``weight_decay`` from ``adamw_lr``/``adamw_weight_decay`` when given), so
   learning-rate schedulers scale both; each gets its own ``lr`` (a Tensor lr is cloned for the second);
-- routing (:mod:`dtensor_muon.routing`), logged at construction (logger ``dtensor_muon``); unnamed parameters
+- routing (:mod:`dtensor_muon.plan.routing`), logged at construction (logger ``dtensor_muon``); unnamed parameters
   that look like an embedding or an output head raise a ``UserWarning``;
-- matrix views (:mod:`dtensor_muon.views`): a group's ``"matrix_split"`` or the ``matrix_splits`` keyword
+- matrix views (:mod:`dtensor_muon.plan.views`): a group's ``"matrix_split"`` or the ``matrix_splits`` keyword
   (``{name pattern: MatrixSplit}``, fnmatch patterns) cuts fused parameters into their matrices;
 - state, created eagerly for every parameter that requires grad: the rule's shard state for matrix-rule
   parameters, ``step``/``exp_avg``/``exp_avg_sq`` for AdamW parameters, each in its parameter's layout, and the
-  rule's owner state on the ranks that compute each matrix (see :mod:`dtensor_muon.engine`). A parameter with
+  rule's owner state on the ranks that compute each matrix (see :mod:`dtensor_muon.engine.step`). A parameter with
   ``requires_grad=False`` gets no state and no place in the plans until it requires grad (then its first
   step creates fresh state, as torch's optimizers do);
 - the engine (plans, transports, overlap) and checkpoints: ``copy.deepcopy`` and ``pickle`` give an
@@ -35,14 +35,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engine import EXCHANGE_MODES, Engine
-from ..layout import read_layout, tensor_parallel_blocks
-from ..overlap import attach_hooks
-from ..routing import caller_stacklevel, name_patterns, sequential_output_layer, unnamed_lookalikes, uses_muon
+from ..distributed.layout import read_layout, tensor_parallel_blocks
+from ..distributed.overlap import attach_hooks
+from ..engine.context import OWNER_STATE_KEY, Entry, local
+from ..engine.step import EXCHANGE_MODES, Engine
+from ..plan.routing import caller_stacklevel, name_patterns, sequential_output_layer, unnamed_lookalikes, uses_muon
+from ..plan.views import MatrixSplit
 from ..rules import adamw as adamw_rule
 from ..rules.base import MatrixRule
-from ..step_context import OWNER_STATE_KEY, Entry, local
-from ..views import MatrixSplit
 from . import state_loading
 
 logger = logging.getLogger("dtensor_muon")
@@ -328,7 +328,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _split_of(self, label: str, p: Tensor, group: dict[str, Any]) -> MatrixSplit | None:
         """The group's ``matrix_split``, else the first ``matrix_splits`` pattern matching ``label``; with
-        ``tp_mode="blockwise"``, the tensor-parallel blocks (:func:`~dtensor_muon.layout.tensor_parallel_blocks`)."""
+        ``tp_mode="blockwise"``, the tensor-parallel blocks (:func:`~dtensor_muon.distributed.layout.tensor_parallel_blocks`)."""
         split = group.get("matrix_split")
         if split is None:
             split = next((s for pattern, s in self._matrix_splits.items() if fnmatch.fnmatchcase(label, pattern)), None)
@@ -521,7 +521,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- overlap
     def attach(self, *modules: torch.nn.Module) -> None:
-        """Register the overlap hooks on ``modules`` (the model, or its parts): see :mod:`dtensor_muon.overlap`.
+        """Register the overlap hooks on ``modules`` (the model, or its parts): see :mod:`dtensor_muon.distributed.overlap`.
 
         Needed with ``overlap=True``; harmless without (every update is then applied inside ``step()``).
         """
@@ -555,7 +555,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     @property
     def metrics(self) -> dict[str, float]:
-        """Diagnostics of the last step (see :mod:`dtensor_muon.metrics` for the keys)."""
+        """Diagnostics of the last step (see :mod:`dtensor_muon.engine.metrics` for the keys)."""
         return self._engine.metrics if self._engine is not None else {}
 
     @property

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from ..plan.views import MatrixSplit
 from ..rules.mop import MOP_SCALES, MOPRule
 from ..rules.muon import AdjustLrFn
-from ..views import MatrixSplit
 from .base import MatrixOptimizer, require
 from .muon import validate_adjust_lr_fn
 

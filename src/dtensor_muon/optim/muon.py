@@ -1,6 +1,6 @@
 """``dtensor_muon.Muon``: torch.optim.Muon's interface, for whole models, on one device or over DTensors.
 
-Matrices (see :mod:`dtensor_muon.routing` for the rule) get Muon's orthogonalized momentum update
+Matrices (see :mod:`dtensor_muon.plan.routing` for the rule) get Muon's orthogonalized momentum update
 (:mod:`dtensor_muon.rules.muon`); everything else gets AdamW. The shared machinery (param groups, routing,
 eager state, engine, checkpoints, overlap) is :class:`dtensor_muon.optim.base.MatrixOptimizer`.
 """
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from ..kernels import resolve_ns_algorithm
-from ..newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec, resolve_coefficients, resolve_ns_dtype
+from ..linalg.newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec, resolve_coefficients, resolve_ns_dtype
+from ..plan.views import MatrixSplit
 from ..rules.muon import ADJUST_LR_NAMES, AdjustLrFn, MuonRule
-from ..views import MatrixSplit
 from .base import MatrixOptimizer, require, require_number
 
 MAX_NS_STEPS = 99  # torch.optim.Muon: "Number of steps must be less than 100 for computational efficiency"
@@ -59,7 +59,7 @@ class Muon(MatrixOptimizer):
         momentum: μ in [0, 1).
         nesterov: use g + μ·(B − g) instead of B.
         ns_coefficients: (a, b, c), a list of triples (one per iteration, last repeated) or a name from
-            :data:`dtensor_muon.newton_schulz.NAMED_COEFFICIENTS`.
+            :data:`dtensor_muon.linalg.newton_schulz.NAMED_COEFFICIENTS`.
         eps: Frobenius-normalization floor of Newton–Schulz.
         ns_steps: Newton–Schulz iterations, 1 to 99.
         adjust_lr_fn: None/"original" (γ·√max(1, A/B)), "match_rms_adamw" (γ·0.2·√max(A, B)),
@@ -71,7 +71,7 @@ class Muon(MatrixOptimizer):
         ns_algorithm: "auto" (Gram Newton–Schulz where it is faster and validated: Keller's coefficients,
             large rectangular matrices on the GPU backend), "standard" or "gram" (measured as accurate as
             the standard form for Keller's, quintic and 8-step Polar Express coefficients; not for CANS or
-            5-step Polar Express); see :func:`dtensor_muon.newton_schulz.newton_schulz`.
+            5-step Polar Express); see :func:`dtensor_muon.linalg.newton_schulz.newton_schulz`.
         wire_dtype: dtype of the exchange (bf16 by default; None = parameter dtype). Must not round the
             Newton–Schulz input: bf16 with float32 ns_dtype is refused.
         bucket_size_mb: full-matrix megabytes per exchange bucket.
@@ -91,7 +91,7 @@ class Muon(MatrixOptimizer):
             of its own: an approximation, no communication under TP alone).
         ns_cuda_graphs: on CUDA, replay each owner's Newton–Schulz from a CUDA graph per matrix shape (same
             bits; for matrices of up to 2³⁴ multiply-adds per Gram matrix, e.g. 2048×4096, whose eager
-            launches cost the host longer than the GPU work, see :mod:`dtensor_muon.ns_graphs`). Each graph
+            launches cost the host longer than the GPU work, see :mod:`dtensor_muon.linalg.ns_graphs`). Each graph
             keeps a few matrices of memory.
     """
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from ..newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec
+from ..linalg.newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec
+from ..plan.views import MatrixSplit
 from ..rules.muon import AdjustLrFn
 from ..rules.normuon import NorMuonRule
-from ..views import MatrixSplit
 from .base import MatrixOptimizer, require, require_number
 from .muon import validate_newton_schulz
 

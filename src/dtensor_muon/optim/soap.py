@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from ..plan.views import MatrixSplit
 from ..rules.soap import SOAP_BASES, SOAPRule
-from ..views import MatrixSplit
 from .base import MatrixOptimizer, require, require_number
 
 
@@ -50,7 +50,7 @@ class SOAP(MatrixOptimizer):
             basis is kept) or "cholqr" (the power iteration on K + 10⁻⁵·2ᵉ·I, 2ᵉ⁻¹ ≤ max diag(Q_oldᵀ·K·Q_old) < 2ᵉ,
             orthogonalized by Cholesky QR on float32-accurate matrix products, a warm basis's second pass a
             series of TF32 products, same-size factors batched, eigh only on step 1 or where a pass fails; see
-            :mod:`dtensor_muon.eigenbasis`). "qr" and "eigh" are the references and "qr" stays the default, as
+            :mod:`dtensor_muon.linalg.eigenbasis`). "qr" and "eigh" are the references and "qr" stays the default, as
             the basis the peer comparisons (Emerging-Optimizers) are written against: "cholqr" equals "qr" of
             the shifted factor (within float32 Householder QR's own error of the float64 formula) and on
             torchtitan's tiny Llama3 (3 seeds) ended within 0.01 nats of "qr" on every seed. On one H200,

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from .. import consensus
-from ..routing import name_patterns
+from ..distributed import consensus
+from ..engine.context import OWNER_STATE_KEY, local
+from ..plan.routing import name_patterns
 from ..rules import adamw as adamw_rule
-from ..step_context import OWNER_STATE_KEY, local
 
 if TYPE_CHECKING:
     from .base import MatrixOptimizer

@@ -1,6 +1,6 @@
 """The plan: which matrices are computed together, where, which pieces move where, and in which buckets.
 
-Matrices (see :mod:`dtensor_muon.views`) are grouped into **units**, computed as one batch: consecutive
+Matrices (see :mod:`dtensor_muon.plan.views`) are grouped into **units**, computed as one batch: consecutive
 matrices of one parameter (its experts, or the equal blocks of a split), of a shape where batching pays
 (:mod:`..kernels.batching`), in groups of G, the largest power of two ≤ min(:data:`MAX_BATCH`, n /
 :data:`UNITS_PER_PARAMETER`) for a parameter of n such matrices (64 experts: units of 8; 4 experts: one by
@@ -8,11 +8,11 @@ one). A unit never spans parameters and depends only on its parameter's shape an
 size or on which other parameters an optimizer holds (a pipeline stage, a param group), so every placement
 computes the same batches as one process: the same bits.
 
-A unit whose matrices every holder holds whole is :class:`~..placement.Local` (its cost is pinned load on
-each holder). The others get :class:`~..placement.GatherAll` when asked, else an :class:`~..placement.Owned`
+A unit whose matrices every holder holds whole is :class:`~.placement.Local` (its cost is pinned load on
+each holder). The others get :class:`~.placement.GatherAll` when asked, else an :class:`~.placement.Owned`
 rank from :func:`.balance.assign_owners` (longest-processing-time, refined toward the lower bound, with
 owner-state bytes as a second constraint); before them, the units of parameters whose ``tp_mode`` computes
-them on a tensor-parallel group get a :class:`~..placement.TensorParallelGroup`, the group whose busiest
+them on a tensor-parallel group get a :class:`~.placement.TensorParallelGroup`, the group whose busiest
 member is least loaded (:func:`tensor_parallel_mode` says which form each matrix takes). Buckets group the
 owned units in parameter (forward-execution) order up to a byte budget. The plan is a pure function of names, shapes, boxes, options and world size, so
 every rank builds the same one; its digest is compared across ranks.
@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
+from ..distributed.layout import Box, ParamLayout, TensorParallelLayout, box_numel, intersect
 from ..kernels.batching import MAX_BATCH, batching_pays
-from ..layout import Box, ParamLayout, TensorParallelLayout, box_numel, intersect
-from ..placement import GatherAll, Local, Owned, Placement, TensorParallelGroup
 from ..rules.muon import ns_iteration_flops
-from ..views import MatrixSplit, parameter_matrices
 from .balance import assign_owners, lower_bound, simple_lower_bound
+from .placement import GatherAll, Local, Owned, Placement, TensorParallelGroup
+from .views import MatrixSplit, parameter_matrices
 
 UNITS_PER_PARAMETER = 8
 """A parameter's batchable matrices form at least this many units (when it has that many), so that units stay
@@ -43,7 +43,7 @@ small against a rank's share of the work and whole-expert shards of up to 1/8 of
 class MatrixSpec:
     """One matrix: ``box`` inside parameter ``param_index``, viewed as ``shape``; ``key`` names it there.
 
-    A part of a grouped split's matrix (``parts > 1``, :class:`~dtensor_muon.views.MatrixView`) is a spec of its
+    A part of a grouped split's matrix (``parts > 1``, :class:`~dtensor_muon.plan.views.MatrixView`) is a spec of its
     own (its box travels like any matrix); its unit holds all ``parts`` of the matrix, in order, and computes
     them as the one ``whole_shape`` matrix their rows stack into."""
 
@@ -76,7 +76,7 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def matrices_of(param_index: int, layout: ParamLayout, split: MatrixSplit | None = None) -> list[MatrixSpec]:
-    """The matrices of one parameter (see :mod:`dtensor_muon.views`), named ``name``, ``name[e]`` (expert e)
+    """The matrices of one parameter (see :mod:`dtensor_muon.plan.views`), named ``name``, ``name[e]`` (expert e)
     and ``name/j`` (matrix j of a split; the parts of a grouped split's matrix share its name)."""
     shape = layout.global_shape
     views = parameter_matrices(layout.name, shape, split)
@@ -96,8 +96,8 @@ def matrices_of(param_index: int, layout: ParamLayout, split: MatrixSplit | None
 class MatrixRoute:
     """How one matrix travels: pieces (box, source rank) out to ``owner``, and each holder's box back.
 
-    ``owner`` is None unless the matrix's unit is :class:`~..placement.Owned`; ``unit`` indexes ``Plan.units``.
-    For a :class:`~..placement.TensorParallelGroup` unit, ``targets`` lists each member, the box it computes
+    ``owner`` is None unless the matrix's unit is :class:`~.placement.Owned`; ``unit`` indexes ``Plan.units``.
+    For a :class:`~.placement.TensorParallelGroup` unit, ``targets`` lists each member, the box it computes
     on (the whole matrix, or its TP block) and the pieces (box, source) it receives, and ``back_from[i]`` is the
     member that sends holder i its box back (the member of the holder's TP coordinate).
     """
@@ -137,7 +137,7 @@ class Plan:
     rank_bytes_received: list[int]
     rank_owner_state_bytes: list[int] = field(default_factory=list)
     tensor_parallel_buckets: list[list[int]] = field(default_factory=list)
-    """Route indices of the :class:`~..placement.TensorParallelGroup` units, grouped like ``buckets``."""
+    """Route indices of the :class:`~.placement.TensorParallelGroup` units, grouped like ``buckets``."""
     digest: str = field(default="")
 
     @property

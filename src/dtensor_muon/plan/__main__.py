@@ -1,5 +1,5 @@
-"""``python -m dtensor_muon.plan``: the plan simulator (see :mod:`dtensor_muon.simulate`)."""
+"""``python -m dtensor_muon.plan``: the plan simulator (see :mod:`dtensor_muon.plan.simulate`)."""
 
-from ..simulate import main
+from .simulate import main
 
 main()

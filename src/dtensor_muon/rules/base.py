@@ -135,7 +135,7 @@ class MatrixRule(ABC):
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner
     ) -> Tensor:
         """O for ``u`` ([m, n], or [B, m, n] with one owner-state dict per matrix); ``runner`` runs Newton–Schulz
-        with :func:`dtensor_muon.newton_schulz.newton_schulz`'s signature (the owner's CUDA-graph cache). Call
+        with :func:`dtensor_muon.linalg.newton_schulz.newton_schulz`'s signature (the owner's CUDA-graph cache). Call
         it at most once per direction: its result may be a buffer that its next call overwrites."""
 
     @abstractmethod

@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
-from ..distributed_newton_schulz import distributed_newton_schulz
 from ..kernels import resolve_ns_algorithm
 from ..kernels.elementwise import momentum_step, momentum_steps
-from ..newton_schulz import resolve_coefficients, resolve_ns_dtype
+from ..linalg.distributed_ns import distributed_newton_schulz
+from ..linalg.newton_schulz import resolve_coefficients, resolve_ns_dtype
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
 
 AdjustLrFn = None | str | Callable[[float, tuple[int, int]], float]

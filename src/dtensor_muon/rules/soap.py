@@ -24,7 +24,7 @@ the front end treats a parameter with empty state as frozen). Step t = 1, 2, …
        basis="cholqr":           Q = qr((K + ρ·2ᵉ·I)·Q_old) of the sorted Q_old by Cholesky QR on matrix
                                  products, same-size factors of the call batched, M rotated as C_L·M·C_Rᵀ
                                  with C = Q_newᵀ·Q_old (the same rotation in one product per side); see
-                                 :mod:`dtensor_muon.eigenbasis` for the shift, each phase's precision and
+                                 :mod:`dtensor_muon.linalg.eigenbasis` for the shift, each phase's precision and
                                  where it falls back to eigh (its products are float32-accurate whatever
                                  torch's float32 matmul precision; C_L·M·C_Rᵀ, like the factors' and Adam's
                                  products of every basis, runs at that precision: float32 by default, TF32
@@ -85,7 +85,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
-from ..eigenbasis import LARGE_BATCH_ENTRIES, accurate_matmul, power_cholqr
+from ..linalg.eigenbasis import LARGE_BATCH_ENTRIES, accurate_matmul, power_cholqr
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
 
 SOAP_BASES = ("qr", "eigh", "cholqr")
@@ -363,7 +363,7 @@ class SOAPRule(MatrixRule):
 
     def refresh_bases(self, states: list[dict[str, Tensor]], group: Group, steps: list[int]) -> None:
         """Step 2 for matrices at steps ``steps``: :meth:`refresh_basis` one by one, or with basis="cholqr"
-        one :func:`dtensor_muon.eigenbasis.power_cholqr` per factor size (in batches of at most
+        one :func:`dtensor_muon.linalg.eigenbasis.power_cholqr` per factor size (in batches of at most
         ``LARGE_BATCH_ENTRIES`` entries per tensor) over every factor of these matrices past their step 1 (eigh on step 1, as the
         reference)."""
         if group["basis"] != "cholqr":

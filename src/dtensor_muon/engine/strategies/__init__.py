@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..context import MeshWork, StepContext
 from ..pending import BackExchange
-from ..step_context import MeshWork, StepContext
 from . import gather_all, local, owned, tensor_parallel
 
 Strategy = Callable[[StepContext, MeshWork], list[BackExchange]]

@@ -3,7 +3,7 @@
 Every parameter is either a matrix-rule parameter (its matrices get the rule's direction) or an AdamW
 parameter (element-wise, on local shards). Matrix-rule parameters are grouped by device mesh; each mesh gets
 a :class:`~dtensor_muon.plan.Plan`. Plain tensors form a world of one: all their matrices are local. The
-engine runs the strategies of :mod:`dtensor_muon.strategies` on each plan and never names a rule or a
+engine runs the strategies of :mod:`dtensor_muon.engine.strategies` on each plan and never names a rule or a
 strategy.
 
 Gradients in other placements than their parameter's (tensor parallelism's ``Partial`` gradients of replicated
@@ -53,24 +53,25 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from . import consensus, preflight
-from . import metrics as metrics_lib
-from .exchange import MeshGroup, mesh_group
-from .layout import (
+from ..distributed import consensus
+from ..distributed.exchange import MeshGroup, mesh_group
+from ..distributed.layout import (
     TensorParallelLayout,
     box_shape,
     intersect,
     read_tensor_parallel_layout,
     relative_slices,
 )
-from .newton_schulz import newton_schulz
-from .ns_graphs import NewtonSchulzGraphs
+from ..linalg.newton_schulz import newton_schulz
+from ..linalg.ns_graphs import NewtonSchulzGraphs
+from ..plan import Plan, build_plan, matrices_of
+from ..rules import adamw as adamw_rule
+from ..rules.base import MatrixRule
+from . import metrics as metrics_lib
+from . import preflight
+from .context import OWNER_STATE_KEY, DirectionFailure, Entry, MeshWork, StepContext, local
 from .pending import PendingUpdates
-from .plan import Plan, build_plan, matrices_of
 from .preflight import PreflightError
-from .rules import adamw as adamw_rule
-from .rules.base import MatrixRule
-from .step_context import OWNER_STATE_KEY, DirectionFailure, Entry, MeshWork, StepContext, local
 from .strategies import STRATEGIES
 
 EXCHANGE_MODES = ("owner", "gather_all")
@@ -182,7 +183,7 @@ class Engine:
     # ------------------------------------------------------------------ plans
     def rebuild_plans(self) -> None:
         """(Re)build one plan per mesh and check that every rank of the mesh has the same options, parameters
-        and hyperparameters (:mod:`.consensus`) and built the same plan."""
+        and hyperparameters (:mod:`..distributed.consensus`) and built the same plan."""
         self._build_consensus_groups()
         for group in self.consensus_groups:
             consensus.check_same_everywhere(
@@ -241,7 +242,7 @@ class Engine:
 
     @property
     def options(self) -> dict[str, Any]:
-        """The engine options every rank must share (compared at construction, :mod:`.consensus`)."""
+        """The engine options every rank must share (compared at construction, :mod:`..distributed.consensus`)."""
         return dict(
             wire_dtype=self.wire_dtype_option,
             bucket_bytes=self.bucket_bytes,

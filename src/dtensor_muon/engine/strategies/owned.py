@@ -1,4 +1,4 @@
-"""Strategy for :class:`~dtensor_muon.placement.Owned` units: gathered whole to one owner, computed once there.
+"""Strategy for :class:`~dtensor_muon.plan.placement.Owned` units: gathered whole to one owner, computed once there.
 
 Per bucket of the plan: one variable-size all-to-all carries every source rank's pieces of U to their
 owners, each owner assembles its matrices (pieces in route order per source), computes its units, and one
@@ -14,11 +14,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..exchange import PendingExchange, start_all_to_all
-from ..layout import box_numel, box_shape, contiguous_offset, relative_slices
+from ...distributed.exchange import PendingExchange, start_all_to_all
+from ...distributed.layout import box_numel, box_shape, contiguous_offset, relative_slices
+from ...plan import MatrixRoute
+from ..context import MeshWork, StepContext, local
 from ..pending import BackExchange
-from ..plan import MatrixRoute
-from ..step_context import MeshWork, StepContext, local
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:

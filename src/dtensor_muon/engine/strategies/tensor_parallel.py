@@ -1,10 +1,10 @@
-"""Strategy for :class:`~dtensor_muon.placement.TensorParallelGroup` units: one TP group computes each unit.
+"""Strategy for :class:`~dtensor_muon.plan.placement.TensorParallelGroup` units: one TP group computes each unit.
 
 Per bucket: one variable-size all-to-all over the mesh carries to every member of the unit's TP group the
 pieces of its target (the whole matrix, or its TP block in distributed mode); each member computes —
 duplicated: the rule's direction on the whole matrix, as an owner would; distributed: its block of the
 Newton–Schulz result with the group's other members, one all-reduce of the small Gram matrix per iteration
-over the TP group (:mod:`dtensor_muon.distributed_newton_schulz`) — and one all-to-all back carries each
+over the TP group (:mod:`dtensor_muon.linalg.distributed_ns`) — and one all-to-all back carries each
 holder its piece from the member of its own TP coordinate. The return exchanges are left in flight, as in
 :mod:`.owned`.
 """
@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..exchange import PendingExchange, start_all_to_all
-from ..layout import TENSOR_PARALLEL_DIM, box_numel, box_shape, relative_slices
+from ...distributed.exchange import PendingExchange, start_all_to_all
+from ...distributed.layout import TENSOR_PARALLEL_DIM, box_numel, box_shape, relative_slices
+from ...plan import MatrixRoute
+from ...plan.placement import TensorParallelGroup
+from ...plan.views import matrix_shape_of_box
+from ..context import MeshWork, StepContext
 from ..pending import BackExchange
-from ..placement import TensorParallelGroup
-from ..plan import MatrixRoute
-from ..step_context import MeshWork, StepContext
-from ..views import matrix_shape_of_box
 from .owned import active_routes, exchange_buckets, sent_bytes
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from .layout import Box, Range
+from ..distributed.layout import Box, Range
 
 
 @dataclass(frozen=True)

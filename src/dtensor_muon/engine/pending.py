@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .exchange import PendingExchange
+from ..distributed.exchange import PendingExchange
 
 
 @dataclass

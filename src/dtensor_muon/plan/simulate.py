@@ -15,7 +15,7 @@ would, lays every parameter out as torchtitan 0.2.2 does (chunked like ``torch.c
   over tp: the simulator models no expert tensor parallelism).
 
 Each mesh gets its own plan, as in the optimizer, and the per-rank loads add up. It prints per world size: per-rank Newton–Schulz GFLOP per step (max and mean, ``ns_steps`` iterations),
-the imbalance max/mean, the busiest rank over the plan's lower bound (:attr:`..plan.Plan.lower_bound`, 1.000:
+the imbalance max/mean, the busiest rank over the plan's lower bound (:attr:`.Plan.lower_bound`, 1.000:
 no assignment of these units does better) and over max(mean load, costliest unit), bytes sent and received per rank per step (max), and the estimated time of the
 busiest rank at the given TFLOP/s and GB/s.
 """
@@ -32,9 +32,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .layout import ParamLayout, TensorParallelLayout, chunk_range, layout_boxes, tensor_parallel_layout
+from ..distributed.layout import ParamLayout, TensorParallelLayout, chunk_range, layout_boxes, tensor_parallel_layout
+from . import Plan, build_plan
 from .placement import TensorParallelGroup
-from .plan import Plan, build_plan
 from .routing import uses_muon
 
 MODEL_FAMILIES = {

@@ -10,7 +10,7 @@ approximates it with matrix products only:
 
 Each iteration maps every singular value σ of X to p(σ) = aσ + bσ³ + cσ⁵; the coefficient sets trade how
 fast small σ grow against how close to 1 the result lands. The same iterations can run in Gram form
-(:mod:`.gram_newton_schulz`: on the m×m X·Xᵀ, touching X once per few iterations), fewer FLOPs on
+(:mod:`.gram`: on the m×m X·Xᵀ, touching X once per few iterations), fewer FLOPs on
 rectangular matrices and equal in exact arithmetic.
 """
 
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .gram_newton_schulz import gram_newton_schulz
-from .kernels import Backend, select_backend, use_gram
+from ..kernels import Backend, select_backend, use_gram
+from .gram import gram_newton_schulz
 
 Triple = tuple[float, float, float]
 CoefficientSpec = str | Triple | Sequence[Triple]
@@ -105,7 +105,7 @@ def coefficients_at(coefficients: Sequence[Triple], iteration: int) -> Triple:
 
 def gram_segments(steps: int) -> list[int]:
     """Segment lengths for ``steps`` iterations in Gram form: segments of 2, a last one of 1 for an odd count
-    (5 → [2, 2, 1]). Longer segments overflow on low-rank inputs (:mod:`.gram_newton_schulz`)."""
+    (5 → [2, 2, 1]). Longer segments overflow on low-rank inputs (:mod:`.gram`)."""
     return [2] * (steps // 2) + [1] * (steps % 2)
 
 
@@ -143,7 +143,7 @@ def newton_schulz(
     is normalized by its own Frobenius norm. ``algorithm``: "standard" (X ← a·X + (b·A + c·A²)·X),
     "gram" (the same iterations in Gram form, segments of :func:`gram_segments`) or "auto" (Gram form for
     Keller's coefficients where it is faster: large rectangular matrices on the GPU backend, see
-    :func:`.kernels.use_gram`). On CPU, and for 2-D input with the default arguments, the result equals
+    :func:`..kernels.use_gram`). On CPU, and for 2-D input with the default arguments, the result equals
     ``torch.optim.Muon``'s bit for bit.
     """
     schedule = iteration_schedule(g, coefficients, steps)
@@ -183,7 +183,7 @@ def iterate(
     x: Tensor, schedule: Sequence[Triple], backend: Backend, algorithm: str, scale: Tensor | None = None
 ) -> Tensor:
     """The iterations of ``schedule`` from the normalized wide X₀ = s·x (x itself without ``scale``), in the
-    form ``algorithm`` picks for it (:func:`.kernels.use_gram`); X in x's layout."""
+    form ``algorithm`` picks for it (:func:`..kernels.use_gram`); X in x's layout."""
     if use_gram(algorithm, x, backend, gram_validated(schedule)):
         return gram_newton_schulz(x, schedule, backend, gram_segments(len(schedule)), scale)
     for i, (a, b, c) in enumerate(schedule):

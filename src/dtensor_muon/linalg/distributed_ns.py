@@ -14,7 +14,7 @@ The blocks of the result are, up to the all-reduce's summation order, the blocks
 on G (:func:`.newton_schulz.newton_schulz`): the same coefficient specs, the same start X₀ = round(G) /
 max(‖G‖_F, eps) with the norm rounded to the working dtype, the same iterations in the same order. Each
 iteration takes the products of the standard form as the Gram form's one-iteration segment does (``gram``,
-``poly``, ``apply`` of the :class:`.kernels.Backend`: a·I is folded into P, rounded once), so it differs from
+``poly``, ``apply`` of the :class:`..kernels.Backend`: a·I is folded into P, rounded once), so it differs from
 the single-process standard form by that rounding too (about one unit roundoff of the working dtype).
 
 Collectives: ``steps + 1`` all-reduces, one per iteration (the m×m partial Gram, in the working dtype: m²·itemsize
@@ -42,7 +42,7 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 from torch import Tensor
 
-from .kernels import select_backend
+from ..kernels import select_backend
 from .newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec, Triple, iteration_schedule, resolve_ns_dtype
 
 AllReduce = Callable[[Tensor], None]

@@ -1,6 +1,6 @@
 """What the strategies of one step share: the rule, the parameters, their inputs U and outputs O.
 
-The engine builds one :class:`StepContext` per step; each strategy (:mod:`dtensor_muon.strategies`) reads
+The engine builds one :class:`StepContext` per step; each strategy (:mod:`dtensor_muon.engine.strategies`) reads
 the prepared inputs from it, computes its units with :meth:`StepContext.compute` (the rule's ``direction``
 on whole matrices, batched as the plan's units say), and writes each parameter's received update into its
 update buffer or hands a fully local parameter's update to :meth:`StepContext.apply_local` (a whole unit of
@@ -25,14 +25,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from .exchange import MeshGroup
-from .kernels.elementwise import decay_and_add_many
-from .layout import ParamLayout
+from ..distributed.exchange import MeshGroup
+from ..distributed.layout import ParamLayout
+from ..kernels.elementwise import decay_and_add_many
+from ..linalg.ns_graphs import NewtonSchulzGraphs
+from ..plan import MatrixSpec, Plan
+from ..plan.views import MatrixSplit
+from ..rules.base import ApplyScalars, MatrixRule, NewtonSchulzRunner
 from .metrics import PhaseTimer, StepStats
-from .ns_graphs import NewtonSchulzGraphs
-from .plan import MatrixSpec, Plan
-from .rules.base import ApplyScalars, MatrixRule, NewtonSchulzRunner
-from .views import MatrixSplit
 
 OWNER_STATE_KEY = "owner_state"
 """Key of a parameter's optimizer state that holds its matrices' owner state: ``{matrix key: {name: tensor}}``."""
@@ -196,7 +196,7 @@ class StepContext:
         """:meth:`compute_unit` for a unit of the fully local parameter ``e`` in a step that is not
         transactional, its O applied at once to ``target``, the unit's region of the local shard (``stacked``'s
         entries in the same order). O is applied before another unit is computed, so it may be the CUDA graph's
-        own output buffer (:class:`~.ns_graphs.NewtonSchulzGraphs`, ``borrow``), not a copy of it. The metrics'
+        own output buffer (:class:`~..linalg.ns_graphs.NewtonSchulzGraphs`, ``borrow``), not a copy of it. The metrics'
         norm of each matrix comes from the apply's own pass where it computes them
         (:meth:`MatrixRule.apply_region`, ``return_norms``: one launch where a norm and the apply took two),
         else from one norm over the batch, as in :meth:`compute_unit`."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .kernels import Backend, forced_backend, gram_work
+from ..kernels import Backend, forced_backend, gram_work
 from .newton_schulz import (
     KELLER_COEFFICIENTS,
     CoefficientSpec,

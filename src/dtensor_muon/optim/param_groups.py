@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from .views import MatrixSplit
+from ..plan.views import MatrixSplit
 
 
 def muon_param_groups(
@@ -29,7 +29,7 @@ def muon_param_groups(
     - those named in ``adamw_names``: a module's qualified name (``"output"``: all its parameters) or a
       parameter's (``"output.weight"``); a name that matches nothing raises, so typos do not pass silently.
 
-    Every other parameter goes to a group routed by the default rule (:mod:`dtensor_muon.routing`: ≥2-D
+    Every other parameter goes to a group routed by the default rule (:mod:`dtensor_muon.plan.routing`: ≥2-D
     matrices to Muon, unless a name component marks an embedding or head; the rest to AdamW). Groups are
     plain dicts of ``(name, parameter)`` pairs, in ``model.named_parameters()`` order (tied parameters once);
     add keys (``"lr"``, ``"weight_decay"``, ...) to either before building the optimizer. Empty groups are left

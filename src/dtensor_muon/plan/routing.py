@@ -116,7 +116,8 @@ def sequential_output_layer(named: Sequence[tuple[str, Tensor]]) -> tuple[str, T
     return max(found, key=lambda item: tuple(int(part) for part in item[0].split(".")[:-1]))
 
 
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The directory of the whole dtensor_muon package (this module is in its ``plan/``)."""
 
 
 def caller_stacklevel() -> int:

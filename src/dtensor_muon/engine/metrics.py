@@ -56,7 +56,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from .plan import Plan
+from ..plan import Plan
 
 
 class PhaseTimer:

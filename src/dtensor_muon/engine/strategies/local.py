@@ -1,4 +1,4 @@
-"""Strategy for :class:`~dtensor_muon.placement.Local` units: each holder computes its whole matrices itself.
+"""Strategy for :class:`~dtensor_muon.plan.placement.Local` units: each holder computes its whole matrices itself.
 
 Units are processed in chunks of at most ``bucket_bytes`` of direction input. Matrices of fully local
 parameters are applied as soon as they are computed (at the step's commit when other ranks could still
@@ -13,11 +13,11 @@ from collections import defaultdict
 
 from torch import Tensor
 
-from ..layout import Box, relative_slices, stacked_box
+from ...distributed.layout import Box, relative_slices, stacked_box
+from ...plan import MatrixSpec, chunk_by_budget
+from ...plan.placement import Local
+from ..context import Entry, MeshWork, StepContext, local
 from ..pending import BackExchange
-from ..placement import Local
-from ..plan import MatrixSpec, chunk_by_budget
-from ..step_context import Entry, MeshWork, StepContext, local
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:

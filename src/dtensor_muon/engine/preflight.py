@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from .layout import box_shape, read_layout
-from .step_context import Entry, local
+from ..distributed.layout import box_shape, read_layout
+from .context import Entry, local
 
 
 class PreflightError(RuntimeError):
@@ -30,7 +30,7 @@ def check_gradients(
     parameter's (to be redistributed after the consensus), the placements they came in.
 
     A DTensor gradient must have its parameter's global shape and placements (or ones DTensor can
-    redistribute to them), and its local piece (and the parameter's) the shape of the box :mod:`.layout`
+    redistribute to them), and its local piece (and the parameter's) the shape of the box :mod:`..distributed.layout`
     computed for this rank (``local_shapes``). Raises :class:`PreflightError` naming the first parameter
     that fails.
     """

@@ -1,4 +1,4 @@
-"""Strategy for :class:`~dtensor_muon.placement.GatherAll` units: every rank gathers and computes everything.
+"""Strategy for :class:`~dtensor_muon.plan.placement.GatherAll` units: every rank gathers and computes everything.
 
 The baseline other libraries use (``full_tensor()`` of U on every rank, every matrix computed on every
 rank): exact, with the whole model's direction work duplicated on each rank.
@@ -9,10 +9,10 @@ from __future__ import annotations
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..layout import box_shape, box_slices, intersect, relative_slices
+from ...distributed.layout import box_shape, box_slices, intersect, relative_slices
+from ...plan.placement import GatherAll
+from ..context import MeshWork, StepContext
 from ..pending import BackExchange
-from ..placement import GatherAll
-from ..step_context import MeshWork, StepContext
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:

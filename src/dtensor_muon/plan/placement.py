@@ -1,7 +1,7 @@
 """Compute placements: where the expensive, whole-matrix part of a rule runs for one unit of matrices.
 
 The plan gives every unit (one matrix, or a fixed group of same-shape matrices computed as one batch) a
-placement; one strategy module in :mod:`dtensor_muon.strategies` carries out each kind.
+placement; one strategy module in :mod:`dtensor_muon.engine.strategies` carries out each kind.
 
 - :class:`Local`: every rank that holds any part of the unit holds all of it whole, and computes it itself
   (no communication; whole-expert shards, plain tensors).
