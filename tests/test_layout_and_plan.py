@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dtensor_muon.distributed.layout import box_numel, chunk_range, intersect
-from dtensor_muon.plan import build_plan, matrices_of, ns_iteration_flops
+from dtensor_muon.linalg.newton_schulz import ns_iteration_flops
+from dtensor_muon.plan import build_plan, matrices_of
 from dtensor_muon.plan.simulate import fsdp_layout
 
 

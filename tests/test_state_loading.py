@@ -15,7 +15,7 @@ from dist_harness import run_distributed
 from torch import nn
 
 from dtensor_muon import SOAP, Muon, NorMuon
-from dtensor_muon.engine.context import local
+from dtensor_muon.distributed.layout import local
 
 OPTIMIZERS = {"muon": Muon, "soap": SOAP, "normuon": NorMuon}
 OPTIONS = dict(lr=0.02, weight_decay=0.1)

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch.distributed as dist
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor
-from torchtitan.components.metrics import ensure_pp_loss_visible as titan_ensure_pp_loss_visible
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.job_config import describe
@@ -247,16 +246,3 @@ class OptimizerMetricsProcessor(MetricsProcessor):
         for line, tint in ((optimizer_line(self.logger.last), color.blue), (flops_line(self.logger.last), color.cyan)):
             if line:
                 logger.info(f"{tint}{line}{color.reset}")
-
-
-def ensure_pp_loss_visible(parallel_dims, job_config, color) -> None:
-    """torchtitan's warning that rank 0 shows no loss under pipeline parallelism (naming its
-    ``run_train.sh``), kept only for models whose spec does not log through
-    :class:`OptimizerMetricsProcessor`, which shows the last stage's loss on every rank."""
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    from torchtitan_ext.spec import build_metrics_processor
-
-    if get_train_spec(job_config.model.name).build_metrics_processor_fn is build_metrics_processor:
-        return
-    titan_ensure_pp_loss_visible(parallel_dims, job_config, color)

@@ -14,7 +14,9 @@ Each spec is torchtitan's own with three builders swapped:
 - ``parallelize_fn``: torchtitan's, then FSDP2 SUM reductions when the backend is gloo
   (:func:`torchtitan_ext.cpu.use_sum_reduction`).
 
-Registered under the built-in names, these specs take priority over torchtitan's.
+Registered under the built-in names, these specs take priority over torchtitan's. The launcher
+(``python -m torchtitan_ext.train``) also puts :func:`ensure_pp_loss_visible` in place of torchtitan's warning that
+rank 0 shows no pipeline-parallel loss, kept for the specs that do not log through this metrics processor.
 """
 
 import dataclasses
@@ -23,10 +25,11 @@ from collections.abc import Callable
 from importlib import import_module
 
 from torch import nn
+from torchtitan.components.metrics import ensure_pp_loss_visible as titan_ensure_pp_loss_visible
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.models import _supported_models
-from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from torchtitan_ext.batch_scaling import apply_batch_scaling
 from torchtitan_ext.cpu import use_sum_reduction
@@ -81,3 +84,12 @@ def register_all() -> list[str]:
         base = import_module(f"torchtitan.models.{name}").get_train_spec()
         register_train_spec(name, muon_train_spec(base))
     return names
+
+
+def ensure_pp_loss_visible(parallel_dims, job_config, color) -> None:
+    """torchtitan's warning that rank 0 shows no loss under pipeline parallelism (naming its
+    ``run_train.sh``), kept only for models whose spec does not log through
+    :class:`OptimizerMetricsProcessor`, which shows the last stage's loss on every rank."""
+    if get_train_spec(job_config.model.name).build_metrics_processor_fn is build_metrics_processor:
+        return
+    titan_ensure_pp_loss_visible(parallel_dims, job_config, color)

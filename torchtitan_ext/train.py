@@ -31,7 +31,7 @@ import sys
 import torch
 
 from dtensor_muon import exit_without_finalization
-from torchtitan_ext import cpu, data, flavors, job_config, metrics
+from torchtitan_ext import cpu, data, flavors, job_config, spec
 from torchtitan_ext.registry import check_optimizer_name
 
 CHECK_ONLY = "--check-config"
@@ -107,7 +107,7 @@ def main() -> None:
     from torchtitan.train import Trainer
     from torchtitan.train import main as torchtitan_main
 
-    torchtitan.train.ensure_pp_loss_visible = metrics.ensure_pp_loss_visible
+    torchtitan.train.ensure_pp_loss_visible = spec.ensure_pp_loss_visible
     torchtitan_main(Trainer)
     exit_without_finalization()
 

@@ -163,6 +163,11 @@ def _check_placements(name: str, placements: tuple[Placement, ...], spec: DTenso
         raise ValueError(f"parameter {name!r}: a non-default shard order {shard_order} is not supported")
 
 
+def local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def read_layout(name: str, tensor: Tensor, *, partial_as_replicate: bool = False) -> ParamLayout:
     """The layout of ``tensor``: a plain tensor is one whole box on a world of one.
 

@@ -23,10 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from ..distributed.exchange import MeshGroup
-from ..distributed.layout import ParamLayout
+from ..distributed.layout import ParamLayout, local
 from ..kernels.elementwise import decay_and_add_many
 from ..linalg.ns_graphs import NewtonSchulzGraphs
 from ..plan import MatrixSpec, Plan
@@ -36,11 +35,6 @@ from .metrics import PhaseTimer, StepStats
 
 OWNER_STATE_KEY = "owner_state"
 """Key of a parameter's optimizer state that holds its matrices' owner state: ``{matrix key: {name: tensor}}``."""
-
-
-def local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor, or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclass

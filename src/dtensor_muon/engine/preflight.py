@@ -1,17 +1,26 @@
-"""The local checks of a step: every gradient fits its parameter, before any collective.
+"""Before any data moves: the local checks of a step, then the one flag all-reduce that tells every rank.
 
-Anything wrong raises :class:`PreflightError` on the rank that found it; the engine's consensus then makes
-every other rank raise too, naming the parameter and that rank, before any data moves.
+:func:`check_gradients` checks every gradient against its parameter without a collective; anything wrong
+raises :class:`PreflightError` on the rank that found it. :func:`agree` then runs one small all-reduce per
+mesh (:class:`ConsensusGroup`) that carries which parameters have gradients, non-finite gradients, a failed
+check, and whether the ranks' gradient placements and hyperparameters agree, so that every other rank raises
+too, naming the parameter and that rank, before any data moves.
 """
 
 from __future__ import annotations
 
+import hashlib
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..distributed.layout import box_shape, read_layout
-from .context import Entry, local
+from ..distributed import consensus
+from ..distributed.exchange import MeshGroup
+from ..distributed.layout import box_shape, local, read_layout
+from .context import Entry
 
 
 class PreflightError(RuntimeError):
@@ -102,3 +111,96 @@ def wrong_piece(e: Entry, what: str, t: DTensor) -> PreflightError:
         f"{tuple(e.param.shape)}, placements {tuple(e.param.placements)}) gives mesh rank {e.layout.mesh_rank} "
         f"the box {e.layout.local_box}, shape {box_shape(e.layout.local_box)}",
     )
+
+
+class ConsensusGroup:
+    """The DTensor parameters (matrix-rule and AdamW) of one mesh with more than one rank, and its group."""
+
+    def __init__(self, entries: list[Entry], comm: MeshGroup) -> None:
+        self.entries = entries
+        self.comm = comm
+
+
+def groups_of(entries: list[Entry]) -> list[dict[str, Any]]:
+    """The param groups of ``entries``, in order of first appearance."""
+    return list({id(e.group): e.group for e in entries}.values())
+
+
+def agree(
+    groups: list[ConsensusGroup],
+    entries: list[Entry],
+    grads: dict[int, Tensor | None],
+    failure: PreflightError | None,
+    redistributed: dict[int, str],
+    skip_nonfinite: bool,
+) -> tuple[set[int], bool, tuple[int, int] | None]:
+    """Which parameters got a gradient on any rank, whether any rank saw inf/NaN, and which parameter
+    (index, global rank) failed the local checks on some rank (None when none did).
+
+    One small all-reduce (MAX) per mesh of [has-grad flags…, s, −s, h, −h, mismatch flags ×2, non-finite
+    flag, failure code], meshes in increasing size so the last (largest) carries every flag to every rank;
+    s digests which gradients this rank redistributes from which placements, and max(s) ≠ min(s) means the
+    ranks differ (they would run different collectives): every rank then raises instead. h digests the
+    mesh's param groups' current hyperparameters (:func:`consensus.describe_groups`: a scheduler may have
+    changed ``lr`` on one rank only); when they differ every rank raises naming the option and its values.
+    The failure code is
+    ``(index + 1)·2³² + global rank`` of a failing rank's parameter (0: none), so every rank can name it.
+    A rank whose local checks failed still joins, so the others learn of it instead of waiting in the
+    exchange.
+    """
+    nonfinite = False
+    if skip_nonfinite and failure is None:
+        local_grads = [local(g) for g in grads.values() if g is not None]
+        if local_grads:
+            finite = torch.stack([torch.isfinite(g).all() for g in local_grads]).all()
+            nonfinite = not bool(finite)
+    code = 0
+    if failure is not None:
+        code = ((failure.index + 1) << 32) + (dist.get_rank() if dist.is_initialized() else 0)
+    active = {i for i, g in grads.items() if g is not None}
+    mismatch = hyper_mismatch = 0
+    for group in groups:
+        members = group.entries
+        signature = redistribution_signature(members, redistributed) if failure is None else 0
+        hyper = consensus.digest(consensus.describe_groups(groups_of(members)))
+        flags = torch.tensor(
+            [int(e.index in active) for e in members]
+            + [signature, -signature, hyper, -hyper, mismatch, hyper_mismatch, int(nonfinite), code],
+            dtype=torch.int64,
+        )
+        flags = flags.to(local(members[0].param).device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.comm.group)
+        flags = flags.cpu()
+        for e, flag in zip(members, flags[:-8].tolist()):
+            if flag:
+                active.add(e.index)
+        highest, negated_lowest, hyper_highest, hyper_negated_lowest = (int(x) for x in flags[-8:-4])
+        mismatch = int(bool(flags[-4]) or highest != -negated_lowest)
+        hyper_mismatch = int(bool(flags[-3]) or hyper_highest != -hyper_negated_lowest)
+        nonfinite, code = bool(flags[-2]), int(flags[-1])
+    failed = ((code >> 32) - 1, code & 0xFFFFFFFF) if code else None
+    if hyper_mismatch and failed is None:
+        group = groups[-1]
+        consensus.raise_difference(
+            consensus.describe_groups(groups_of(entries)),
+            group.comm.group,
+            "the param groups' hyperparameters differ across ranks at this step",
+        )
+    if mismatch and failed is None:
+        mine = [entries[i].name for i in redistributed]
+        raise RuntimeError(
+            "gradient placements differ across ranks: every rank must give a parameter's gradient the same "
+            f"placements (this rank's gradients in other placements than their parameter's: "
+            f"{', '.join(repr(n) for n in mine[:3]) or 'none'}{', …' if len(mine) > 3 else ''}); no rank "
+            "changed anything"
+        )
+    return active, nonfinite, failed
+
+
+def redistribution_signature(entries: list[Entry], redistributed: dict[int, str]) -> int:
+    """A 62-bit digest of which of ``entries`` have gradients to redistribute, and from which placements
+    (0: none); the consensus compares its maximum and minimum across ranks."""
+    items = [(e.index, redistributed[e.index]) for e in entries if e.index in redistributed]
+    if not items:
+        return 0
+    return int(hashlib.sha256(repr(items).encode()).hexdigest()[:15], 16) + 1

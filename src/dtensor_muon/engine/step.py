@@ -43,7 +43,6 @@ layout at each save: no collective at save or load, and nothing but the owner's 
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -59,6 +58,7 @@ from ..distributed.layout import (
     TensorParallelLayout,
     box_shape,
     intersect,
+    local,
     read_tensor_parallel_layout,
     relative_slices,
 )
@@ -69,9 +69,9 @@ from ..rules import adamw as adamw_rule
 from ..rules.base import MatrixRule
 from . import metrics as metrics_lib
 from . import preflight
-from .context import OWNER_STATE_KEY, DirectionFailure, Entry, MeshWork, StepContext, local
+from .context import OWNER_STATE_KEY, DirectionFailure, Entry, MeshWork, StepContext
 from .pending import PendingUpdates
-from .preflight import PreflightError
+from .preflight import ConsensusGroup, PreflightError
 from .strategies import STRATEGIES
 
 EXCHANGE_MODES = ("owner", "gather_all")
@@ -87,14 +87,6 @@ class StepFailedError(RuntimeError):
             "owner state are as before the step)"
         )
         self.failure = failure
-
-
-class ConsensusGroup:
-    """The DTensor parameters (matrix-rule and AdamW) of one mesh with more than one rank, and its group."""
-
-    def __init__(self, entries: list[Entry], comm: MeshGroup) -> None:
-        self.entries = entries
-        self.comm = comm
 
 
 def _mesh_key(t: Tensor) -> tuple | None:
@@ -260,13 +252,8 @@ class Engine:
     def _describe(self, entries: list[Entry]) -> consensus.Description:
         """What the ranks of a mesh must agree on at construction (:func:`consensus.describe_engine`)."""
         return consensus.describe_engine(
-            self.options, [(e.name, e.param, e.use_muon) for e in entries], self._groups_of(entries)
+            self.options, [(e.name, e.param, e.use_muon) for e in entries], preflight.groups_of(entries)
         )
-
-    @staticmethod
-    def _groups_of(entries: list[Entry]) -> list[dict[str, Any]]:
-        """The param groups of ``entries``, in order of first appearance."""
-        return list({id(e.group): e.group for e in entries}.values())
 
     def _tensor_parallel(self, e: Entry) -> tuple[str, TensorParallelLayout] | None:
         """(tp_mode, TP layout) of a parameter whose group computes it on a TP group, else None."""
@@ -352,7 +339,9 @@ class Engine:
             except PreflightError as exc:
                 failure, grads = exc, {e.index: None for e in self.entries}
         with timer.phase("consensus"):
-            active, nonfinite, failed = self._consensus(grads, failure)
+            active, nonfinite, failed = preflight.agree(
+                self.consensus_groups, self.entries, grads, failure, self._redistributed, self.skip_nonfinite
+            )
         self._report_nonfinite(wait=False)  # the last step's, if its flags have reached the host
         if failure is not None:
             raise failure
@@ -503,79 +492,6 @@ class Engine:
             g = grads[e.index]
             if isinstance(g, DTensor) and tuple(g.placements) != tuple(e.param.placements):
                 grads[e.index] = g.redistribute(e.param.device_mesh, e.param.placements)
-
-    def _consensus(
-        self, grads: dict[int, Tensor | None], failure: PreflightError | None
-    ) -> tuple[set[int], bool, tuple[int, int] | None]:
-        """Which parameters got a gradient on any rank, whether any rank saw inf/NaN, and which parameter
-        (index, global rank) failed the local checks on some rank (None when none did).
-
-        One small all-reduce (MAX) per mesh of [has-grad flags…, s, −s, h, −h, mismatch flags ×2, non-finite
-        flag, failure code], meshes in increasing size so the last (largest) carries every flag to every rank;
-        s digests which gradients this rank redistributes from which placements, and max(s) ≠ min(s) means the
-        ranks differ (they would run different collectives): every rank then raises instead. h digests the
-        mesh's param groups' current hyperparameters (:func:`consensus.describe_groups`: a scheduler may have
-        changed ``lr`` on one rank only); when they differ every rank raises naming the option and its values.
-        The failure code is
-        ``(index + 1)·2³² + global rank`` of a failing rank's parameter (0: none), so every rank can name it.
-        A rank whose local checks failed still joins, so the others learn of it instead of waiting in the
-        exchange.
-        """
-        nonfinite = False
-        if self.skip_nonfinite and failure is None:
-            local_grads = [local(g) for g in grads.values() if g is not None]
-            if local_grads:
-                finite = torch.stack([torch.isfinite(g).all() for g in local_grads]).all()
-                nonfinite = not bool(finite)
-        code = 0
-        if failure is not None:
-            code = ((failure.index + 1) << 32) + (dist.get_rank() if dist.is_initialized() else 0)
-        active = {i for i, g in grads.items() if g is not None}
-        mismatch = hyper_mismatch = 0
-        for group in self.consensus_groups:
-            entries = group.entries
-            signature = self._redistribution_signature(entries) if failure is None else 0
-            hyper = consensus.digest(consensus.describe_groups(self._groups_of(entries)))
-            flags = torch.tensor(
-                [int(e.index in active) for e in entries]
-                + [signature, -signature, hyper, -hyper, mismatch, hyper_mismatch, int(nonfinite), code],
-                dtype=torch.int64,
-            )
-            flags = flags.to(local(entries[0].param).device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.comm.group)
-            flags = flags.cpu()
-            for e, flag in zip(entries, flags[:-8].tolist()):
-                if flag:
-                    active.add(e.index)
-            highest, negated_lowest, hyper_highest, hyper_negated_lowest = (int(x) for x in flags[-8:-4])
-            mismatch = int(bool(flags[-4]) or highest != -negated_lowest)
-            hyper_mismatch = int(bool(flags[-3]) or hyper_highest != -hyper_negated_lowest)
-            nonfinite, code = bool(flags[-2]), int(flags[-1])
-        failed = ((code >> 32) - 1, code & 0xFFFFFFFF) if code else None
-        if hyper_mismatch and failed is None:
-            group = self.consensus_groups[-1]
-            consensus.raise_difference(
-                consensus.describe_groups(self._groups_of(self.entries)),
-                group.comm.group,
-                "the param groups' hyperparameters differ across ranks at this step",
-            )
-        if mismatch and failed is None:
-            mine = [self.entries[i].name for i in self._redistributed]
-            raise RuntimeError(
-                "gradient placements differ across ranks: every rank must give a parameter's gradient the same "
-                f"placements (this rank's gradients in other placements than their parameter's: "
-                f"{', '.join(repr(n) for n in mine[:3]) or 'none'}{', …' if len(mine) > 3 else ''}); no rank "
-                "changed anything"
-            )
-        return active, nonfinite, failed
-
-    def _redistribution_signature(self, entries: list[Entry]) -> int:
-        """A 62-bit digest of which of ``entries`` have gradients to redistribute, and from which placements
-        (0: none); the consensus compares its maximum and minimum across ranks."""
-        items = [(e.index, self._redistributed[e.index]) for e in entries if e.index in self._redistributed]
-        if not items:
-            return 0
-        return int(hashlib.sha256(repr(items).encode()).hexdigest()[:15], 16) + 1
 
     def _adamw_step(self, grads, active, stats, diagnostics: bool) -> None:
         by_group: dict[int, list[Entry]] = defaultdict(list)

@@ -68,6 +68,12 @@ SUPPORTED_NS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def ns_iteration_flops(shape: tuple[int, int]) -> int:
+    """FLOPs of one Newton–Schulz iteration on an m×n matrix: 4m²n + 2m³ with m = min(dims)."""
+    m, n = min(shape), max(shape)
+    return 4 * m * m * n + 2 * m**3
+
+
 def _as_triple(value: object, what: str) -> Triple:
     if not isinstance(value, (tuple, list)) or len(value) != 3:
         raise ValueError(f"{what} must be a triple (a, b, c) of floats, got {value!r}")

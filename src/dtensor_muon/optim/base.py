@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..distributed.layout import read_layout, tensor_parallel_blocks
+from ..distributed.layout import local, read_layout, tensor_parallel_blocks
 from ..distributed.overlap import attach_hooks
-from ..engine.context import OWNER_STATE_KEY, Entry, local
+from ..engine.context import OWNER_STATE_KEY, Entry
 from ..engine.step import EXCHANGE_MODES, Engine
 from ..plan.routing import caller_stacklevel, name_patterns, sequential_output_layer, unnamed_lookalikes, uses_muon
 from ..plan.views import MatrixSplit

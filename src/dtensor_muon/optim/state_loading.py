@@ -9,22 +9,41 @@ AdamW moments of another optimizer's state and starts everything else fresh.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 from torch import Tensor
 
 from ..distributed import consensus
-from ..engine.context import OWNER_STATE_KEY, local
+from ..distributed.layout import local
+from ..engine.context import OWNER_STATE_KEY
+from ..engine.step import Engine
 from ..plan.routing import name_patterns
 from ..rules import adamw as adamw_rule
-
-if TYPE_CHECKING:
-    from .base import MatrixOptimizer
+from ..rules.base import MatrixRule
 
 logger = logging.getLogger("dtensor_muon")
 
 
-def load_problem(opt: MatrixOptimizer, state_dict: dict[str, Any]) -> str | None:
+class Loadable(Protocol):
+    """What this module reads and sets of a :class:`~.base.MatrixOptimizer` (a protocol, so that the front end
+    imports this module and not the other way round)."""
+
+    rule: MatrixRule
+    state: Any
+    param_groups: list[dict[str, Any]]
+    _engine: Engine | None
+
+    def _labelled(self) -> Iterator[tuple[str, Tensor, dict[str, Any]]]: ...
+
+    def _fresh_state(self, p: Tensor, use_muon: bool) -> dict[str, Tensor]: ...
+
+    def _build_engine(self, loaded_owner_state: set[int] | None = None) -> Engine: ...
+
+    def flush(self) -> None: ...
+
+
+def load_problem(opt: Loadable, state_dict: dict[str, Any]) -> str | None:
     """Why ``state_dict`` cannot be loaded into this optimizer on this rank, or None.
 
     Checks, against the state this optimizer holds now: each saved group's ``use_muon`` (True/False, equal to
@@ -152,7 +171,7 @@ def owner_state_problem(where: str, saved: Any, held: dict[str, Any], reshard: s
     return None
 
 
-def agree(opt: MatrixOptimizer, problem: str | None) -> str | None:
+def agree(opt: Loadable, problem: str | None) -> str | None:
     """``problem``, or, when this rank has none but another rank of one of the parameters' meshes has one,
     a message saying so: one small all-reduce per mesh (the engine's consensus meshes, in their order)."""
     meshes = opt._engine.consensus_meshes() if opt._engine is not None else []
@@ -165,7 +184,7 @@ def agree(opt: MatrixOptimizer, problem: str | None) -> str | None:
     return problem
 
 
-def load_compatible_state(opt: MatrixOptimizer, state_dict: dict[str, Any]) -> dict[str, list[str]]:
+def load_compatible_state(opt: Loadable, state_dict: dict[str, Any]) -> dict[str, list[str]]:
     """Start from another optimizer's state: keep the AdamW moments of this optimizer's AdamW parameters,
     start everything else fresh. Returns (and logs at INFO) ``{"kept": [...], "fresh": [...]}``, names.
 

@@ -29,7 +29,7 @@ import torch
 
 from ..distributed.layout import Box, ParamLayout, TensorParallelLayout, box_numel, intersect
 from ..kernels.batching import MAX_BATCH, batching_pays
-from ..rules.muon import ns_iteration_flops
+from ..linalg.newton_schulz import ns_iteration_flops
 from .balance import assign_owners, lower_bound, simple_lower_bound
 from .placement import GatherAll, Local, Owned, Placement, TensorParallelGroup
 from .views import MatrixSplit, parameter_matrices

@@ -22,17 +22,11 @@ from torch.optim.optimizer import _to_scalar
 from ..kernels import resolve_ns_algorithm
 from ..kernels.elementwise import momentum_step, momentum_steps
 from ..linalg.distributed_ns import distributed_newton_schulz
-from ..linalg.newton_schulz import resolve_coefficients, resolve_ns_dtype
+from ..linalg.newton_schulz import ns_iteration_flops, resolve_coefficients, resolve_ns_dtype
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
 
 AdjustLrFn = None | str | Callable[[float, tuple[int, int]], float]
 ADJUST_LR_NAMES = ("original", "match_rms_adamw", "spectral_unclamped")
-
-
-def ns_iteration_flops(shape: tuple[int, int]) -> int:
-    """FLOPs of one Newton–Schulz iteration on an m×n matrix: 4m²n + 2m³ with m = min(dims)."""
-    m, n = min(shape), max(shape)
-    return 4 * m * m * n + 2 * m**3
 
 
 def momentum_input(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:

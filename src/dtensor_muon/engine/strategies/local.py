@@ -13,10 +13,10 @@ from collections import defaultdict
 
 from torch import Tensor
 
-from ...distributed.layout import Box, relative_slices, stacked_box
+from ...distributed.layout import Box, local, relative_slices, stacked_box
 from ...plan import MatrixSpec, chunk_by_budget
 from ...plan.placement import Local
-from ..context import Entry, MeshWork, StepContext, local
+from ..context import Entry, MeshWork, StepContext
 from ..pending import BackExchange
 
 

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from ...distributed.exchange import PendingExchange, start_all_to_all
-from ...distributed.layout import box_numel, box_shape, contiguous_offset, relative_slices
+from ...distributed.layout import box_numel, box_shape, contiguous_offset, local, relative_slices
 from ...plan import MatrixRoute
-from ..context import MeshWork, StepContext, local
+from ..context import MeshWork, StepContext
 from ..pending import BackExchange
 
 
