@@ -116,7 +116,7 @@ def worker(
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
-    exit_without_finalization()  # a spawned child finalizes CPython; gloo can abort it there (README, Limits)
+    exit_without_finalization()  # a spawned child finalizes CPython; gloo can abort it there (docs/limits.md)
 
 
 def main() -> None:

@@ -142,7 +142,7 @@ def worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace)
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
-    exit_without_finalization()  # a spawned child finalizes CPython; gloo can abort it there (README, Limits)
+    exit_without_finalization()  # a spawned child finalizes CPython; gloo can abort it there (docs/limits.md)
 
 
 def main() -> None:

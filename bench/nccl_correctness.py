@@ -140,7 +140,7 @@ def spawned(rank: int, world: int, init_file: str, args) -> None:
     """A process of ``--world-size`` started by this script (no torchrun)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     ranked(args, f"file://{init_file}")
-    exit_without_finalization()  # a spawned child finalizes CPython; gloo can abort it there (README, Limits)
+    exit_without_finalization()  # a spawned child finalizes CPython; gloo can abort it there (docs/limits.md)
 
 
 def cuda_index(args) -> int:

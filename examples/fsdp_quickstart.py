@@ -177,7 +177,7 @@ def forked_worker(local_rank: int, world: int, port: int) -> None:
 if __name__ == "__main__":
     if "LOCAL_RANK" in os.environ:  # started by torchrun
         main()
-        exit_without_finalization()  # gloo can abort during finalization: README, Limits
+        exit_without_finalization()  # gloo can abort during finalization: docs/limits.md
     else:  # plain `python`: fork 2 workers (no second import of torch) and give them torchrun's environment
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

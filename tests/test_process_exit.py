@@ -42,7 +42,7 @@ def test_torch_alone_aborts_when_a_gloo_worker_frees_a_tensor_during_finalizatio
     assert code1 == 0, out1
     assert code0 == -signal.SIGABRT and ABORT_MESSAGE in out0, (
         f"rank 0 exited with {code0}: if torch no longer aborts here, the exit_without_finalization workaround "
-        f"(README, torchtitan_ext.train) may go\n{out0}"
+        f"(docs/limits.md, torchtitan_ext.train) may go\n{out0}"
     )
 
 
@@ -104,5 +104,5 @@ def test_only_torchs_dtensor_caches_keep_gloo_threads_alive_after_muon_and_its_m
     for rank in range(2):
         counts = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert counts["training"] >= 4, counts  # the default group and the mesh's new one, two workers each
-        assert counts["deleted"] > 0, counts  # torch's caches keep the mesh: README, Limits
+        assert counts["deleted"] > 0, counts  # torch's caches keep the mesh: docs/limits.md
         assert counts["caches_cleared"] == 0, counts  # nothing in dtensor_muon holds a group

@@ -60,7 +60,7 @@ def load_problem(opt: Loadable, state_dict: dict[str, Any]) -> str | None:
     me, rule = type(opt).__name__, opt.rule.name
     switch = (
         "To switch optimizers, load the model only and start this optimizer fresh, or keep the AdamW moments "
-        "with optimizer.load_compatible_state(state_dict) (README, Checkpoints)."
+        "with optimizer.load_compatible_state(state_dict) (docs/optimizers.md, Checkpoints)."
     )
     for gi, saved in enumerate(saved_groups):
         found = saved.get("use_muon") if isinstance(saved, dict) else None
