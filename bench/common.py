@@ -54,6 +54,39 @@ def benchmark_parser(doc: str | None, name: str) -> argparse.ArgumentParser:
     return parser
 
 
+def add_backend_argument(parser: argparse.ArgumentParser) -> None:
+    """``--backend nccl|gloo`` for a benchmark that also has ``--device cuda|cpu`` (see :func:`settle_backend`)."""
+    parser.add_argument(
+        "--backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="default: nccl on cuda, gloo on cpu; gloo on cuda runs every process on cuda:0 (one GPU shared)",
+    )
+
+
+def settle_backend(parser: argparse.ArgumentParser, args: argparse.Namespace, no_gpu_hint: str) -> None:
+    """Default ``--backend`` (nccl on cuda, gloo on cpu); refuse nccl on the CPU and cuda without a GPU
+    (``no_gpu_hint`` says what to use instead); a gloo run that is neither ``--quick`` nor given ``--json``
+    writes ``bench/results/NAME_gloo.json``, never in place of the NCCL result."""
+    if args.backend is None:
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cpu" and args.backend == "nccl":
+        parser.error("--backend nccl needs --device cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"no CUDA GPU here: {no_gpu_hint}")
+    if args.json is None and not args.quick and args.backend == "gloo":
+        args.json = str(RESULTS_DIR / f"{args.benchmark}_gloo.json")
+
+
+def require_gpus_for_nccl(parser: argparse.ArgumentParser, args: argparse.Namespace, processes: int) -> None:
+    """NCCL takes one GPU per process: refuse more processes than GPUs."""
+    if args.backend == "nccl" and processes > torch.cuda.device_count():
+        parser.error(
+            f"NCCL takes one GPU per process: {processes} processes, {torch.cuda.device_count()} GPUs"
+            " (--backend gloo shares one GPU between the processes)"
+        )
+
+
 def result_path(args: argparse.Namespace) -> Path | None:
     """The file ``write_result`` writes for these arguments (None: write nothing)."""
     if args.json is None:

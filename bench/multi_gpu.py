@@ -39,7 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from common import RESULTS_DIR, benchmark_parser, markdown_table, median, write_result
+from common import (
+    add_backend_argument,
+    benchmark_parser,
+    markdown_table,
+    median,
+    require_gpus_for_nccl,
+    settle_backend,
+    write_result,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -214,12 +222,7 @@ def main() -> None:
     parser.add_argument(
         "--device", choices=["cuda", "cpu"], default=None, help="default: cuda where a GPU is visible, else cpu"
     )
-    parser.add_argument(
-        "--backend",
-        choices=["nccl", "gloo"],
-        default=None,
-        help="default: nccl on cuda, gloo on cpu; gloo on cuda runs every process on cuda:0 (one GPU shared)",
-    )
+    add_backend_argument(parser)
     parser.add_argument(
         "--world-sizes",
         type=int,
@@ -258,12 +261,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.backend is None:
-        args.backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.device == "cpu" and args.backend == "nccl":
-        parser.error("--backend nccl needs --device cuda")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("no CUDA GPU here: use --device cpu (gloo)")
+    settle_backend(parser, args, "use --device cpu (gloo)")
     if args.gpus is None:
         args.gpus = torch.cuda.device_count() if args.backend == "nccl" else 2
     if args.world_sizes is None:
@@ -271,13 +269,7 @@ def main() -> None:
     if args.skip is None:
         args.skip = ["deepseek"] if args.quick and args.device == "cpu" else []
     processes = max([args.gpus, *([] if "nccl" in args.skip else args.world_sizes)])
-    if args.backend == "nccl" and processes > torch.cuda.device_count():
-        parser.error(
-            f"NCCL takes one GPU per process: {processes} processes, {torch.cuda.device_count()} GPUs"
-            " (--backend gloo shares one GPU between the processes)"
-        )
-    if args.json is None and not args.quick and args.backend == "gloo":
-        args.json = str(RESULTS_DIR / "multi_gpu_gloo.json")  # never in place of the NCCL result
+    require_gpus_for_nccl(parser, args, processes)
     if args.steps is None:
         args.steps = 4 if args.quick else 20
     if args.llama_config is None:

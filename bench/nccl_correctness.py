@@ -28,7 +28,14 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import RESULTS_DIR, benchmark_parser, markdown_table, write_result
+from common import (
+    add_backend_argument,
+    benchmark_parser,
+    markdown_table,
+    require_gpus_for_nccl,
+    settle_backend,
+    write_result,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -173,12 +180,7 @@ def main() -> None:
     parser = benchmark_parser(__doc__, "nccl_correctness")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda (quick: cpu)")
-    parser.add_argument(
-        "--backend",
-        choices=["nccl", "gloo"],
-        default=None,
-        help="default: nccl on cuda, gloo on cpu; gloo on cuda runs every process on cuda:0 (one GPU shared)",
-    )
+    add_backend_argument(parser)
     parser.add_argument(
         "--world-size",
         "--nproc",
@@ -189,23 +191,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.device is None:
         args.device = "cpu" if args.quick else "cuda"
-    if args.backend is None:
-        args.backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.device == "cpu" and args.backend == "nccl":
-        parser.error("--backend nccl needs --device cuda")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("no CUDA GPU here: use --device cpu (gloo), or --quick")
-    if args.json is None and not args.quick and args.backend == "gloo":
-        args.json = str(RESULTS_DIR / "nccl_correctness_gloo.json")  # never in place of the NCCL result
+    settle_backend(parser, args, "use --device cpu (gloo), or --quick")
     if "RANK" in os.environ:  # under torchrun
         ranked(args)
         exit_without_finalization()
     world = args.world_size or (torch.cuda.device_count() if args.backend == "nccl" else 2)
-    if args.backend == "nccl" and world > torch.cuda.device_count():
-        parser.error(
-            f"NCCL takes one GPU per process: {world} processes, {torch.cuda.device_count()} GPUs"
-            " (--backend gloo shares one GPU between the processes)"
-        )
+    require_gpus_for_nccl(parser, args, world)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(spawned, args=(world, os.path.join(tmp, "init"), args), nprocs=world, join=True)
 

@@ -218,6 +218,28 @@ def dcp_resume(
     return [full_tensor(p) for _, p in named]
 
 
+def shard(module: nn.Module, mesh) -> None:
+    """``fully_shard(module, mesh=mesh)``; on CUDA workers FSDP2 reduces gradients with SUM and divides them
+    itself, since gloo's reduce-scatter of CUDA tensors takes no ReduceOp.AVG."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=mesh)
+    if worker_device().type == "cuda":
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def shard_blocks_and_root(model: nn.Module, world_size: int, prefetch: bool) -> None:
+    """:func:`shard` each of ``model.blocks``, then ``model``, over every rank; ``prefetch``: each block
+    unshards the next one when it is entered (FSDP2's explicit forward prefetch)."""
+    mesh = make_mesh("shard0", world_size)
+    for block in model.blocks:
+        shard(block, mesh)
+    shard(model, mesh)
+    if prefetch:
+        for current, following in zip(model.blocks[:-1], model.blocks[1:]):
+            current.set_modules_to_forward_prefetch([following])
+
+
 def fsdp_training(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     """A real ``fully_shard`` model; returns, per step, the full gradients fed to Muon and the full params."""
     torch.manual_seed(0)
@@ -319,13 +341,7 @@ def overlap_training(
 
     torch.manual_seed(0)
     model = Blocks()
-    mesh = make_mesh("shard0", world_size)
-    for block in model.blocks:
-        shard(block, mesh)
-    shard(model, mesh)
-    if prefetch:
-        for current, following in zip(model.blocks[:-1], model.blocks[1:]):
-            current.set_modules_to_forward_prefetch([following])
+    shard_blocks_and_root(model, world_size, prefetch)
     opt = Muon(model.named_parameters(), overlap=overlap, **OPTIONS)
     opt.attach(model)
     observations: list[dict[str, bool]] = []
@@ -424,28 +440,12 @@ def residual_mlp_one_process(steps: int, device: torch.device) -> dict[str, Any]
     return {"losses": losses, "params": {n: p.detach().cpu() for n, p in model.named_parameters()}}
 
 
-def shard(module: nn.Module, mesh) -> None:
-    """``fully_shard(module, mesh=mesh)``; on CUDA workers FSDP2 reduces gradients with SUM and divides them
-    itself, since gloo's reduce-scatter of CUDA tensors takes no ReduceOp.AVG."""
-    from torch.distributed.fsdp import fully_shard
-
-    fully_shard(module, mesh=mesh)
-    if worker_device().type == "cuda":
-        module.set_force_sum_reduction_for_comms(True)
-
-
 def residual_mlp_fsdp(rank: int, world_size: int, steps: int, overlap: bool, prefetch: bool) -> dict[str, Any]:
     """:func:`residual_mlp_one_process` under FSDP2 (each block, then the root), the same batch on every rank,
     with or without overlap; ``prefetch``: each block unshards the next one (explicit forward prefetch)."""
     torch.manual_seed(0)
     model = ResidualMLP()
-    mesh = make_mesh("shard0", world_size)
-    for block in model.blocks:
-        shard(block, mesh)
-    shard(model, mesh)
-    if prefetch:
-        for current, following in zip(model.blocks[:-1], model.blocks[1:]):
-            current.set_modules_to_forward_prefetch([following])
+    shard_blocks_and_root(model, world_size, prefetch)
     opt = Muon(model.named_parameters(), lr=0.02, overlap=overlap)
     opt.attach(model)
     losses = []

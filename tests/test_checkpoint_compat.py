@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import checkpoint_fixtures as fx
 import pytest
 import torch
+from dist_harness import one_thread
 
 from dtensor_muon import MatrixSplit
 
@@ -23,12 +24,10 @@ OLD_PATH = "dtensor_muon.views.MatrixSplit"
 
 
 @pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
+def on_one_thread() -> Iterator[None]:
     """The fixtures were computed on one thread (torch's CPU products may round differently with more)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_thread():
+        yield
 
 
 def same_arithmetic() -> bool:

@@ -13,13 +13,11 @@ falls inside group 1's query rows.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
-from dist_harness import run_distributed
+from dist_harness import one_thread, run_distributed
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -45,17 +43,6 @@ ONE_PROCESS: dict[str, tuple[type, dict[str, Any]]] = {
     "soap": (SOAP, dict(lr=0.01)),
     "mop": (MOP, dict(lr=0.01, scale="shape", adjust_lr_fn="original")),
 }
-
-
-@contextmanager
-def single_thread() -> Iterator[None]:
-    """One intra-op thread, as in the gloo workers (float32 CPU products can round by thread count)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def projection_rows() -> list[list[int]]:
@@ -207,7 +194,7 @@ def test_grouped_split_under_fsdp_and_tensor_parallel_equals_separate_parameters
     """2 gloo processes, rows sharded 15/15 (inside group 1's query rows): FSDP2 and TP (owned, duplicated,
     and distributed, which computes a grouped matrix duplicated) equal separate parameters on one process."""
     results = run_distributed(fused_distributed, 2)
-    with single_thread():
+    with one_thread():
         want = {
             (key, per): separate_reference(*OPTIMIZERS[key], per)
             for key in OPTIMIZERS

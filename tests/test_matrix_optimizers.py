@@ -22,13 +22,12 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import pytest
 import scenarios
 import torch
-from dist_harness import run_distributed
+from dist_harness import one_thread, run_distributed
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -315,20 +314,9 @@ DIST_CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
 }
 
 
-@contextmanager
-def single_thread() -> Iterator[None]:
-    """One intra-op thread, as in the gloo workers (float32 CPU products can round by thread count)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def scenario_one_process(optimizer: type, options: dict[str, Any], steps: int) -> list[Tensor]:
     """tests/scenarios.py's model on plain tensors, one thread: what every distributed run must reproduce."""
-    with single_thread():
+    with one_thread():
         params = [(n, p.clone().requires_grad_()) for n, p in scenarios.initial_params()]
         opt = optimizer(params, **options)
         for step in range(steps):
@@ -572,7 +560,7 @@ def test_matrix_split_under_shard0_at_world_size_3_equals_separate_one_process()
     results = run_distributed(fused_shard0, 3, FUSED_STEPS)
     cases = list(FUSED.values())
     for key, (optimizer, options) in FUSED_OPTIMIZERS.items():
-        with single_thread():
+        with one_thread():
             want = run_fused_cases(optimizer, options, cases, "separate", FUSED_STEPS)
         for form in ("separate", "group", "keyword"):
             for rank, result in enumerate(results):

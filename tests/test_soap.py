@@ -32,14 +32,13 @@ import itertools
 import math
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import pytest
 import scenarios
 import torch
-from dist_harness import run_distributed
+from dist_harness import one_thread, run_distributed
 from torch import Tensor
 
 from dtensor_muon import KLSOAP, REKLS, SOAP
@@ -175,17 +174,6 @@ def soap_reference(
             update = update * min(1.0, max_update_rms / (rms + 1e-7))
         theta = theta * (1 - lr * weight_decay) - lr * update
     return theta
-
-
-@contextmanager
-def single_thread() -> Iterator[None]:
-    """One intra-op thread, as in the gloo workers (float32 CPU products can round by thread count)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def relative_to_change(got: Tensor, want: Tensor, p0: Tensor) -> float:
@@ -443,7 +431,7 @@ def mlp_train(make: Any, steps: int) -> tuple[Tensor, torch.nn.Module]:
     model = mlp(1)
     opt = make(model)
     losses = []
-    with single_thread():
+    with one_thread():
         for _ in range(steps):
             loss = torch.nn.functional.cross_entropy(model(x), y)
             losses.append(loss.detach())
@@ -569,7 +557,7 @@ def test_update_rms_metric_follows_each_soap_step(previous):
     # scaling by lr, squaring and adding the four add a few u: ≤ n·u relative, n the largest matrix's entries
     relative = max(w.numel() for w in weights) * F32_UNIT
     reported = []
-    with single_thread():
+    with one_thread():
         for step in range(1, 7):
             loss = torch.nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()
@@ -600,7 +588,7 @@ def mlp_fsdp(rank: int, world_size: int, steps: int) -> dict[str, Any]:
 
     x, y = mlp_data()
     out: dict[str, Any] = {}
-    with single_thread():
+    with one_thread():
         for optimizer in MLP_OPTIMIZERS:
             model = mlp(1)
             mesh = scenarios.make_mesh("shard0", world_size)
@@ -858,7 +846,7 @@ DIST_STEPS = 4
 
 
 def one_process(optimizer: type, options: dict[str, Any], steps: int) -> list[Tensor]:
-    with single_thread():
+    with one_thread():
         params = [(n, p.clone().requires_grad_()) for n, p in scenarios.initial_params()]
         opt = optimizer(params, **options)
         for step in range(steps):

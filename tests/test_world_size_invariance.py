@@ -14,7 +14,7 @@ import functools
 
 import pytest
 import torch
-from dist_harness import full_tensor, requires_cuda, run_distributed
+from dist_harness import full_tensor, one_thread, requires_cuda, run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -39,17 +39,13 @@ def gradient(step: int) -> list[torch.Tensor]:
 def one_process() -> list[torch.Tensor]:
     """The reference, computed once per pytest run on one thread as the gloo workers run (the test process's
     thread count is put back after)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         params = [(n, p.clone().requires_grad_()) for n, p in initial()]
         opt = Muon(params, **OPTIONS)
         for step in range(STEPS):
             for (_, p), g in zip(params, gradient(step)):
                 p.grad = g
             opt.step()
-    finally:
-        torch.set_num_threads(threads)
     return [p.detach() for _, p in params]
 
 
