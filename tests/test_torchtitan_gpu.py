@@ -23,7 +23,6 @@ it at the end; it is skipped where the folder's disk has less room (:data:`CHECK
 import copy
 import dataclasses
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from titan_runs import torchrun
 
 pytest.importorskip("torchtitan")
 from torchtitan_ext.version import LINE, VERSION
@@ -96,7 +96,6 @@ CHECKPOINT_GB = {
 """Disk each GPU test writes (GB): the full checkpoint at step SAVE_AT (fp32 weights, optimizer state) and the bf16
 weights of the last step, estimated from the parameter and state counts."""
 
-LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+\w.]+)")
 OPTIMIZER_LINE = re.compile(r"optimizer: (update_rms .*)?skipped 0  time \S+ms  exchange \S+")
 FLOPS_LINE = re.compile(
     r"flops: model \S+ TFLOP/s, optimizer \S+ TFLOP/step \(\+\S+% of the model's\), both \S+ TFLOP/s per device"
@@ -246,25 +245,11 @@ def test_line_is_found_without_torchtitans_package_metadata(tmp_path):
 # --- GPU: train, checkpoint, resume ---------------------------------------------------------------------------------
 
 
-def torchrun(config: str, dump: Path, *overrides: str, timeout: int = 900) -> tuple[int, str, dict[int, float]]:
-    """One process under torchrun; (returncode, output, {step: loss}). With a failure, the tail of the process's
-    own stderr is appended."""
-    logs = dump / "ranks"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--local-ranks-filter", "0",
-        "--log-dir", str(logs), "--tee", "3",
-        "-m", "torchtitan_ext.train", "--job.config_file", f"train_configs/{config}",
-        "--job.dump_folder", str(dump), *overrides,
-    ]  # fmt: skip
-    pythonpath = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env = {**os.environ, "PYTHONPATH": pythonpath, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
-    losses = {int(s): float(v) for s, v in LOSS_LINE.findall(output)}
-    if proc.returncode != 0:
-        for log in sorted(logs.rglob("stderr.log")):
-            output += f"\n--- {log.relative_to(logs)} (tail) ---\n" + log.read_text(errors="replace")[-3000:]
-    return proc.returncode, output, losses
+def torchrun_on_gpu(config: str, dump: Path, *overrides: str) -> tuple[int, str, dict[int, float]]:
+    """One process under torchrun (:func:`titan_runs.torchrun`), cuBLAS deterministic."""
+    return torchrun(
+        config, dump, *overrides, nproc=1, timeout=900, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, tail=3000
+    )
 
 
 def event_losses(dump: Path, tb_folder: str) -> dict[int, float]:
@@ -299,14 +284,14 @@ def test_gpu_flavor_trains_and_resumes_with_the_same_losses(tmp_path, model, opt
     args = [*gpu_args(model, optimizer), *tensorboard_args()]
     rule = optimizer.lower()
     try:
-        code, output, uninterrupted = torchrun(config, dump, *args)
+        code, output, uninterrupted = torchrun_on_gpu(config, dump, *args)
         assert code == 0, output[-5000:]
         check_log(output, uninterrupted, list(range(1, STEPS + 1)), rule)
         assert uninterrupted[STEPS] < uninterrupted[1], uninterrupted
         assert (dump / "checkpoint" / f"step-{SAVE_AT}" / ".metadata").is_file()
         shutil.rmtree(dump / "checkpoint" / f"step-{STEPS}")  # the weights-only last save: room on the disk
 
-        code, output, resumed = torchrun(config, dump, *args, *RESUME)
+        code, output, resumed = torchrun_on_gpu(config, dump, *args, *RESUME)
         assert code == 0, output[-5000:]
         assert f"Training starts at step {SAVE_AT + 1}" in output, output[-5000:]
         after = list(range(SAVE_AT + 1, STEPS + 1))

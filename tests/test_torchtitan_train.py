@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torchtitan")
+from titan_runs import torchrun
+
 from torchtitan_ext.version import LINE, VERSION
 
 if LINE != "0.2":
     pytest.skip(f"torchtitan 0.2.x tests; the installed torchtitan is {VERSION}", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[1]
-LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+\w.]+)")
 OPTIMIZER_LINE = re.compile(
     r"optimizer: update_rms muon \S+ \(max \S+\)( adamw \S+)?  skipped 0  time \S+ms  exchange \S+"
 )
@@ -35,27 +36,6 @@ SMALL = [
     "--optimizer.lr",
     "0.01",
 ]
-
-
-def torchrun(config: str, dump: Path, *overrides: str, nproc: int = 2, timeout: int = 170):
-    """Run the launcher under torchrun; return (returncode, output, {step: loss} from rank 0). Every rank's
-    output is also kept under ``dump``/ranks; when the run fails, the tail of each rank's stderr is appended
-    to the output (the console shows rank 0 only)."""
-    logs = dump / "ranks"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--local-ranks-filter", "0",
-        "--log-dir", str(logs), "--tee", "3",
-        "-m", "torchtitan_ext.train", "--job.config_file", f"train_configs/{config}",
-        "--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
-    losses = {int(s): float(v) for s, v in LOSS_LINE.findall(output)}
-    if proc.returncode != 0:
-        for log in sorted(logs.rglob("stderr.log")):
-            output += f"\n--- {log.relative_to(logs)} (tail) ---\n" + log.read_text(errors="replace")[-1500:]
-    return proc.returncode, output, losses
 
 
 def falls(losses: dict[int, float], by: float) -> bool:

@@ -1,0 +1,48 @@
+"""torchtitan 0.2 trainings launched as the README's commands launch them, for the end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+\w.]+)")
+CPU_ENV = {"OMP_NUM_THREADS": "1"}
+"""One OpenMP thread per process: the processes of a CPU run share the machine's cores."""
+
+
+def torchrun(
+    config: str,
+    dump: Path,
+    *overrides: str,
+    nproc: int = 2,
+    timeout: int = 170,
+    env: dict[str, str] = CPU_ENV,
+    tail: int = 1500,
+) -> tuple[int, str, dict[int, float]]:
+    """Run ``python -m torchtitan_ext.train`` on ``train_configs/CONFIG`` under torchrun with ``nproc``
+    processes, this checkout's ``src`` and root first on PYTHONPATH (the library need not be installed) and
+    ``env`` added to the environment; return (returncode, output, {step: loss} from rank 0). Every rank's output
+    is also kept under ``dump``/ranks; when the run fails, the last ``tail`` characters of each rank's stderr are
+    appended to the output (the console shows rank 0 only)."""
+    logs = dump / "ranks"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--local-ranks-filter", "0",
+        "--log-dir", str(logs), "--tee", "3",
+        "-m", "torchtitan_ext.train", "--job.config_file", f"train_configs/{config}",
+        "--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides,
+    ]  # fmt: skip
+    pythonpath = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": pythonpath, **env}, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    losses = {int(s): float(v) for s, v in LOSS_LINE.findall(output)}
+    if proc.returncode != 0:
+        for log in sorted(logs.rglob("stderr.log")):
+            output += f"\n--- {log.relative_to(logs)} (tail) ---\n" + log.read_text(errors="replace")[-tail:]
+    return proc.returncode, output, losses
