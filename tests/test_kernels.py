@@ -165,7 +165,11 @@ def _interpreter_checks() -> Numbers:
         normalize_into(g, ours, 1e-7)
         classic = torch.empty_like(g, dtype=bf16)
         TORCH_MATMULS.normalize_into(g, classic, 1e-7)
-        ref = g.to(f64) / torch.linalg.vector_norm(g.to(f64), dim=(-2, -1), keepdim=True)
+        rounded = g.to(bf16).to(f64)  # X̃: both starts read G rounded to the working dtype
+        ref = rounded / torch.linalg.vector_norm(rounded, dim=(-2, -1), keepdim=True)
+        from_cast = torch.empty_like(ours)
+        normalize_into(g.to(bf16), from_cast, 1e-7)  # G as a bf16 wire delivers it
+        out[f"normalize_{name}_vs_cast_input_absdiff"] = absdiff(ours, from_cast.to(f64))
         out[f"normalize_{name}_max_rel"] = per_entry_rel(ours, ref)
         out[f"normalize_{name}_max_rel_torch"] = per_entry_rel(classic, ref)
         out[f"normalize_{name}_rounded_once_fraction"] = (ours == ref.to(bf16)).double().mean().item()
@@ -188,9 +192,14 @@ def _interpreter_checks() -> Numbers:
     ):
         cast = torch.empty_like(g, dtype=bf16)
         scale = cast_and_scale_into(g, cast, 1e-7)
-        norms = torch.linalg.vector_norm(g.to(f64), dim=(-2, -1)).reshape(-1)
+        norms = torch.linalg.vector_norm(g.to(bf16).to(f64), dim=(-2, -1)).reshape(-1)
         out[f"cast_{name}_absdiff"] = absdiff(cast, g.to(bf16).to(f64))
         out[f"cast_{name}_scale_rel"] = ((scale.to(f64) * norms - 1).abs().max()).item()
+        cast_of_cast = torch.empty_like(cast)
+        scale_of_cast = cast_and_scale_into(g.to(bf16), cast_of_cast, 1e-7)
+        out[f"cast_{name}_vs_cast_input_absdiff"] = max(
+            absdiff(cast, cast_of_cast.to(f64)), absdiff(scale, scale_of_cast.to(f64))
+        )
     zero_scale = torch.empty(1)  # written in place
     cast_and_scale_into(torch.zeros(5, 7), torch.empty(5, 7, dtype=bf16), 1e-7, zero_scale)
     out["cast_zero_scale_times_eps"] = zero_scale.item() * 1e-7
@@ -365,13 +374,22 @@ def test_gram_form_on_the_syrk_backend(interp: Numbers) -> None:
 
 @pytest.mark.parametrize("name", ["2d", "batched", "bf16_input"])
 def test_normalize_rounds_once(interp: Numbers, name: str) -> None:
-    # One rounding of the exact G/‖G‖: at most bf16's unit roundoff (2⁻⁸ relative) plus the fp32 norm's error,
-    # no worse than torch's cast-then-divide, and equal to float64 rounded to bf16 almost everywhere.
+    # One rounding of the exact X̃/‖X̃‖ (X̃ = G rounded to bf16): at most bf16's unit roundoff (2⁻⁸ relative) plus
+    # the fp32 norm's error, no worse than torch's cast-then-divide (which also rounds the norm), and equal to
+    # float64 rounded to bf16 almost everywhere.
     assert 0 < interp[f"normalize_{name}_max_rel"] <= 2**-8 * 1.001
     assert interp[f"normalize_{name}_max_rel"] <= interp[f"normalize_{name}_max_rel_torch"]
     assert interp[f"normalize_{name}_rounded_once_fraction"] >= 0.999
     if name != "2d":
         assert interp[f"normalize_{name}_vs_slices_absdiff"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["2d", "batched"])
+def test_the_starts_read_g_rounded_to_the_working_dtype(interp: Numbers, name: str) -> None:
+    # An fp32 G and the same G in bf16 (as the optimizer's bf16 wire delivers a matrix to its owner) give the same
+    # X₀, and the same X̃ and s: the bits of a distributed step do not depend on which matrices travelled.
+    assert interp[f"normalize_{name}_vs_cast_input_absdiff"] == 0.0
+    assert interp[f"cast_{name}_vs_cast_input_absdiff"] == 0.0
 
 
 def test_normalize_zero_matrix(interp: Numbers) -> None:
@@ -380,7 +398,7 @@ def test_normalize_zero_matrix(interp: Numbers) -> None:
 
 @pytest.mark.parametrize("name", ["2d", "batched", "bf16_input"])
 def test_cast_and_scale_reads_g_once(interp: Numbers, name: str) -> None:
-    # X̃ is G rounded once, exactly; s = 1 / ‖G‖_F to fp32 accuracy (fixed-order block sums).
+    # X̃ is G rounded once, exactly; s = 1 / ‖X̃‖_F to fp32 accuracy (fixed-order block sums).
     assert interp[f"cast_{name}_absdiff"] == 0.0
     assert interp[f"cast_{name}_scale_rel"] < 1e-6
 

@@ -49,10 +49,11 @@ def torchrun(dump: Path, *args: str, nproc: int = 2, timeout: int = 300) -> tupl
     On failure the tail of every rank's stderr is appended."""
     logs = dump / "ranks"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--local-ranks-filter", "0",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+        "--local-ranks-filter", "0",
         "--log-dir", str(logs), "--tee", "3", "-m", "torchtitan_ext.titan03.train", *args, "--dump_folder", str(dump),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU processes even beside a GPU
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:

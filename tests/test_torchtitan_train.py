@@ -127,7 +127,8 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(llama3_run, tmp_path):
 @pytest.mark.parametrize(
     "config, nproc, parallelism",
     [
-        ("llama3_tiny.toml", 2, ["--parallelism.tensor_parallel_degree", "2"]),
+        # one data-parallel rank: a local batch of 4, the 4 samples a step of the 2-way data-parallel cases
+        ("llama3_tiny.toml", 2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
         (
             "llama3_tiny.toml",
             4,
@@ -160,9 +161,11 @@ def test_tensor_and_expert_parallel_train_and_resume_exactly(tmp_path, config, n
         # DeepSeek-V3's debug MoE: FSDP 2 × TP 2 for the dense part, EP 2 for the experts
         ("moe_tiny.toml", ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
                            "--parallelism.data_parallel_shard_degree", "2"]),
-        # Llama3's debug model: 2 pipeline stages, each tensor-parallel over 2 ranks
+        # Llama3's debug model: 2 pipeline stages, each tensor-parallel over 2 ranks; one data-parallel rank, so a
+        # local batch of 4 (the 4 samples a step of the other cases)
         ("llama3_tiny.toml", ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
-                              "2", "--parallelism.data_parallel_shard_degree", "1"]),
+                              "2", "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size",
+                              "4"]),
     ],
     ids=["ep2_tp2_fsdp2", "pp2_tp2"],
 )  # fmt: skip

@@ -10,8 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+\w.]+)")
-CPU_ENV = {"OMP_NUM_THREADS": "1"}
-"""One OpenMP thread per process: the processes of a CPU run share the machine's cores."""
+CPU_ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+"""One OpenMP thread per process (the processes of a CPU run share the machine's cores), and no GPU: on a machine
+with one, the launcher would otherwise train on CUDA with NCCL, which refuses two ranks on one GPU."""
 
 
 def torchrun(
@@ -30,7 +31,8 @@ def torchrun(
     appended to the output (the console shows rank 0 only)."""
     logs = dump / "ranks"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--local-ranks-filter", "0",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+        "--local-ranks-filter", "0",
         "--log-dir", str(logs), "--tee", "3",
         "-m", "torchtitan_ext.train", "--job.config_file", f"train_configs/{config}",
         "--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides,

@@ -1,8 +1,8 @@
 """One Newton–Schulz iteration on the GPU: Triton SYRK kernels where they pay, cuBLAS elsewhere.
 
-    start:  X₀ = G / max(‖G‖_F, eps)      (where the products are SYRK kernels: X̃ = round(G) and
-                                            s = 1 / max(‖G‖_F, eps) from one read of G, s folded into
-                                            the first products, A₀ = s²·X̃·X̃ᵀ, P₀·X₀ = (s·P₀)·X̃;
+    start:  X₀ = X̃ / max(‖X̃‖_F, eps)      (X̃ = round(G), G rounded to the working dtype; where the products
+                                            are SYRK kernels: X̃ and s = 1 / max(‖X̃‖_F, eps) from one read of
+                                            G, s folded into the first products, A₀ = s²·X̃·X̃ᵀ, P₀·X₀ = (s·P₀)·X̃;
                                             elsewhere X₀ written; :mod:`.normalize`)
     gram:   A = X·Xᵀ                       (SYRK: lower-triangle tiles only, mirrored; or cuBLAS)
     poly:   P = a·I + b·A + c·A·A          (SYRK on the symmetric A, b·A and a·I fused into the epilogue;
@@ -102,16 +102,17 @@ class TritonMatmuls:
     ) -> Tensor | None:
         """Newton–Schulz's start from G into ``out`` (G's shape; ``x``: its wide working view). Where the
         products on ``x`` are SYRK kernels and the one-pass kernels apply, writes X̃ = round(G) and returns the
-        per-matrix scale s = 1 / max(‖G‖_F, eps) (fp32, into ``scale_out`` when given), X₀ = s·X̃, for the
-        caller to fold into the first iteration; else writes X₀ itself and returns None."""
+        per-matrix scale s = 1 / max(‖X̃‖_F, eps) (fp32, into ``scale_out`` when given), X₀ = s·X̃, for the
+        caller to fold into the first iteration; else writes X₀ itself and returns None. Either way only X̃
+        counts: an fp32 G and its cast give the same bits (:mod:`.normalize`)."""
         if not (self.uses_syrk(x) and scale_cast_applies(g, out)):
             self.normalize_into(g, out, eps)
             return None
         return cast_and_scale_into(g, out, eps, scale_out)
 
     def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None:
-        """out = G / max(‖G‖_F, eps) per matrix, in one pass over G (:mod:`.normalize`) where both are
-        contiguous, else as torch does it."""
+        """out = round(X̃ / max(‖X̃‖_F, eps)) per matrix, X̃ = round(G) (:mod:`.normalize`) where both are
+        contiguous, else as torch does it (the same from X̃, rounding the norm too)."""
         if scale_cast_applies(g, out):
             normalize_into(g, out, eps)
         else:
