@@ -26,23 +26,20 @@ except ImportError:  # no triton
     SYRK_MATMULS = TRITON_MATMULS = None
 
 BACKEND_NAMES = ("torch", "triton", "syrk")
-# Below it launches bound the GPU backend: 1024×4096 NS5 0.64 ms vs plain torch's 0.28 (H200,
-# tools/kernels/ns_variants.py --shapes 1024x4096 --methods torch,ours:backend=triton).
+# Below it launches bound the GPU backend, and plain torch matmuls are faster.
+# Chosen by measurement: docs/kernels.md "Measured constants" (re-measure: tools/kernels/ns_variants.py)
 MIN_GPU_BACKEND_WORK = 2**33
 NS_ALGORITHMS = ("auto", "standard", "gram")
 # "auto" takes Gram Newton–Schulz on the GPU backend for X (m×n, m ≤ n) with n ≥ aspect·m and at least the work
-# floor of multiply-adds (B·m³) per m×m product (why: docs/kernels.md). Each line: NS5 ms, standard vs Gram, H200,
-# from tools/kernels/ns_variants.py --methods M:algorithm=standard,M:algorithm=gram with M as named.
-# Triton SYRK route (M = ours:gluon=0): 4096×8192 3.87 vs 3.40, 64×1408×2048 9.21 vs 9.00; 2048×4096 0.70 vs 1.03.
+# floor of multiply-adds (B·m³) per m×m product (why: docs/kernels.md "The Gram form"). Three routes: the Triton
+# SYRK kernel runs the m×m products (the first pair), cuBLAS runs them for m ≤ GRAM_SMALL_DIM (the _SMALL pair),
+# the Gluon SYRK kernel runs them (GRAM_MIN_ASPECT alone).
+# Chosen by measurement: docs/kernels.md "Measured constants" (re-measure: tools/kernels/ns_variants.py)
 GRAM_MIN_ASPECT = 1.4
 MIN_GRAM_PRODUCT_WORK = 2**36
-# cuBLAS m×m products, m ≤ 1024 (M = ours:gluon=0): 8×1024×4096 1.40 vs 1.06, 32×1024×2048 3.25 vs 2.69;
-# (M = graphs) 8×768×2048 0.480 vs 0.396, 16×768×2048 0.909 vs 0.761, 8×2048×768 0.481 vs 0.396 (Qwen3's experts),
-# 4×1024×4096 0.698 vs 0.549: the floor 2³¹ takes them.
 GRAM_SMALL_DIM = 1024
 GRAM_MIN_ASPECT_SMALL = 2.0
 MIN_GRAM_PRODUCT_WORK_SMALL = 2**31
-# Gluon SYRK route, aspect alone (M = graphs): 2048×8192 1.132 vs 0.881, 8×1024×4096 1.145 vs 0.906.
 _forced: list[str] = []
 
 
@@ -89,7 +86,7 @@ def select_backend(x: Tensor) -> Backend:
 
     By default the GPU backend takes eligible inputs with at least MIN_GPU_BACKEND_WORK multiply-adds per
     Gram matrix. Below that the products take microseconds, Newton–Schulz is bound by kernel launches, and
-    the GPU backend gained nothing on the H200 (1024×4096: 0.64 ms against plain torch's 0.28 ms).
+    the GPU backend gains nothing over plain torch (docs/kernels.md "Measured constants").
     """
     forced = forced_backend()
     if forced == "torch" or (forced is None and gram_work(x) < MIN_GPU_BACKEND_WORK):

@@ -45,9 +45,8 @@ MAX_NORM_MATRICES = 65535
 """Most matrices :func:`decay_and_add_with_norms_` takes in one launch (the grid's second dimension)."""
 MIN_KERNEL_NUMEL = 1 << 22
 """Below this many entries the torch operations run: a Triton launch costs the host several times a torch
-launch, more than the traffic it saves on a small shard. H200, Triton 3.6: with the kernels on every shard the
-busiest rank's share at 64 and 256 ranks (Qwen3-30B-A3B, 8 layers; shards of 0.03–3.1 M entries) went from 5.3
-and 3.7 ms to 12.0 and 9.7 ms; ``bench/elementwise.py`` times both paths per size."""
+launch, more than the traffic it saves on a small shard.
+Chosen by measurement: BENCHMARKS.md "Whole optimizer step", the shard-size rule (re-measure: bench/elementwise.py)."""
 
 if triton is not None:
     from .ordered_sum import store_partial_and_total

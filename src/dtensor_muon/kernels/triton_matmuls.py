@@ -16,8 +16,8 @@ The SYRK products run on one of two kernels (:func:`symmetric_kernel`): the warp
 (:func:`syrk_floors_met`).
 
 Folding a·X into P turns the third product into a plain matmul, which cuBLAS runs faster than the
-``addmm`` with a C term (0.68 vs 0.75 ms on 4096×14336, 0.78 vs 0.99 ms on 64×1408×2048, H200); the cost
-is that a + B_ii is rounded to bf16 once, within bf16 rounding of the result, not bitwise torch's.
+``addmm`` with a C term (docs/kernels.md "What runs"); the cost is that a + B_ii is rounded to bf16 once,
+within bf16 rounding of the result, not bitwise torch's.
 
 A tall gradient reaches the iteration as X = Gᵀ, a transposed view. ``gram`` reads it in place, and
 ``apply`` computes X'ᵀ = Xᵀ·P on the contiguous Gᵀ's storage (P is exactly symmetric), so the iteration
@@ -35,13 +35,11 @@ from .triton_syrk import is_transposed_view, lower_tile_count, symmetric_product
 from .ws_syrk import ws_syrk_pays, ws_syrk_runs_products, ws_syrk_supported
 
 # Smallest Gram side, and fewest 128×128 lower-triangle tiles (all matrices of a batch together), from which the
-# SYRK kernels beat cuBLAS's full products; they depend on the kernel that runs the m×m products.
-# Triton kernel, NS5 cuBLAS vs SYRK: 8×1024×4096 1.41 vs 1.49 ms, 64×2048×1408 12.84 vs 11.99 (H200,
-# tools/kernels/ns_variants.py --methods ours:gluon=0:MIN_SYRK_DIM=8192,ours:gluon=0:backend=syrk).
+# SYRK kernels beat cuBLAS's full products; they depend on the kernel that runs the m×m products: the Triton
+# kernel (MIN_SYRK_*) or the Gluon kernel (MIN_GLUON_SYRK_*).
+# Chosen by measurement: docs/kernels.md "Measured constants" (re-measure: tools/kernels/ns_variants.py)
 MIN_SYRK_DIM = 1280
 MIN_SYRK_TILES = 264
-# Gluon kernel, NS5 from graphs, cuBLAS vs SYRK: 2048² (136 tiles) 0.447 vs 0.385 ms, 8×1024×4096 1.054 vs 0.906
-# (H200, tools/kernels/ns_variants.py --methods graphs:MIN_GLUON_SYRK_DIM=8192,graphs).
 MIN_GLUON_SYRK_DIM = 1024
 MIN_GLUON_SYRK_TILES = 136
 
@@ -127,7 +125,8 @@ class TritonMatmuls:
     def poly(self, gram: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor:
         """P = s·(a·I + b·A + c·A·A) for a symmetric A (s = 1 without ``scale``): the SYRK kernel at every
         size, whose fp32 epilogue rounds P once (rounding b·A + c·A·A before adding a·I doubles Gram
-        Newton–Schulz's error, and an fp32 sum after cuBLAS costs more than the product on 8×1024×1024, H200)."""
+        Newton–Schulz's error, and an fp32 sum after cuBLAS costs more than the product: docs/kernels.md
+        "Measured constants")."""
         return symmetric_kernel(gram, alpha=c, beta=b, c=gram, diag=a, scale=scale)
 
     def symmetric_product(self, x: Tensor, y: Tensor, scale: Tensor | None = None) -> Tensor:
@@ -145,8 +144,8 @@ class TritonMatmuls:
     def iteration(self, x: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor:
         """X' = (a·I + b·A + c·A·A)·X with A = X·Xᵀ, for X = s·x (x without ``scale``): on the SYRK path
         A = s²·x·xᵀ and X' = (s·P)·x, so s·x is never formed. Off the SYRK path P comes from one cuBLAS
-        ``addmm`` and a diagonal add, faster there than the SYRK kernel (8×1024×1024: 0.044 vs 0.050 ms,
-        H200); b·A + c·A·A is rounded before a·I is added, harmless in this form."""
+        ``addmm`` and a diagonal add, faster there than the SYRK kernel (docs/kernels.md "Measured
+        constants"); b·A + c·A·A is rounded before a·I is added, harmless in this form."""
         if self.uses_syrk(x):
             return self.apply(self.poly(self.gram(x, scale), a, b, c, scale), x)
         x = scaled(x, scale, 1)

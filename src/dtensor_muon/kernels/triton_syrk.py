@@ -20,10 +20,11 @@ the strides allow it, through tensor-memory descriptors (TMA): built once on the
 read as one stacked matrix where its layout allows, else built per program on the device. A matrix whose rows are not
 contiguous but whose columns are (a transposed view of a contiguous tall matrix) is read in its own
 layout: the kernel loads Xᵀ tiles and transposes them in registers/shared memory, never in global memory.
-With host descriptors the epilogue goes through descriptors too (1.2–1.9× faster products on the H200 than
-masked pointer stores): C's tiles are loaded whole, tiles strictly below the diagonal and inside the
-matrix are stored whole (the mirror image as one transposed tile store), square tiles on the diagonal
-as one whole tile with their lower part mirrored into the upper; edge tiles through masked pointer stores.
+With host descriptors the epilogue goes through descriptors too (faster than masked pointer stores:
+docs/kernels.md "Measured constants"): C's tiles are loaded whole, tiles strictly below the diagonal and
+inside the matrix are stored whole (the mirror image as one transposed tile store), square tiles on the
+diagonal as one whole tile with their lower part mirrored into the upper; edge tiles through masked pointer
+stores.
 """
 
 from __future__ import annotations
@@ -37,9 +38,8 @@ from torch import Tensor
 
 from .normalize import require_scale
 
-# (RATIO, BLOCK_N, BLOCK_K, num_warps, num_stages, maxnreg): 128×128×64 tiles win every product up to m = 4096
-# (8 warps at 128 registers, two programs per SM, for most), 256×128 the m = 8192 ones (H200,
-# tools/kernels/syrk_configs.py --rounds 3).
+# The autotuner's candidates, (RATIO, BLOCK_N, BLOCK_K, num_warps, num_stages, maxnreg).
+# Chosen by measurement: docs/kernels.md "Measured constants" (re-measure: tools/kernels/syrk_configs.py)
 SYRK_SHAPES: tuple[tuple[int, int, int, int, int, int | None], ...] = (
     (1, 128, 64, 8, 3, None),
     (1, 128, 64, 8, 5, None),
@@ -247,12 +247,12 @@ def _syrk_kernel(
 
 def _time_config(kernel_call, quantiles: tuple[float, ...]) -> list[float]:
     """The autotuner's timing of one config: launches replayed from a CUDA graph. Timed launch by launch,
-    a product at m = 4096 (about 0.12 ms on the H200) takes no longer on the GPU than its launch through
-    Triton takes on the host (0.1–0.2 ms there), so the host's speed, not the config, decided the choice.
+    a product at m = 4096 takes no longer on the GPU than its launch through Triton takes on the host
+    (docs/kernels.md "Measured constants"), so the host's speed, not the config, would decide the choice.
 
     The graph runs on a stream of its own, so the device is synchronized before (the output buffer may be
-    memory that work still queued on the caller's stream uses: a race seen on the H200 as a corrupted
-    result of the previous computation) and after (no replay may still write it when the caller goes on)."""
+    memory that work still queued on the caller's stream uses: a race that showed as a corrupted result of
+    the previous computation) and after (no replay may still write it when the caller goes on)."""
     torch.cuda.synchronize()
     times = triton.testing.do_bench_cudagraph(kernel_call, rep=50, quantiles=quantiles)
     torch.cuda.synchronize()

@@ -1,6 +1,6 @@
 """Warp-specialized Hopper SYRK kernel (Gluon, code in :mod:`.ws_syrk_kernel`): the products of
-:mod:`.triton_syrk`, as fast or faster than that kernel on the H200 for products of at least 2³³ multiply-adds
-with Gram side m ≤ 4096, where the GPU backend takes it (:func:`ws_syrk_pays`).
+:mod:`.triton_syrk`, as fast as that kernel or faster for products of at least 2³³ multiply-adds with Gram
+side m ≤ 4096, where the GPU backend takes it (:func:`ws_syrk_pays`).
 
     out_b = s_b^p·(alpha·X_b·Y_bᵀ + beta·C_b + d·I)     X, Y: [B, m, k] (or transposed views of
                                                          contiguous [B, k, m]), C: [B, m, m] symmetric
@@ -22,8 +22,7 @@ tile t goes to program t mod P, so at any moment the programs work on neighbouri
 in L2. A tile below the diagonal is stored by TMA twice, as itself and transposed (through the consumer's
 staging buffer); a diagonal tile has its lower part mirrored into its upper part in shared memory and is
 stored once. Every element is written once: the result is exactly symmetric and deterministic, and equals
-the Triton kernel's up to the order of the fp32 sums (Newton–Schulz on the H200 gave the same bits with
-either).
+the Triton kernel's up to the order of the fp32 sums.
 
 Why it is built this way, and where it still loses to cuBLAS per clock: docs/kernels.md.
 """
@@ -54,17 +53,17 @@ except ImportError:  # a Triton without Gluon's Hopper API: the Triton kernel ru
 # 128×128 tiles, 64-deep K slices: two fp32 accumulators of 128×128 fill the consumers' registers.
 BLOCK = 128
 BLOCK_K = 64
-# Ring slots: 3 lose 10–15% on every product, 4 and 5 tie within 3% (H200, tools/kernels/ws_syrk_tuning.py).
+# Ring slots (STAGES), turn lead in K slices (TURN_LEAD), registers per thread of a consumer and of the producer
+# (the consumers take what the producer leaves).
+# Chosen by measurement: docs/kernels.md "Measured constants" (re-measure: tools/kernels/ws_syrk_tuning.py)
 STAGES = 5
-# Turn lead (slices): 1 is 3–6% faster than 0 on the K = 1408 products, 2 and 4 no faster (H200, same tool).
 TURN_LEAD = 1
-# Registers: a producer of 24 or 40 ties within noise, the consumers take the rest (H200, same tool).
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 MAX_REGS = 168  # 12 warps (two consumer warpgroups, the producer's warpgroup) · 32 · 168 ≤ 65536 registers
-# Triton's 256×128 tiles win above: X·Xᵀ 8192² 0.93–0.98 vs 0.89–0.92 ms (H200, ws_min_work.py --shapes 1x8192x8192).
+# Largest Gram side (the Triton kernel's 256×128 tiles win above it) and fewest multiply-adds B·m²·k per product.
+# Chosen by measurement: docs/kernels.md "Measured constants" (re-measure: tools/kernels/ws_min_work.py)
 WS_MAX_DIM = 4096
-# Fewest B·m²·k: from 2³³ never slower than Triton, 30–50 µs less host/launch (H200, tools/kernels/ws_min_work.py).
 WS_MIN_WORK = 2**33
 _enabled = os.environ.get("DTENSOR_MUON_WS_SYRK", "1") != "0"
 
@@ -236,8 +235,8 @@ def ws_syrk_supported(
 # The compiled kernel for each set of constexprs and compile options (the flags and the module's tunables, which
 # tools/kernels/ws_syrk_tuning.py varies) and argument types, from its first launch through Triton's JIT. The
 # kernel specializes on nothing else (no integer values, no alignments), so later launches skip the JIT's
-# argument binding and specialization: 46–67 µs of host time per launch against the Triton kernel's 74–108 (H200,
-# tools/kernels/ws_min_work.py).
+# argument binding and specialization, and cost the host less than the Triton kernel's launches (docs/kernels.md
+# "Why this shape").
 _COMPILED: dict[tuple, object] = {}
 
 

@@ -34,20 +34,19 @@ Orthogonalization, in passes on Q (first Q = Ŷ); each needs G = QᵀQ = I + F i
 - Cholesky pass: Q ← Q·R⁻¹ with RᵀR = Cholesky(G) (float32; on G + s·I where G is not numerically positive
   definite: s = FIRST_PASS_SHIFT on the first pass, whose input Ŷ may have cond up to ~1e5, k·2⁻²⁴ later),
   triangular solve in float32 whatever torch's float32 matmul precision (under "high" cuBLAS's solve runs
-  in TF32: 1.85 ms against 2.87 at k = 4096 on an H200, but the first pass then left ‖F‖_F = 3.5e-3 at
-  k = 4096 and 1.7e-3 at 1024, above SERIES_DEFECT, and the whole refresh took a second Cholesky pass and
-  longer: 12.8–13.0 ms against 11.9–12.4). R is triangular, so Q keeps Ŷ's nested column spans (the power
-  iteration's order) whatever its rounding. Cholesky QR leaves max|QᵀQ − I| ≈ 2⁻²⁴·cond(Q)², so the first pass's only
-  job is a well-conditioned Q and the second makes it orthogonal.
+  in TF32, faster, but the first pass then leaves ‖F‖_F above SERIES_DEFECT, and the whole refresh takes a
+  second Cholesky pass and longer: BENCHMARKS.md "The refresh on matrix products"). R is triangular, so Q
+  keeps Ŷ's nested column spans (the power iteration's order) whatever its rounding. Cholesky QR leaves
+  max|QᵀQ − I| ≈ 2⁻²⁴·cond(Q)², so the first pass's only job is a well-conditioned Q and the second makes it
+  orthogonal.
 - series pass, on the members with ‖F‖_F ≤ SERIES_DEFECT: the same Q·R⁻¹ with the upper
   triangular R = I + U from products instead of cuSOLVER and cuBLAS, U₀ = Φ(F), U = Φ(F − U₀ᵀ·U₀)
   (Φ: strict upper triangle plus half the diagonal, so that U + Uᵀ + UᵀU = F to O(‖F‖³)) and
   R⁻¹ = I − U + U² to O(‖F‖³): Q ← Q + Q·(U² − U), three TF32 products on CUDA (their rounding, about
-  2⁻¹¹·‖F‖_F/√k per entry, stays below the float32 Cholesky pass's own). On an H200, from warm bases, the
-  first pass left ‖F‖_F = 2.1e-4 at k = 4096 and 2.4e-5 at k = 1024 (1.9e-2 and 9.6e-3 with a TF32 Gram
-  matrix there), and the series pass took 1.8 ms against the Cholesky pass's 4.9 at k = 4096 (0.49 against
-  2.2 for 8 factors of 1024), its result as far from float64 Cholesky QR's as the Cholesky pass's (1.5e-6
-  and 7e-7 largest entry differences) and as orthogonal.
+  2⁻¹¹·‖F‖_F/√k per entry, stays below the float32 Cholesky pass's own). From warm bases the first pass's
+  ‖F‖_F is small enough for it, and the series pass is faster than a Cholesky pass, its result as far from
+  float64 Cholesky QR's and as orthogonal (the measured figures: BENCHMARKS.md "The refresh on matrix
+  products"; re-measure: tools/soap/refresh_ops.py).
 
 Passes run, each batch member on its own, until the input of its Cholesky pass had max|F| ≤ ACCEPT_DEFECT,
 or a series pass ran, at most MAX_PASSES (a basis far from K's eigenvectors, e.g. a new gradient direction in
@@ -61,9 +60,8 @@ leaves the GPU idle in its panel steps).
 
 The second-order polar correction Q·(I − F/2 + 3F²/8) would be a last pass as cheap as the series (two
 products, orthogonal to O(‖F‖³)) and is not used: it rotates column pairs by F_ij/2 where the triangular R
-removes the whole overlap from the later column; as a last pass for ‖F‖_F up to 10⁻² it moved the parameters of
-tests/test_soap.py's problem 5e-5 (relative to their change) from the float64 reference, against 3e-6 with
-Cholesky passes.
+removes the whole overlap from the later column, and as a last pass it left the parameters farther from the
+float64 reference than Cholesky passes do (docs/numerics.md "SOAP's basis refresh").
 
 A factor gets ``eigh`` (:func:`dtensor_muon.rules.soap.eigh_descending`: the sorted old basis where that fails
 too) where the refresh cannot vouch for its basis: a non-finite Ŷ or Q, a failed Cholesky, or a last pass
@@ -92,7 +90,7 @@ which the later passes make orthogonal."""
 SERIES_DEFECT = 2.0**-10
 """Largest ‖QᵀQ − I‖_F for which a pass runs as the series (module docstring): its truncation, ‖F‖³ ≤ 2⁻³⁰,
 and its TF32 rounding, 2⁻²¹/√k per entry, stay below float32's rounding in the Cholesky pass it replaces
-(max|QᵀQ − I| after it: 2.5e-5 at k = 4096, 6e-6 at 1024, 3.6e-7 at 64)."""
+(max|QᵀQ − I| after it, measured: docs/numerics.md "SOAP's basis refresh")."""
 
 ACCEPT_DEFECT = 1e-3
 """Largest max|QᵀQ − I| (float32-accurate) the input of the last Cholesky QR pass may have; beyond it after
@@ -104,17 +102,16 @@ G + k·2⁻²⁴·I (k·u bounds the float32-accurate Gram's rounding for unit c
 
 BATCH_MAX_SIDE = 512
 """Largest factor side whose Cholesky factorizations and triangular solves run as one batched call; larger
-factors take one call each, on SIDE_STREAMS streams. On an H200 (torch 2.11, float32) batched cuSOLVER took
-5.2 ms for two factors against 2.5 ms for one at k = 1024, and 49 ms against 13.5 ms at k = 4096."""
+factors take one call each, on SIDE_STREAMS streams (batched cuSOLVER is slower there than one call per factor).
+Chosen by measurement: docs/performance.md "SOAP's basis refresh on streams"."""
 
 LARGE_BATCH_ENTRIES = 2**26
 """Most entries per tensor of a batch of factors above BATCH_MAX_SIDE (4 factors of k = 4096, 64 of 1024): a
 refresh holds about ten such tensors at once."""
 
 SIDE_STREAMS = 4
-"""CUDA streams the per-factor Cholesky factorizations and solves are spread over. On an H200 one pass on 8
-factors took 37.4 / 34.0 / 32.2 / 32.1 ms on 1 / 2 / 4 / 8 streams at k = 4096, 5.4 / 3.0 / 2.3 / 2.2 ms at
-k = 1024, and a whole refresh of 8 factors of k = 1024 7.2 ms on 4 streams against 27.3 one at a time."""
+"""CUDA streams the per-factor Cholesky factorizations and solves are spread over (more gain little).
+Chosen by measurement: docs/performance.md "SOAP's basis refresh on streams"."""
 
 MAX_PASSES = 4
 """Orthogonalization passes at most (module docstring): two for a warm basis."""

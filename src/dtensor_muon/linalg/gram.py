@@ -14,14 +14,10 @@ In bf16, R_j drifts from X_j·X_jᵀ (Dao AI Lab's 2026 "Gram Newton–Schulz" r
 eigenvalues and eigenvector drift), so X is recomputed and R restarted from it after each segment. The
 negative eigenvalues bound the segment length: rounding leaves eigenvalues λ < 0 of size about 2⁻⁹·‖R‖
 where X is rank-deficient, and for λ < 0 the factor Z = a + b·λ + c·λ² (b < 0) exceeds a and grows with |λ|,
-so λ ← Z²·λ runs away within a segment instead of saturating as a singular value does. Measured (CPU, bf16,
-against the float64 iteration; worst error as a multiple of the standard bf16 form's; largest σ):
-- segments of 2: Keller's fixed triple 0.93× (5 steps) to 1.12× (8), quintic 1.01×, Polar Express 8 steps
-  1.07× (Polar Express 5 steps 2.4×, CANS 19×); rank-1 and rank-1-plus-noise inputs σ ≤ 1.21, as the
-  standard form;
-- 3 + 2 (1.2× fewer FLOPs on 4096×14336): Keller within 1.69× on full-rank spectra, but σ = 8·10³ on a
-  rank-1 input and 3·10⁴ on a rank-1 direction plus noise; longer segments overflow on full-rank spectra
-  too (Keller 3 + 3 + 2: 7.6·10⁶×; quintic, Polar Express and CANS in 3 + 2).
+so λ ← Z²·λ runs away within a segment instead of saturating as a singular value does. Segments of 2 keep
+Keller's fixed triple, the quintic and 8-step Polar Express near the standard bf16 form's error, low-rank
+inputs included; 3 + 2 (1.2× fewer FLOPs on 4096×14336) lets rank-1 inputs run away, and longer segments
+overflow on full-rank spectra too (the measured errors: docs/kernels.md "The Gram form").
 Segments of 1 are exactly the standard form.
 """
 

@@ -117,9 +117,9 @@ def gram_segments(steps: int) -> list[int]:
 
 def gram_validated(triples: Sequence[Triple]) -> bool:
     """Whether ``ns_algorithm="auto"`` may take the Gram form for this schedule: Keller's fixed triple, the
-    default (measured within 1.12× of the standard form's bf16 error at 5 to 10 steps, tests/
-    test_gram_newton_schulz.py). Other schedules run in Gram form only when asked for (quintic and 8-step
-    Polar Express measured as accurate; 5-step Polar Express and CANS not)."""
+    default (its bf16 error stays near the standard form's: docs/kernels.md "The Gram form";
+    tests/test_gram_newton_schulz.py bounds it at 2×). Other schedules run in Gram form only when asked for
+    (quintic and 8-step Polar Express measured as accurate; 5-step Polar Express and CANS not)."""
     return all(tuple(t) == KELLER_COEFFICIENTS for t in triples)
 
 

@@ -1,9 +1,9 @@
 """Newton–Schulz replayed from CUDA graphs: one graph per input signature, its launches' host cost paid once.
 
 Eagerly, one call on the GPU backend launches 15–20 kernels (three products per iteration, the start, the
-allocations). On the H200's host a Triton launch costs 40–120 µs and a cuBLAS one 15–20 µs: a 4096² call
-spends about 1.3 ms on the host against about 2.2 ms on the GPU, and on a 2048² matrix (about 0.4 ms of GPU
-work) the host sets the pace. A graph replays the iterations with one launch.
+allocations), each of which costs the host tens of microseconds: on a large matrix the host's launches take
+a good part of the GPU's time, and on a smaller one the host sets the pace (docs/kernels.md "CUDA graphs below
+2³⁶ multiply-adds"). A graph replays the iterations with one launch.
 
 Per call, with the graph of that signature captured:
 
@@ -42,8 +42,7 @@ from .newton_schulz import (
     normalized_start,
 )
 
-# Eager vs graph NS5: 16×1024×4096 (2³⁶) 2.410 vs 1.729 ms, 4096² (2³⁶) 2.223 vs 2.233; 64×2048×1408 (2^37.9) needs
-# 1.1 ms of host for 7.8 of GPU (H200, tools/kernels/ns_variants.py --methods ours,graphs,graphs:MAX_GRAPH_WORK=2**38).
+# Chosen by measurement: docs/kernels.md "CUDA graphs below 2³⁶ multiply-adds" (re-measure: tools/kernels/ns_variants.py)
 MAX_GRAPH_WORK = 2**36
 
 

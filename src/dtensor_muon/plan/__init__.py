@@ -456,7 +456,7 @@ def _matrix_dim(spec: MatrixSpec, tensor_dim: int, ndim: int) -> int | None:
 
 
 AUTO_FLOPS_PER_SECOND = 700e12
-"""``tp_mode="auto"``'s Newton–Schulz speed per rank (bf16 on an H200, BENCHMARKS.md)."""
+"""``tp_mode="auto"``'s Newton–Schulz speed per rank (bf16). Chosen by measurement: BENCHMARKS.md "Newton–Schulz"."""
 AUTO_ALL_REDUCE_BYTES_PER_SECOND = 100e9
 """``tp_mode="auto"``'s all-reduce bus bandwidth within a TP group."""
 AUTO_ALL_REDUCE_LATENCY_SECONDS = 30e-6

@@ -45,9 +45,9 @@ def step(
 ) -> None:
     """One AdamW step over lists of same-device tensors (local shards or whole tensors), in place.
 
-    On CUDA it runs torch's fused AdamW (one pass over each tensor's entries; foreach takes about ten, 130 ms
-    against 41 for Kimi K2's 2.3 B embedding and head entries on an H200). The step counts stay CPU tensors, as
-    torch.optim.AdamW keeps them unfused: the fused kernel reads a device copy and the counts advance here."""
+    On CUDA it runs torch's fused AdamW (one pass over each tensor's entries; foreach takes about ten: BENCHMARKS.md
+    "Whole optimizer step", fused AdamW). The step counts stay CPU tensors, as torch.optim.AdamW keeps them
+    unfused: the fused kernel reads a device copy and the counts advance here."""
     if not params:
         return
     fused = all(p.is_cuda for p in params)

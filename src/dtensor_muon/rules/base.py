@@ -40,7 +40,7 @@ class MatrixCost:
     """What one matrix costs its owner per step: FLOPs of ``direction``, bytes of owner state kept, and the
     work the plan balances where it is not the FLOPs: ``balance_flops``, the direction's time expressed as
     FLOPs at the rate of a TF32 matrix product, for a rule whose operations run at very different rates (a
-    float32 Cholesky factorization runs ~30× slower per FLOP than a TF32 product)."""
+    float32 Cholesky factorization runs many times slower per FLOP than a TF32 product)."""
 
     flops: int
     owner_state_bytes: int = 0

@@ -44,8 +44,8 @@ the front end treats a parameter with empty state as frozen). Step t = 1, 2, …
    sorted Q_old (on step 1 the identity) and d as its estimates: the basis M and V already live in, so the
    moments stay consistent, while a NaN K says nothing about a better one. The QR refresh keeps the
    sorted Q_old where qr(K·Q_old) is not finite; Householder QR itself does not fail on a rank-deficient (or
-   zero) K·Q_old, whose Q is orthogonal whatever the rank (on an H200 it stayed within 1e-6 of orthogonal on
-   the tiny factors that broke float32 eigh there).
+   zero) K·Q_old, whose Q is orthogonal whatever the rank (also on the tiny factors that break float32 eigh:
+   docs/numerics.md "SOAP's basis refresh").
 3. Adam in the basis, with τ = t − 1 under ``skip_first_update`` (step 1 then only builds the factors and
    the basis: M and V stay 0 and O = 0, so θ moves by the weight decay alone, as the original SOAP's first
    step, arXiv 2409.11321, which updates no parameter) and τ = t otherwise: G' = Q_Lᵀ·G·Q_R;
@@ -59,14 +59,10 @@ the front end treats a parameter with empty state as frozen). Step t = 1, 2, …
    Why the front ends clip (``max_update_rms`` = 1) and skip step 1 by default: in a fixed basis Adam's N has
    entries of size about 1 or less, but here M is rotated into each new basis while V is only permuted, and
    G' = Q_Lᵀ·G·Q_R has float32 rounding (~1e-7·|G|) in directions where a factor has (almost) no mass; there V
-   is tiny and N = M̂/(√V̂ + ε) reaches hundreds. On a 64→128→128→128→10 ReLU MLP (cross-entropy on 256
-   teacher-labelled inputs, full batch; tests/test_soap.py's) without skip or clip, step 1 is sign-Adam (every
-   entry of N is ±1 where |G'| > ε, rounding included); on step 2 at lr 0.02, 7–11% of N's entries exceed 3
-   (up to 96–1630) and rms(O) is 4.4–27 per matrix, and the loss goes 2.25 → 2.14 → 10.9 → 6.8e6 by step 4
-   (at lr 3e-3: 3–6% above 3, rms(O) 1.3–9.4 on step 2). Emerging-Optimizers 0.3's SOAP gives the same steps
-   (within 1e-6 of each parameter change). After 20 steps at lr 3e-3/1e-2/0.02, SOAP with the clip ends at
-   1.8/0.42/2e-5, with the clip and the skip at 1.73/0.18/5e-5, with the skip alone at 6e5/2e9/1e11 (it
-   diverges: the rotated M meets a V built from one gradient), with ε = 1e-6 at 1.8/0.33/2e10.
+   is tiny and N = M̂/(√V̂ + ε) grows far above 1. Without skip or clip, step 1 is sign-Adam (every entry of N
+   is ±1 where |G'| > ε, rounding included) and later steps can diverge; the skip alone diverges too (the
+   rotated M meets a V built from one gradient). The measured losses, on tests/test_soap.py's MLP:
+   docs/optimizers.md "SOAP, KL-SOAP and REKLS".
 
 A side longer than ``max_preconditioner_dim`` is not preconditioned: its Q is the identity and no factor, basis
 or Λ is kept for it (with ``kl``, the other side's factor then uses Λ = 1 on it: L ← … + (1 − β_t)/n·G·Gᵀ).
@@ -107,10 +103,9 @@ CHOLQR_SOLVE_PER_CUBE = 1
 CHOLQR_TF32_PER_CUBE = 3 * 2
 """The series pass's three TF32 products, per k³."""
 CHOLQR_BATCH_SECONDS = 2.4e-3
-"""The fixed time of one basis="cholqr" refresh batch besides its operations' FLOPs: on an H200 one refresh took
-2.6 ms at k = 1024, whose FLOPs take 0.3 ms at the rates of :data:`OPERATION_TFLOPS`, and 13.7 ms at k = 4096
-against 11.3. It is the host's: profiled (torch.profiler), a refresh at k = 1024 launched 133 kernels and
-waited for the device 4 times, and the device was idle 2.35 of its 3.39 ms (1.31 of 12.56 at k = 4096)."""
+"""The fixed time of one basis="cholqr" refresh batch besides its operations' FLOPs (at the rates of
+:data:`OPERATION_TFLOPS`): the host's, which launches the refresh's many kernels and waits for the device.
+Chosen by measurement: BENCHMARKS.md "Every rank timed: the slowest rank of each plan"."""
 
 OPERATION_TFLOPS = {
     "product_highest": 49.0,
@@ -122,12 +117,14 @@ OPERATION_TFLOPS = {
     "eigh": 6.9,
     "householder_qr": 6.4,
 }
-"""Rates (TFLOP/s of nominal FLOPs) of SOAP's operations on float32 k×k matrices, measured on an H200 (torch 2.11,
-k = 4096): a product at each torch float32 matmul precision (float32; TF32), a float32-accurate split-TF32
-product, ``cholesky_ex``, ``solve_triangular``, ``eigh`` (9k³) and Householder ``qr`` with Q formed (8k³/3).
+"""Rates (TFLOP/s of nominal FLOPs) of SOAP's operations on float32 k×k matrices: a product at each torch
+float32 matmul precision (float32; TF32), a float32-accurate split-TF32 product, ``cholesky_ex``,
+``solve_triangular``, ``eigh`` (9k³) and Householder ``qr`` with Q formed (8k³/3).
 The plan weighs each operation by them (:meth:`SOAPRule.cost`): a factorization's FLOP costs 15–60 TF32
 product FLOPs, so a plan of nominal FLOPs loads the ranks that own square matrices (two factors of
-4096 to refresh) far more than it thinks."""
+4096 to refresh) far more than it thinks.
+Chosen by measurement: BENCHMARKS.md "Every rank timed: the slowest rank of each plan" (re-measure:
+tools/soap/refresh_ops.py)."""
 
 UPDATE_RMS_EPS = 1e-7
 """Added to the update's RMS before clipping it (Emerging-Optimizers' value)."""
@@ -137,10 +134,9 @@ EIGH_SHIFT = 1e-3
 """δ of the last eigh attempt on K: K + δ·(|tr K|/k + tiny)·I (see :func:`eigh_descending`)."""
 
 EIGH_ORTHOGONALITY_TOL = 1e-3
-"""Largest max |QᵀQ − I| an eigh result may have. Float32 eigh on CUDA (torch 2.11, an H200) returned, without
-raising, bases off by 5e-3 to 9e3 on unscaled rank-1 and rank-3 factors of gradients of size 1e-10 to 1e-20
-(sides 8 to 2048), and raised on those of size 1e-22; after the power-of-two scaling every such factor gave a
-basis within 3.5e-4 (side 512; 1e-6 on CPU)."""
+"""Largest max |QᵀQ − I| an eigh result may have. Float32 eigh on CUDA can return, without raising, bases far
+from orthogonal on unscaled factors of tiny gradients; after the power-of-two scaling such factors give bases
+well within it (docs/numerics.md "SOAP's basis refresh")."""
 
 
 def preconditioned_sides(group: Group, shape: tuple[int, int]) -> tuple[bool, bool]:
