@@ -28,10 +28,8 @@ from torchtitan_ext.metrics import combine
 from torchtitan_ext.registry import (
     REGISTRY,
     check_optimizer_name,
-    mop_kwargs,
-    muon_kwargs,
-    normuon_kwargs,
     optimizer_kwargs,
+    optimizer_section_kwargs,
 )
 
 
@@ -138,8 +136,6 @@ __all__ = [
     "MatrixOptimizersContainer",
     "build_optimizers",
     "build_optimizers_with_moe_load_balancing",
-    "mop_kwargs",
-    "muon_kwargs",
-    "normuon_kwargs",
     "optimizer_kwargs",
+    "optimizer_section_kwargs",
 ]

@@ -13,13 +13,13 @@ Every mapping takes lr and weight_decay from ``[optimizer]``, and AdamW's betas 
 embeddings, the output head, norms and biases) from its beta1, beta2 and eps.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 import dtensor_muon
+from dtensor_muon.optim.options import OPTIONS
 from torchtitan_ext import sections
 
 if TYPE_CHECKING:
@@ -29,62 +29,18 @@ TORCHTITAN_OPTIMIZERS = ("Adam", "AdamW")
 """``[optimizer] name`` values left to torchtitan's own builders."""
 
 
-def _shared_kwargs(optimizer_config: "OptimizerConfig") -> dict[str, Any]:
-    return {
-        "lr": optimizer_config.lr,
-        "weight_decay": optimizer_config.weight_decay,
-        "adamw_betas": (optimizer_config.beta1, optimizer_config.beta2),
-        "adamw_eps": optimizer_config.eps,
-    }
-
-
-def _engine_kwargs(section: sections.Muon | sections.MOP | sections.SOAP) -> dict[str, Any]:
-    return {
-        "wire_dtype": getattr(torch, section.wire_dtype),
-        "bucket_size_mb": section.bucket_size_mb,
-        "exchange": section.exchange,
-        "skip_nonfinite": section.skip_nonfinite,
-        "diagnostics_interval": section.diagnostics_interval,
-        "overlap": section.overlap,
-        "tp_mode": section.tp_mode,
-    }
-
-
-def muon_kwargs(optimizer_config: "OptimizerConfig", muon_config: sections.Muon) -> dict[str, Any]:
-    """Keyword arguments of :class:`dtensor_muon.Muon` from the ``[optimizer]`` and ``[muon]`` sections."""
-    return {
-        **_shared_kwargs(optimizer_config),
-        "momentum": muon_config.momentum,
-        "nesterov": muon_config.nesterov,
-        "ns_coefficients": muon_config.ns_coefficients,
-        "ns_steps": muon_config.ns_steps,
-        "adjust_lr_fn": muon_config.adjust_lr_fn,
-        "ns_dtype": getattr(torch, muon_config.ns_dtype),
-        "ns_algorithm": muon_config.ns_algorithm,
-        **_engine_kwargs(muon_config),
-    }
-
-
-def normuon_kwargs(optimizer_config: "OptimizerConfig", normuon_config: sections.NorMuon) -> dict[str, Any]:
-    """Keyword arguments of :class:`dtensor_muon.NorMuon` from ``[optimizer]`` and ``[normuon]``: Muon's, plus
-    beta2 and normuon_eps."""
-    return {
-        **muon_kwargs(optimizer_config, normuon_config),
-        "beta2": normuon_config.beta2,
-        "normuon_eps": normuon_config.normuon_eps,
-    }
-
-
-def mop_kwargs(optimizer_config: "OptimizerConfig", mop_config: sections.MOP) -> dict[str, Any]:
-    """Keyword arguments of :class:`dtensor_muon.MOP` from the ``[optimizer]`` and ``[mop]`` sections."""
-    return {
-        **_shared_kwargs(optimizer_config),
-        "momentum": mop_config.momentum,
-        "nesterov": mop_config.nesterov,
-        "scale": mop_config.scale,
-        "adjust_lr_fn": mop_config.adjust_lr_fn,
-        **_engine_kwargs(mop_config),
-    }
+def optimizer_section_kwargs(name: str, optimizer_config: "OptimizerConfig", section: Any) -> dict[str, Any]:
+    """Keyword arguments of ``dtensor_muon.<name>`` from the ``[optimizer]`` section and the optimizer's own, as
+    its options table (:data:`dtensor_muon.optim.options.OPTIONS`) says: each option from the ``[optimizer]``
+    keys it names (two keys make a pair: AdamW's and SOAP's betas), or from the section (a dtype by its name)."""
+    kwargs = {}
+    for option in OPTIONS[name]:
+        if option.from_optimizer:
+            values = tuple(getattr(optimizer_config, key) for key in option.from_optimizer)
+            kwargs[option.name] = values if len(values) > 1 else values[0]
+        elif option.in_section:
+            kwargs[option.name] = option.keyword_value(getattr(section, option.name))
+    return kwargs
 
 
 @dataclass(frozen=True)
@@ -100,8 +56,9 @@ class MatrixOptimizerEntry:
     optimizer_cls: type[torch.optim.Optimizer]
     """The :mod:`dtensor_muon` class constructed once per model part, over its named parameters."""
 
-    kwargs: Callable[["OptimizerConfig", Any], dict[str, Any]]
-    """``(optimizer_config, section) -> keyword arguments`` of :attr:`optimizer_cls`."""
+    def kwargs(self, optimizer_config: "OptimizerConfig", section: Any) -> dict[str, Any]:
+        """Keyword arguments of :attr:`optimizer_cls` from ``[optimizer]`` and this entry's section."""
+        return optimizer_section_kwargs(self.name, optimizer_config, section)
 
     @property
     def section(self) -> str:
@@ -110,36 +67,15 @@ class MatrixOptimizerEntry:
         return self.section_cls.SECTION
 
 
-def soap_kwargs(optimizer_config: "OptimizerConfig", soap_config: sections.SOAP) -> dict[str, Any]:
-    """Keyword arguments of :class:`dtensor_muon.SOAP` (and KLSOAP, REKLS) from ``[optimizer]`` (lr,
-    weight_decay, and Adam's beta1, beta2, eps, for the eigenbasis Adam and AdamW alike) and the section."""
-    return {
-        **_shared_kwargs(optimizer_config),
-        "betas": (optimizer_config.beta1, optimizer_config.beta2),
-        "eps": optimizer_config.eps,
-        "shampoo_beta": soap_config.shampoo_beta,
-        "precondition_frequency": soap_config.precondition_frequency,
-        "basis": soap_config.basis,
-        "kl": soap_config.kl,
-        "max_preconditioner_dim": soap_config.max_preconditioner_dim,
-        "correct_bias": soap_config.correct_bias,
-        "correct_shampoo_beta_bias": soap_config.correct_shampoo_beta_bias,
-        "max_update_rms": soap_config.max_update_rms,
-        "skip_first_update": soap_config.skip_first_update,
-        "match_update_rms": soap_config.match_update_rms,
-        **_engine_kwargs(soap_config),
-    }
-
-
 REGISTRY: dict[str, MatrixOptimizerEntry] = {
     entry.name: entry
     for entry in (
-        MatrixOptimizerEntry("Muon", sections.Muon, dtensor_muon.Muon, muon_kwargs),
-        MatrixOptimizerEntry("MOP", sections.MOP, dtensor_muon.MOP, mop_kwargs),
-        MatrixOptimizerEntry("NorMuon", sections.NorMuon, dtensor_muon.NorMuon, normuon_kwargs),
-        MatrixOptimizerEntry("SOAP", sections.SOAP, dtensor_muon.SOAP, soap_kwargs),
-        MatrixOptimizerEntry("KLSOAP", sections.KLSOAP, dtensor_muon.KLSOAP, soap_kwargs),
-        MatrixOptimizerEntry("REKLS", sections.REKLS, dtensor_muon.REKLS, soap_kwargs),
+        MatrixOptimizerEntry("Muon", sections.Muon, dtensor_muon.Muon),
+        MatrixOptimizerEntry("MOP", sections.MOP, dtensor_muon.MOP),
+        MatrixOptimizerEntry("NorMuon", sections.NorMuon, dtensor_muon.NorMuon),
+        MatrixOptimizerEntry("SOAP", sections.SOAP, dtensor_muon.SOAP),
+        MatrixOptimizerEntry("KLSOAP", sections.KLSOAP, dtensor_muon.KLSOAP),
+        MatrixOptimizerEntry("REKLS", sections.REKLS, dtensor_muon.REKLS),
     )
 }
 """The matrix optimizers by ``[optimizer] name``, in the order the choices and the sections are listed."""

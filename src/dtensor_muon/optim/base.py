@@ -44,30 +44,12 @@ from ..plan.views import MatrixSplit
 from ..rules import adamw as adamw_rule
 from ..rules.base import MatrixRule
 from . import state_loading
+from .options import OPTIONS, TP_MODES
 
 logger = logging.getLogger("dtensor_muon")
 
-TP_MODES = ("owned", "duplicated", "distributed", "auto", "blockwise")
-"""How a param group's tensor-parallel matrices (a ``Shard`` on a mesh dim named ``"tp"``) are computed:
-``"owned"`` (default, exact: each matrix whole on one owner of the whole mesh); ``"duplicated"`` (every rank
-of one TP group gathers it and computes it; exact); ``"distributed"`` (one TP group runs Newton–Schulz on
-its blocks together, all-reducing the Gram matrices; Muon only; equal up to the all-reduce's summation
-order); ``"auto"`` (distributed where the cost model of :func:`dtensor_muon.plan.distributed_pays` says so,
-else owned); ``"blockwise"`` (each TP block orthogonalized as a matrix of its own: no gather across TP
-ranks, not the whole matrix's polar factor)."""
-
-
-ENGINE_KEYWORDS = (
-    "wire_dtype",
-    "bucket_size_mb",
-    "exchange",
-    "skip_nonfinite",
-    "diagnostics_interval",
-    "overlap",
-    "ns_cuda_graphs",
-    "matrix_splits",
-)
-"""Engine-wide options: constructor keywords only, never param-group keys."""
+ENGINE_KEYWORDS = tuple(dict.fromkeys(o.name for options in OPTIONS.values() for o in options if o.engine))
+"""Engine-wide options (the table's ``engine`` ones): constructor keywords only, never param-group keys."""
 
 TORCH_GROUP_KEYS = ("params", "param_names", "differentiable")
 """Group keys torch.optim.Optimizer itself handles: ``params``, ``param_names`` (from ``(name, tensor)``

@@ -90,9 +90,11 @@ class Muon(MatrixOptimizer):
             :func:`dtensor_muon.plan.distributed_pays`, else owned) or "blockwise" (each TP block as a matrix
             of its own: an approximation, no communication under TP alone).
         ns_cuda_graphs: on CUDA, replay each owner's Newton–Schulz from a CUDA graph per matrix shape (same
-            bits; for matrices of up to 2³⁴ multiply-adds per Gram matrix, e.g. 2048×4096, whose eager
-            launches cost the host longer than the GPU work, see :mod:`dtensor_muon.linalg.ns_graphs`). Each graph
-            keeps a few matrices of memory.
+            bits; for matrices of up to :data:`~dtensor_muon.linalg.ns_graphs.MAX_GRAPH_WORK` = 2³⁶ multiply-adds
+            per Gram matrix (4096×4096 and below), where the eager launches' host time rivals the GPU work, see
+            :mod:`dtensor_muon.linalg.ns_graphs`). Each graph keeps a few matrices of memory.
+
+    Every keyword, its default and allowed values: :data:`dtensor_muon.optim.options.OPTIONS` (docs/options.md).
     """
 
     rule = MuonRule()

@@ -28,12 +28,9 @@ class SOAP(MatrixOptimizer):
     ``skip_first_update=True`` (a matrix's first step only builds its factors and basis, as the original
     SOAP, arXiv 2409.11321) and ``max_update_rms=1.0`` (each matrix's update clipped to RMS 1). Without them,
     Adam in a freshly rotated basis divides float32 rounding and rotated momentum by a near-zero second
-    moment: on a 64→128→128→128→10 ReLU MLP (cross-entropy on 256 teacher-labelled inputs) step 2's updates
-    had an RMS of 4.4–27 (units of lr) at lr 0.02 and the loss went 2.25 → 10.9 → 6.8e6 by step 4 (1.7e5 at
-    lr 1e-2; Emerging-Optimizers 0.3 gives the same steps). With both, 20 steps bring it to 1.73 (lr 3e-3),
-    0.18 (1e-2) and 5e-5 (0.02); the clip alone to 1.8, 0.42, 2e-5; the skip alone diverges (6e5 at 3e-3);
-    ε = 1e-6 trains at 1e-2 but not at 0.02. ``skip_first_update=False, max_update_rms=0.0`` give
-    Emerging-Optimizers 0.3's SOAP.
+    moment, and a small MLP diverges within a few steps at Adam-sized learning rates; the clip is what keeps
+    it stable, the skip alone does not (the losses with and without each: docs/optimizers.md, "SOAP, KL-SOAP
+    and REKLS"). ``skip_first_update=False, max_update_rms=0.0`` give Emerging-Optimizers 0.3's SOAP.
 
     Args:
         params: tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or param groups.
@@ -52,16 +49,13 @@ class SOAP(MatrixOptimizer):
             series of TF32 products, same-size factors batched, eigh only on step 1 or where a pass fails; see
             :mod:`dtensor_muon.linalg.eigenbasis`). "qr" and "eigh" are the references and "qr" stays the default, as
             the basis the peer comparisons (Emerging-Optimizers) are written against: "cholqr" equals "qr" of
-            the shifted factor (within float32 Householder QR's own error of the float64 formula) and on
-            torchtitan's tiny Llama3 (3 seeds) ended within 0.01 nats of "qr" on every seed. On one H200,
-            Llama3-8B's 28 matrices of 4 layers, one refresh a step: 1,416 ms a step against 2,125 ms with
-            "qr" (float32 products), about 620 ms with TF32 products (BENCHMARKS.md).
+            the shifted factor (within float32 Householder QR's own error of the float64 formula), trains as
+            "qr" does and refreshes faster (docs/optimizers.md, "SOAP, KL-SOAP and REKLS").
         kl: KL-Shampoo's factor update (arXiv 2509.03378).
         max_preconditioner_dim: sides longer than this are not preconditioned (identity basis, no factor).
             8192 by default: a side k costs 8k² + 4k bytes of state (factor and basis) and its refresh is
-            cubic; measured on an H200 (float32), eigh takes 487 ms at k = 8192 and 1.54 s at 14336, QR with
-            its power iteration 116 ms and 0.44 s, so sides up to 8192 (hidden sizes) stay affordable and
-            vocabulary or long MLP sides are left to Adam's diagonal.
+            cubic in k, so sides up to 8192 (hidden sizes) stay affordable and vocabulary or long MLP sides are
+            left to Adam's diagonal (refresh times by k: docs/optimizers.md, "SOAP, KL-SOAP and REKLS").
         correct_bias: Adam's bias corrections 1 − β₁ᵗ and 1 − β₂ᵗ.
     Keyword-only:
         correct_shampoo_beta_bias: bias-corrected factors (β_t = 1 − (1 − β)/(1 − βᵗ)); else an EMA from zero.
@@ -115,7 +109,9 @@ class SOAP(MatrixOptimizer):
         matrix_splits: dict[str, MatrixSplit] | None = None,
         tp_mode: str = "owned",
     ) -> None:
-        beta1 = betas[0] if isinstance(betas, (tuple, list)) and len(betas) == 2 else 0.0
+        # momentum mirrors β₁ for the shared checks; a bad β₁ is left to validate_group, whose error names betas
+        pair = isinstance(betas, (tuple, list)) and len(betas) == 2
+        beta1 = betas[0] if pair and isinstance(betas[0], (int, float)) and 0 <= betas[0] < 1 else 0.0
         defaults = dict(
             lr=lr,
             betas=betas,
