@@ -59,6 +59,12 @@ SCHEDULER_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_
 """Keys torch's learning-rate schedulers (and SWALR) write into param groups for their own bookkeeping."""
 
 
+def given_keywords(frame: dict[str, Any]) -> dict[str, Any]:
+    """A front end's constructor keywords from its ``locals()`` taken first thing in ``__init__``: everything but
+    ``self``, ``params`` and the ``__class__`` cell that ``super()`` adds."""
+    return {k: v for k, v in frame.items() if k not in ("self", "params", "__class__")}
+
+
 def require(condition: bool, message: str) -> None:
     """Raise ValueError(message) unless ``condition``."""
     if not condition:
@@ -116,18 +122,16 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        defaults: dict[str, Any],
-        *,
-        wire_dtype: torch.dtype | None,
-        bucket_size_mb: float,
-        exchange: str,
-        skip_nonfinite: bool,
-        diagnostics_interval: int,
-        overlap: bool,
-        ns_cuda_graphs: bool,
-        matrix_splits: dict[str, MatrixSplit] | None,
-        tp_mode: str = "owned",
+        keywords: dict[str, Any],
     ) -> None:
+        """``keywords``: the front end's constructor keywords by name (:func:`given_keywords`), split here into the
+        param-group defaults and the engine-wide options (:data:`ENGINE_KEYWORDS`, the options table's)."""
+        defaults = {k: v for k, v in keywords.items() if k not in ENGINE_KEYWORDS}
+        wire_dtype = keywords["wire_dtype"]
+        bucket_size_mb = keywords["bucket_size_mb"]
+        exchange = keywords["exchange"]
+        diagnostics_interval = keywords["diagnostics_interval"]
+        ns_cuda_graphs = keywords.get("ns_cuda_graphs", False)  # only Newton–Schulz has graphs
         lr = defaults["lr"]
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError(f"lr: Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
@@ -142,7 +146,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             f"wire_dtype must be None or a floating dtype, got {wire_dtype!r}",
         )
         require(isinstance(ns_cuda_graphs, bool), f"ns_cuda_graphs must be a bool, got {ns_cuda_graphs!r}")
-        splits = dict(matrix_splits or {})
+        splits = dict(keywords["matrix_splits"] or {})
         for pattern, split in splits.items():
             require(
                 isinstance(pattern, str) and isinstance(split, MatrixSplit),
@@ -152,9 +156,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             wire_dtype=wire_dtype,
             bucket_bytes=int(bucket_size_mb * 2**20),
             exchange=exchange,
-            skip_nonfinite=skip_nonfinite,
+            skip_nonfinite=keywords["skip_nonfinite"],
             diagnostics_interval=diagnostics_interval,
-            overlap=bool(overlap),
+            overlap=bool(keywords["overlap"]),
             ns_cuda_graphs=ns_cuda_graphs,
         )
         self._matrix_splits = splits
@@ -164,8 +168,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._named_default: set[int] = set()  # ids of named 2-D matrices routed to the rule by default
         self._stateless: list[Tensor] = []  # parameters without state (frozen at construction)
         # this library's group options (torch adds "differentiable" to defaults on load: not one of them)
-        self._option_keys = (*defaults, "use_muon", "matrix_split", "tp_mode")
-        super().__init__(params, {**defaults, "use_muon": None, "matrix_split": None, "tp_mode": tp_mode})
+        self._option_keys = (*defaults, "use_muon", "matrix_split")
+        super().__init__(params, {**defaults, "use_muon": None, "matrix_split": None})
         self._engine = self._build_engine()
         self._register_hooks()
         self._report_routing([p for g in self.param_groups for p in g["params"]])

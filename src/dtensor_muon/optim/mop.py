@@ -10,7 +10,7 @@ import torch
 from ..plan.views import MatrixSplit
 from ..rules.mop import MOP_SCALES, MOPRule
 from ..rules.muon import AdjustLrFn
-from .base import MatrixOptimizer, require
+from .base import MatrixOptimizer, given_keywords, require
 from .muon import validate_adjust_lr_fn
 
 
@@ -68,31 +68,7 @@ class MOP(MatrixOptimizer):
         matrix_splits: dict[str, MatrixSplit] | None = None,
         tp_mode: str = "owned",
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            scale=scale,
-            adjust_lr_fn=adjust_lr_fn,
-            adamw_betas=adamw_betas,
-            adamw_eps=adamw_eps,
-            adamw_lr=adamw_lr,
-            adamw_weight_decay=adamw_weight_decay,
-        )
-        super().__init__(
-            params,
-            defaults,
-            wire_dtype=wire_dtype,
-            bucket_size_mb=bucket_size_mb,
-            exchange=exchange,
-            skip_nonfinite=skip_nonfinite,
-            diagnostics_interval=diagnostics_interval,
-            overlap=overlap,
-            ns_cuda_graphs=False,
-            matrix_splits=matrix_splits,
-            tp_mode=tp_mode,
-        )
+        super().__init__(params, given_keywords(locals()))
 
     def validate_group(self, group: dict[str, Any]) -> None:
         require(group["scale"] in MOP_SCALES, f"scale must be one of {MOP_SCALES}, got {group['scale']!r}")

@@ -16,7 +16,7 @@ from ..kernels import resolve_ns_algorithm
 from ..linalg.newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec, resolve_coefficients, resolve_ns_dtype
 from ..plan.views import MatrixSplit
 from ..rules.muon import ADJUST_LR_NAMES, AdjustLrFn, MuonRule
-from .base import MatrixOptimizer, require, require_number
+from .base import MatrixOptimizer, given_keywords, require, require_number
 
 MAX_NS_STEPS = 99  # torch.optim.Muon: "Number of steps must be less than 100 for computational efficiency"
 
@@ -127,35 +127,7 @@ class Muon(MatrixOptimizer):
         matrix_splits: dict[str, MatrixSplit] | None = None,
         tp_mode: str = "owned",
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-            adamw_betas=adamw_betas,
-            adamw_eps=adamw_eps,
-            adamw_lr=adamw_lr,
-            adamw_weight_decay=adamw_weight_decay,
-            ns_dtype=ns_dtype,
-            ns_algorithm=ns_algorithm,
-        )
-        super().__init__(
-            params,
-            defaults,
-            wire_dtype=wire_dtype,
-            bucket_size_mb=bucket_size_mb,
-            exchange=exchange,
-            skip_nonfinite=skip_nonfinite,
-            diagnostics_interval=diagnostics_interval,
-            overlap=overlap,
-            ns_cuda_graphs=ns_cuda_graphs,
-            matrix_splits=matrix_splits,
-            tp_mode=tp_mode,
-        )
+        super().__init__(params, given_keywords(locals()))
 
     def validate_group(self, group: dict[str, Any]) -> None:
         validate_newton_schulz(group)

@@ -11,7 +11,7 @@ from ..linalg.newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec
 from ..plan.views import MatrixSplit
 from ..rules.muon import AdjustLrFn
 from ..rules.normuon import NorMuonRule
-from .base import MatrixOptimizer, require, require_number
+from .base import MatrixOptimizer, given_keywords, require, require_number
 from .muon import validate_newton_schulz
 
 
@@ -58,37 +58,7 @@ class NorMuon(MatrixOptimizer):
         matrix_splits: dict[str, MatrixSplit] | None = None,
         tp_mode: str = "owned",
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-            beta2=beta2,
-            normuon_eps=normuon_eps,
-            adamw_betas=adamw_betas,
-            adamw_eps=adamw_eps,
-            adamw_lr=adamw_lr,
-            adamw_weight_decay=adamw_weight_decay,
-            ns_dtype=ns_dtype,
-            ns_algorithm=ns_algorithm,
-        )
-        super().__init__(
-            params,
-            defaults,
-            wire_dtype=wire_dtype,
-            bucket_size_mb=bucket_size_mb,
-            exchange=exchange,
-            skip_nonfinite=skip_nonfinite,
-            diagnostics_interval=diagnostics_interval,
-            overlap=overlap,
-            ns_cuda_graphs=ns_cuda_graphs,
-            matrix_splits=matrix_splits,
-            tp_mode=tp_mode,
-        )
+        super().__init__(params, given_keywords(locals()))
 
     def validate_group(self, group: dict[str, Any]) -> None:
         validate_newton_schulz(group)

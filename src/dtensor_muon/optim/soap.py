@@ -9,7 +9,7 @@ import torch
 
 from ..plan.views import MatrixSplit
 from ..rules.soap import SOAP_BASES, SOAPRule
-from .base import MatrixOptimizer, require, require_number
+from .base import MatrixOptimizer, given_keywords, require, require_number
 
 
 class SOAP(MatrixOptimizer):
@@ -109,43 +109,11 @@ class SOAP(MatrixOptimizer):
         matrix_splits: dict[str, MatrixSplit] | None = None,
         tp_mode: str = "owned",
     ) -> None:
+        keywords = given_keywords(locals())
         # momentum mirrors β₁ for the shared checks; a bad β₁ is left to validate_group, whose error names betas
         pair = isinstance(betas, (tuple, list)) and len(betas) == 2
         beta1 = betas[0] if pair and isinstance(betas[0], (int, float)) and 0 <= betas[0] < 1 else 0.0
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            momentum=beta1,
-            shampoo_beta=shampoo_beta,
-            eps=eps,
-            weight_decay=weight_decay,
-            precondition_frequency=precondition_frequency,
-            basis=basis,
-            kl=kl,
-            max_preconditioner_dim=max_preconditioner_dim,
-            correct_bias=correct_bias,
-            correct_shampoo_beta_bias=correct_shampoo_beta_bias,
-            max_update_rms=max_update_rms,
-            match_update_rms=match_update_rms,
-            skip_first_update=skip_first_update,
-            adamw_betas=adamw_betas,
-            adamw_eps=adamw_eps,
-            adamw_lr=adamw_lr,
-            adamw_weight_decay=adamw_weight_decay,
-        )
-        super().__init__(
-            params,
-            defaults,
-            wire_dtype=wire_dtype,
-            bucket_size_mb=bucket_size_mb,
-            exchange=exchange,
-            skip_nonfinite=skip_nonfinite,
-            diagnostics_interval=diagnostics_interval,
-            overlap=overlap,
-            ns_cuda_graphs=False,
-            matrix_splits=matrix_splits,
-            tp_mode=tp_mode,
-        )
+        super().__init__(params, {**keywords, "momentum": beta1})
 
     def validate_group(self, group: dict[str, Any]) -> None:
         betas = group["betas"]
