@@ -33,7 +33,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..distributed.layout import ParamLayout, TensorParallelLayout, chunk_range, layout_boxes, tensor_parallel_layout
-from . import Plan, build_plan
+from .builder import build_plan
+from .model import Plan
 from .placement import TensorParallelGroup
 from .routing import uses_muon
 
