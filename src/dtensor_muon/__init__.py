@@ -12,6 +12,7 @@ from .optim.param_groups import grouped_qkv_splits, muon_param_groups
 from .optim.soap import KLSOAP, REKLS, SOAP
 from .plan import views
 from .plan.views import MatrixSplit
+from .rules.qk_clip import AttentionHeads
 
 # Pickles name a class by its module: optimizer pickles, torch.save'd state dicts and torch.distributed.checkpoint
 # checkpoints written while MatrixSplit lived in dtensor_muon/views.py (param groups' "matrix_split", a front
@@ -26,6 +27,7 @@ __all__ = [
     "NAMED_COEFFICIENTS",
     "REKLS",
     "SOAP",
+    "AttentionHeads",
     "MatrixSplit",
     "Muon",
     "NorMuon",

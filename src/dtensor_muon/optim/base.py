@@ -43,8 +43,10 @@ from ..plan.routing import caller_stacklevel, name_patterns, sequential_output_l
 from ..plan.views import MatrixSplit
 from ..rules import adamw as adamw_rule
 from ..rules.base import MatrixRule
+from ..rules.qk_clip import AttentionHeads
 from . import state_loading
 from .options import OPTIONS, TP_MODES
+from .qk_clip import QKClip
 
 logger = logging.getLogger("dtensor_muon")
 
@@ -162,6 +164,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             ns_cuda_graphs=ns_cuda_graphs,
         )
         self._matrix_splits = splits
+        self._qk_clip = self._build_qk_clip(keywords)
         self._engine: Engine | None = None
         self._hook_handles: list = []
         self._unnamed_default: set[int] = set()  # ids of unnamed matrices routed to the rule by default
@@ -173,9 +176,41 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._engine = self._build_engine()
         self._register_hooks()
         self._report_routing([p for g in self.param_groups for p in g["params"]])
+        if self._qk_clip is not None:
+            self._qk_clip.check_params(self._named_parameters())
 
     def validate_group(self, group: dict[str, Any]) -> None:
         """Raise ValueError/TypeError naming the first bad hyperparameter of the subclass's own keys."""
+
+    @staticmethod
+    def _build_qk_clip(keywords: dict[str, Any]) -> QKClip | None:
+        """The QK-clip of ``qk_clip_tau`` > 0 (checked with α and the heads), else None."""
+        tau, alpha, heads = keywords["qk_clip_tau"], keywords["qk_clip_alpha"], keywords["qk_clip_heads"]
+        require_number({"qk_clip_tau": tau, "qk_clip_alpha": alpha}, "qk_clip_tau", "qk_clip_alpha")
+        require(tau >= 0, f"qk_clip_tau must be >= 0 (0: off), got {tau}")
+        require(0 <= alpha <= 1, f"qk_clip_alpha must lie in [0, 1], got {alpha}")
+        if tau == 0:
+            require(heads is None, "qk_clip_heads is given but qk_clip_tau is 0 (off); set qk_clip_tau, e.g. 100")
+            return None
+        require(
+            isinstance(heads, dict) and heads and all(isinstance(h, AttentionHeads) for h in heads.values()),
+            f"qk_clip_tau = {tau} needs qk_clip_heads: {{layer name: dtensor_muon.AttentionHeads}}, got {heads!r}",
+        )
+        require(
+            not keywords["overlap"],
+            "qk_clip_tau with overlap=True is not supported yet: the clip runs after the update is applied",
+        )
+        return QKClip(tau, alpha, heads)
+
+    def record_max_logits(self, layer: str, max_logits: Tensor) -> None:
+        """QK-clip: this rank's largest softmax input per head of attention ``layer`` (one value per head, the
+        attention's scale included) in this step's forward passes; call it as often as there are passes."""
+        if self._qk_clip is None:
+            raise RuntimeError("record_max_logits: QK-clip is off; construct the optimizer with qk_clip_tau > 0")
+        self._qk_clip.record(layer, max_logits)
+
+    def _named_parameters(self) -> dict[str, Tensor]:
+        return {label: p for label, p, _ in self._labelled()}
 
     def _register_hooks(self) -> None:
         self.register_state_dict_pre_hook(lambda optimizer: optimizer.flush())
@@ -453,11 +488,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
             "_engine_options": self._engine_options,
             "_matrix_splits": self._matrix_splits,
             "_option_keys": self._option_keys,
+            "_qk_clip": self._qk_clip,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Called by ``load_state_dict`` (state and param_groups only) and by copies (everything)."""
         super().__setstate__(state)
+        self.__dict__.setdefault("_qk_clip", None)  # pickled before QK-clip existed
         if "_option_keys" not in self.__dict__:  # pickled before the option keys were recorded
             self._option_keys = tuple(key for key in self.defaults if key != "differentiable")
         if "differentiable" not in self._option_keys:
@@ -502,7 +539,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if any(p.requires_grad for p in self._stateless) and self._create_missing_state():
             self.flush()
             self._engine = self._build_engine()
+        skipped = self.skipped_steps
         self._engine.step()
+        if self._qk_clip is not None:
+            params = self._named_parameters()
+            self._qk_clip.clip(params, local(next(iter(params.values()))).device, self.skipped_steps > skipped)
         return loss
 
     # ---------------------------------------------------------------- overlap
@@ -542,7 +583,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
     @property
     def metrics(self) -> dict[str, float]:
         """Diagnostics of the last step (see :mod:`dtensor_muon.engine.metrics` for the keys)."""
-        return self._engine.metrics if self._engine is not None else {}
+        metrics = self._engine.metrics if self._engine is not None else {}
+        return {**metrics, **self._qk_clip.metrics} if self._qk_clip is not None else metrics
 
     @property
     def skipped_steps(self) -> int:

@@ -10,6 +10,7 @@ import torch
 from ..plan.views import MatrixSplit
 from ..rules.mop import MOP_SCALES, MOPRule
 from ..rules.muon import AdjustLrFn
+from ..rules.qk_clip import AttentionHeads
 from .base import MatrixOptimizer, given_keywords, require
 from .muon import validate_adjust_lr_fn
 
@@ -38,7 +39,8 @@ class MOP(MatrixOptimizer):
         adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.
         wire_dtype: dtype of the exchange; float32 by default, since the SVD runs in float32 (a 16-bit wire
             is refused for DTensor parameters: it would round the SVD's input).
-        bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, matrix_splits, tp_mode: as in
+        bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, matrix_splits, tp_mode, qk_clip_tau,
+        qk_clip_alpha, qk_clip_heads: as in
             :class:`dtensor_muon.Muon` (tp_mode "owned", "duplicated" or "blockwise": the distributed forms are
             Newton–Schulz's).
     """
@@ -67,6 +69,9 @@ class MOP(MatrixOptimizer):
         overlap: bool = False,
         matrix_splits: dict[str, MatrixSplit] | None = None,
         tp_mode: str = "owned",
+        qk_clip_tau: float = 0.0,
+        qk_clip_alpha: float = 0.5,
+        qk_clip_heads: dict[str, AttentionHeads] | None = None,
     ) -> None:
         super().__init__(params, given_keywords(locals()))
 

@@ -16,6 +16,7 @@ from ..kernels import resolve_ns_algorithm
 from ..linalg.newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec, resolve_coefficients, resolve_ns_dtype
 from ..plan.views import MatrixSplit
 from ..rules.muon import ADJUST_LR_NAMES, AdjustLrFn, MuonRule
+from ..rules.qk_clip import AttentionHeads
 from .base import MatrixOptimizer, given_keywords, require, require_number
 
 MAX_NS_STEPS = 99  # torch.optim.Muon: "Number of steps must be less than 100 for computational efficiency"
@@ -93,6 +94,10 @@ class Muon(MatrixOptimizer):
             bits; for matrices of up to :data:`~dtensor_muon.linalg.ns_graphs.MAX_GRAPH_WORK` = 2³⁶ multiply-adds
             per Gram matrix (4096×4096 and below), where the eager launches' host time rivals the GPU work, see
             :mod:`dtensor_muon.linalg.ns_graphs`). Each graph keeps a few matrices of memory.
+        qk_clip_tau, qk_clip_alpha, qk_clip_heads: QK-clip (MuonClip): with τ > 0, after each step every head
+            whose largest logit (handed over by :meth:`record_max_logits`) exceeded τ has its query and key rows
+            of ``qk_clip_heads`` (``{layer: dtensor_muon.AttentionHeads}``) scaled back to τ (see
+            :mod:`dtensor_muon.rules.qk_clip` for the formula, :mod:`dtensor_muon.optim.qk_clip` for the step).
 
     Every keyword, its default and allowed values: :data:`dtensor_muon.optim.options.OPTIONS` (docs/options.md).
     """
@@ -126,6 +131,9 @@ class Muon(MatrixOptimizer):
         ns_cuda_graphs: bool = True,
         matrix_splits: dict[str, MatrixSplit] | None = None,
         tp_mode: str = "owned",
+        qk_clip_tau: float = 0.0,
+        qk_clip_alpha: float = 0.5,
+        qk_clip_heads: dict[str, AttentionHeads] | None = None,
     ) -> None:
         super().__init__(params, given_keywords(locals()))
 

@@ -11,6 +11,7 @@ from ..linalg.newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec
 from ..plan.views import MatrixSplit
 from ..rules.muon import AdjustLrFn
 from ..rules.normuon import NorMuonRule
+from ..rules.qk_clip import AttentionHeads
 from .base import MatrixOptimizer, given_keywords, require, require_number
 from .muon import validate_newton_schulz
 
@@ -57,6 +58,9 @@ class NorMuon(MatrixOptimizer):
         ns_cuda_graphs: bool = True,
         matrix_splits: dict[str, MatrixSplit] | None = None,
         tp_mode: str = "owned",
+        qk_clip_tau: float = 0.0,
+        qk_clip_alpha: float = 0.5,
+        qk_clip_heads: dict[str, AttentionHeads] | None = None,
     ) -> None:
         super().__init__(params, given_keywords(locals()))
 

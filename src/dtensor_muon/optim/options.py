@@ -129,6 +129,18 @@ def _engine(
 
 _WITHOUT_NS_FORMS = tuple(m for m in TP_MODES if m not in NEWTON_SCHULZ_TP_MODES)
 
+QK_CLIP_WHY = "torchtitan's attention does not hand its per-head maxima to the optimizer yet"
+
+QK_CLIP = (
+    Option("qk_clip_tau", 0.0, "QK-clip's τ: after each step, heads whose largest logit exceeded τ have their query "
+           "and key rows scaled back to it (0: off)", bounds=">= 0", engine=True, config_default=NOT_IN_CONFIG,
+           config_why=QK_CLIP_WHY),
+    Option("qk_clip_alpha", 0.5, "QK-clip's α: the query rows take γ^α, the key rows γ^(1−α)", bounds="[0, 1]",
+           engine=True, config_default=NOT_IN_CONFIG, config_why=QK_CLIP_WHY),
+    Option("qk_clip_heads", None, "{layer name: AttentionHeads}: each attention layer's query and key weights and "
+           "heads, for QK-clip", engine=True, config_default=NOT_IN_CONFIG, config_why=QK_CLIP_WHY),
+)  # fmt: skip
+
 # ---------------------------------------------------------------------------------------------------------------
 # Muon, NorMuon, MOP, SOAP.
 
@@ -158,6 +170,7 @@ MUON = (
     *_engine(torch.bfloat16, ("bfloat16", "float32"), "ns_dtype", TP_MODES),
     Option("ns_cuda_graphs", True, "on CUDA, replay each owner's Newton–Schulz from a CUDA graph per matrix shape "
            "(same bits)", engine=True),
+    *QK_CLIP,
 )  # fmt: skip
 
 NORMUON = (
@@ -178,6 +191,7 @@ MOP = (
            config_default="match_rms_adamw", config_why=ADJUST_LR_CONFIG_WHY),
     *ADAMW,
     *_engine(torch.float32, ("float32",), "the SVD's float32 input", _WITHOUT_NS_FORMS),
+    *QK_CLIP,
 )  # fmt: skip
 
 SOAP = (
@@ -201,6 +215,7 @@ SOAP = (
     Option("skip_first_update", True, "a matrix's first step only builds its factors and basis"),
     *ADAMW,
     *_engine(torch.float32, ("float32",), "the factors' float32 input", _WITHOUT_NS_FORMS),
+    *QK_CLIP,
 )  # fmt: skip
 
 KLSOAP = tuple(Option(**{**o.__dict__, "default": True}) if o.name == "kl" else o for o in SOAP)

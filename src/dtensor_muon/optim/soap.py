@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..plan.views import MatrixSplit
+from ..rules.qk_clip import AttentionHeads
 from ..rules.soap import SOAP_BASES, SOAPRule
 from .base import MatrixOptimizer, given_keywords, require, require_number
 
@@ -71,7 +72,8 @@ class SOAP(MatrixOptimizer):
         adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.
         wire_dtype: dtype of the exchange; float32 (the gradient travels and is used in float32; a 16-bit
             wire is refused for DTensor parameters).
-        bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, matrix_splits, tp_mode: as in
+        bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, matrix_splits, tp_mode, qk_clip_tau,
+        qk_clip_alpha, qk_clip_heads: as in
             :class:`dtensor_muon.Muon` (tp_mode "owned", "duplicated" or "blockwise": the distributed forms are
             Newton–Schulz's).
     """
@@ -108,6 +110,9 @@ class SOAP(MatrixOptimizer):
         overlap: bool = False,
         matrix_splits: dict[str, MatrixSplit] | None = None,
         tp_mode: str = "owned",
+        qk_clip_tau: float = 0.0,
+        qk_clip_alpha: float = 0.5,
+        qk_clip_heads: dict[str, AttentionHeads] | None = None,
     ) -> None:
         keywords = given_keywords(locals())
         # momentum mirrors β₁ for the shared checks; a bad β₁ is left to validate_group, whose error names betas
