@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from dtensor_muon import Muon
+from dtensor_muon import AttentionHeads, Muon
 
 SHAPES: list[tuple[str, tuple[int, ...]]] = [
     ("tok_embeddings.weight", (50, 12)),
@@ -425,34 +425,53 @@ def residual_mlp_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, ResidualMLP.VOCAB), tokens.roll(1, dims=1).reshape(-1))
 
 
-def residual_mlp_one_process(steps: int, device: torch.device) -> dict[str, Any]:
-    """The reference: :class:`ResidualMLP` and ``Muon(lr=0.02)`` in one process on ``device``."""
+RESIDUAL_QK_CLIP = dict(
+    qk_clip_tau=50.0,
+    qk_clip_heads={"block0": AttentionHeads(q="blocks.0.0.weight", k="blocks.1.0.weight", n_heads=8, head_dim=128)},
+)
+"""QK-clip on :class:`ResidualMLP`, two of its 1024-row weights standing for an MHA layer's query and key."""
+
+
+def residual_mlp_max_logits(step: int) -> torch.Tensor:
+    """The per-head maxima the residual MLP's tests hand over at ``step``: some heads above τ = 50."""
+    return torch.tensor([10.0, 80.0, 40.0, 50.0, 200.0, 3.0, 45.0, 60.0]) * (1 + step / 4)
+
+
+def residual_mlp_one_process(steps: int, device: torch.device, qk_clip: bool = False) -> dict[str, Any]:
+    """The reference: :class:`ResidualMLP` and ``Muon(lr=0.02)`` in one process on ``device`` (with
+    :data:`RESIDUAL_QK_CLIP` when ``qk_clip``)."""
     torch.manual_seed(0)
     model = ResidualMLP().to(device)
-    opt = Muon(model.named_parameters(), lr=0.02)
+    opt = Muon(model.named_parameters(), lr=0.02, **(RESIDUAL_QK_CLIP if qk_clip else {}))
     losses = []
     for step in range(steps):
         loss = residual_mlp_loss(model, residual_mlp_batch(step, device))
         loss.backward()
         losses.append(loss.item())
+        if qk_clip:
+            opt.record_max_logits("block0", residual_mlp_max_logits(step))
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "params": {n: p.detach().cpu() for n, p in model.named_parameters()}}
 
 
-def residual_mlp_fsdp(rank: int, world_size: int, steps: int, overlap: bool, prefetch: bool) -> dict[str, Any]:
+def residual_mlp_fsdp(
+    rank: int, world_size: int, steps: int, overlap: bool, prefetch: bool, qk_clip: bool = False
+) -> dict[str, Any]:
     """:func:`residual_mlp_one_process` under FSDP2 (each block, then the root), the same batch on every rank,
     with or without overlap; ``prefetch``: each block unshards the next one (explicit forward prefetch)."""
     torch.manual_seed(0)
     model = ResidualMLP()
     shard_blocks_and_root(model, world_size, prefetch)
-    opt = Muon(model.named_parameters(), lr=0.02, overlap=overlap)
+    opt = Muon(model.named_parameters(), lr=0.02, overlap=overlap, **(RESIDUAL_QK_CLIP if qk_clip else {}))
     opt.attach(model)
     losses = []
     for step in range(steps):
         loss = residual_mlp_loss(model, residual_mlp_batch(step, worker_device()))
         loss.backward()
         losses.append(loss.item())
+        if qk_clip and rank == step % world_size:  # one rank saw the maxima: the all-reduce spreads them
+            opt.record_max_logits("block0", residual_mlp_max_logits(step))
         opt.step()
         opt.zero_grad()
     opt.flush()

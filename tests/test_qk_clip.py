@@ -13,8 +13,9 @@ import copy
 import math
 
 import pytest
+import scenarios
 import torch
-from dist_harness import full_tensor, one_thread, run_distributed
+from dist_harness import DEVICES, full_tensor, one_thread, run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -128,8 +129,8 @@ def test_bad_settings_raise_naming_the_option():
     wrong = AttentionHeads(q="attn.wq.weight", k="attn.wk.weight", n_heads=4, head_dim=4, n_kv_heads=2)
     with pytest.raises(ValueError, match=r"'attn.wq.weight' of shape \(12, 6\) .* 16 rows"):
         dtensor_muon.Muon(params, qk_clip_tau=100.0, qk_clip_heads={"l": wrong})
-    with pytest.raises(ValueError, match="overlap=True"):
-        dtensor_muon.Muon(params, qk_clip_tau=100.0, qk_clip_heads={"l": GQA}, overlap=True)
+    with pytest.raises(ValueError, match="qk_clip_heads is given but qk_clip_tau is 0"):
+        dtensor_muon.Muon(params, qk_clip_heads={"l": GQA})
     with pytest.raises(ValueError, match="n_kv_heads must divide"):
         AttentionHeads(q="a", k="b", n_heads=4, head_dim=2, n_kv_heads=3)
     opt = dtensor_muon.Muon(params)
@@ -229,3 +230,19 @@ def test_a_copied_optimizer_clips_as_the_original():
         o.step()
     assert all(torch.equal(params[n], twin_params[n]) for n in params)
     assert twin.metrics["muon/qk_clip/heads_clipped"] == 1.0  # head 1 (20 > τ); its group mate is scaled with it
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overlap_clips_each_weight_before_its_next_forward(device):
+    """FSDP2 on 2 ranks with overlap: each clipped weight is scaled in the hook that lands its update, so every
+    forward, hence every loss, and the final weights equal overlap=False's and one process's."""
+    with one_thread():
+        reference = scenarios.residual_mlp_one_process(4, torch.device(device), qk_clip=True)
+        plain = scenarios.residual_mlp_one_process(4, torch.device(device))
+    assert reference["losses"][2:] != plain["losses"][2:]  # the clip changes the training
+    for overlap in (False, True):
+        results = run_distributed(scenarios.residual_mlp_fsdp, 2, 4, overlap, False, True, device=device)
+        for result in results:
+            assert result["losses"] == reference["losses"], (overlap, result["losses"], reference["losses"])
+        for name, want in reference["params"].items():
+            assert torch.equal(torch.cat([r["pieces"][name] for r in results]), want), (overlap, name)

@@ -46,7 +46,7 @@ from ..rules.base import MatrixRule
 from ..rules.qk_clip import AttentionHeads
 from . import state_loading
 from .options import OPTIONS, TP_MODES
-from .qk_clip import QKClip
+from .qk_clip import QKClip, scale_rows
 
 logger = logging.getLogger("dtensor_muon")
 
@@ -165,6 +165,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         )
         self._matrix_splits = splits
         self._qk_clip = self._build_qk_clip(keywords)
+        self._clip_after_update: dict[int, tuple[str, Tensor, Tensor]] = {}  # id(param) → its QK-clip, in flight
         self._engine: Engine | None = None
         self._hook_handles: list = []
         self._unnamed_default: set[int] = set()  # ids of unnamed matrices routed to the rule by default
@@ -195,10 +196,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
         require(
             isinstance(heads, dict) and heads and all(isinstance(h, AttentionHeads) for h in heads.values()),
             f"qk_clip_tau = {tau} needs qk_clip_heads: {{layer name: dtensor_muon.AttentionHeads}}, got {heads!r}",
-        )
-        require(
-            not keywords["overlap"],
-            "qk_clip_tau with overlap=True is not supported yet: the clip runs after the update is applied",
         )
         return QKClip(tau, alpha, heads)
 
@@ -495,6 +492,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """Called by ``load_state_dict`` (state and param_groups only) and by copies (everything)."""
         super().__setstate__(state)
         self.__dict__.setdefault("_qk_clip", None)  # pickled before QK-clip existed
+        self._clip_after_update = {}  # flushed before any pickle or state_dict
         if "_option_keys" not in self.__dict__:  # pickled before the option keys were recorded
             self._option_keys = tuple(key for key in self.defaults if key != "differentiable")
         if "differentiable" not in self._option_keys:
@@ -542,9 +540,29 @@ class MatrixOptimizer(torch.optim.Optimizer):
         skipped = self.skipped_steps
         self._engine.step()
         if self._qk_clip is not None:
-            params = self._named_parameters()
-            self._qk_clip.clip(params, local(next(iter(params.values()))).device, self.skipped_steps > skipped)
+            self._clip_qk(skipped=self.skipped_steps > skipped)
         return loss
+
+    def _clip_qk(self, skipped: bool) -> None:
+        """QK-clip after the step's update: scale each clipped weight's rows now, or, while its update is still
+        in flight (overlap), as soon as it lands (:meth:`_finish`, :meth:`flush`)."""
+        assert self._qk_clip is not None and self._engine is not None
+        params = self._named_parameters()
+        device = local(next(iter(params.values()))).device
+        pending = self._engine.pending.remaining if self._engine.pending is not None else {}
+        for name, factors in self._qk_clip.row_factors(params, device, skipped).items():
+            p = params[name]
+            if self._index_of_param.get(id(p)) in pending:
+                self._clip_after_update[id(p)] = (name, p, factors)
+            else:
+                scale_rows(name, p, factors)
+
+    def _apply_waiting_clips(self, param_ids: Iterable[int] | None = None) -> None:
+        """Scale the rows of the weights whose updates have landed (``param_ids``; None: all that wait)."""
+        pending = self._engine.pending.remaining if self._engine is not None and self._engine.pending else {}
+        for i in list(self._clip_after_update if param_ids is None else param_ids):
+            if i in self._clip_after_update and self._index_of_param.get(i) not in pending:
+                scale_rows(*self._clip_after_update.pop(i))
 
     # ---------------------------------------------------------------- overlap
     def attach(self, *modules: torch.nn.Module) -> None:
@@ -572,13 +590,18 @@ class MatrixOptimizer(torch.optim.Optimizer):
             return False
         index_of = self._index_of_param
         with torch.no_grad():
-            return self._engine.finish([index_of[i] for i in param_ids if i in index_of])
+            applied = self._engine.finish([index_of[i] for i in param_ids if i in index_of])
+        if applied and self._clip_after_update:
+            self._apply_waiting_clips(param_ids)
+        return applied
 
     def flush(self) -> None:
         """Apply every pending update now (overlap mode); a no-op when nothing is pending."""
         if self._engine is not None:
             with torch.no_grad():
                 self._engine.flush()
+        if self._clip_after_update:
+            self._apply_waiting_clips()
 
     @property
     def metrics(self) -> dict[str, float]:

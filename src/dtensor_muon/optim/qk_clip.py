@@ -8,8 +8,10 @@ every configured layer's maxima (−inf where this rank recorded none, e.g. a pi
 go into one tensor, all-reduced with MAX over every rank: one collective per step whatever the number of layers.
 Each rank then multiplies the rows it holds of each query and key weight by their factors, wherever the layout
 puts them (the global rows of a shard come from its box: FSDP's uneven shards, tensor parallelism, FSDP over
-tensor parallelism), so every rank's pieces together equal the whole weight clipped in one process. A skipped
-step (a non-finite gradient with ``skip_nonfinite``) clips nothing; the recorded maxima are dropped either way.
+tensor parallelism), so every rank's pieces together equal the whole weight clipped in one process. With
+``overlap=True`` a weight whose update is still in flight is scaled right after that update lands (in the hook
+before its module's forward, or at a flush), so no forward sees it unclipped. A skipped step (a non-finite gradient
+with ``skip_nonfinite``) clips nothing; the recorded maxima are dropped either way.
 """
 
 from __future__ import annotations
@@ -87,14 +89,15 @@ class QKClip:
         return packed
 
     @torch.no_grad()
-    def clip(self, params: dict[str, Tensor], device: torch.device, skipped: bool) -> None:
-        """After the step's update: the all-reduce and this rank's rows scaled (nothing when ``skipped``, which
-        every rank decides alike)."""
+    def row_factors(self, params: dict[str, Tensor], device: torch.device, skipped: bool) -> dict[str, Tensor]:
+        """After the step's update: the all-reduce, then the factors of every row of each weight of ``params``
+        that a clipped head touches (none when ``skipped``, which every rank decides alike)."""
         if skipped:
             self._recorded, self.metrics = {}, {}
-            return
+            return {}
         maxima = self._global_maxima(device).cpu()
         self._recorded = {}
+        factors: dict[str, Tensor] = {}
         clipped, offset = 0, 0
         for heads in self.layers.values():
             s = maxima[offset : offset + heads.n_heads]
@@ -102,12 +105,13 @@ class QKClip:
             over = int((s > self.tau).sum())
             clipped += over
             if over and heads.q in params:
-                for name, factors in row_factors(heads, s, self.tau, self.alpha).items():
-                    _scale_rows(name, params[name], factors)
+                factors.update(row_factors(heads, s, self.tau, self.alpha))
         self.metrics = {"muon/qk_clip/max_logit": float(maxima.max()), "muon/qk_clip/heads_clipped": float(clipped)}
+        return factors
 
 
-def _scale_rows(name: str, p: Tensor, factors: Tensor) -> None:
+@torch.no_grad()
+def scale_rows(name: str, p: Tensor, factors: Tensor) -> None:
     """Multiply the rows this rank holds of weight ``p`` by their factors, in ``p``'s dtype."""
     start, stop = read_layout(name, p).local_box[0] if isinstance(p, DTensor) else (0, p.shape[0])
     shard = local(p)
