@@ -43,6 +43,8 @@ REDUCTIONS: tuple[tuple[str, str, str], ...] = (
     ("muon/skipped_steps", "max", "max"),
     ("muon/step_skipped", "max", "max"),
     ("muon/plan_", "max", "max"),
+    ("muon/qk_clip/max_logit", "max", "max"),  # global already: the same on every rank
+    ("muon/qk_clip/heads_clipped", "sum", "max"),  # the parts hold different layers; the ranks agree
 )
 """How each optimizer metric is combined: first the key itself, then the longest matching prefix; other keys take max."""
 
@@ -151,6 +153,8 @@ def optimizer_line(m: Mapping[str, float]) -> str | None:
         parts.append(f"σ [{m['muon/sigma_min']:.3f}, {m['muon/sigma_max']:.3f}]")
     if "muon/orthogonality_error" in m:
         parts.append(f"orth_err {m['muon/orthogonality_error']:.3f}")
+    if "muon/qk_clip/max_logit" in m:
+        parts.append(f"qk_clip max {m['muon/qk_clip/max_logit']:.4g} clipped {m['muon/qk_clip/heads_clipped']:.0f}")
     if m.get("muon/nonfinite_updates", 0) > 0:
         parts.append(f"nonfinite {m['muon/nonfinite_updates']:.0f}")
     return "optimizer: " + "  ".join(parts)

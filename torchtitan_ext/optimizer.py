@@ -25,6 +25,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.metrics import combine
+from torchtitan_ext.qk_clip import attention_heads, record_maxima
 from torchtitan_ext.registry import (
     REGISTRY,
     check_optimizer_name,
@@ -48,11 +49,15 @@ class MatrixOptimizersContainer(OptimizersContainer):
         self.model_parts = model_parts
         self.optimizers = []
         all_params: list[nn.Parameter] = []
+        self.qk_clip_hooks: list = []
         for model in model_parts:
             named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-            opt = optimizer_cls(named, **optimizer_kwargs)
+            layers = attention_heads(model) if optimizer_kwargs.get("qk_clip_tau") else {}
+            heads = {"qk_clip_heads": {name: h for name, (_, h) in layers.items()}} if layers else {}
+            opt = optimizer_cls(named, **optimizer_kwargs, **heads)
             if optimizer_kwargs.get("overlap"):
                 opt.attach(model)
+            self.qk_clip_hooks.extend(record_maxima(layers, opt.record_max_logits))
             self.optimizers.append(opt)
             all_params.extend(p for _, p in named)
         self._validate_length(len(model_parts))
@@ -81,6 +86,13 @@ def build_optimizers(
     if ft_manager is not None and ft_manager.enabled:
         raise NotImplementedError(f"torchft fault tolerance is not supported with {name}")
     kwargs = optimizer_kwargs(optimizer_config)
+    if kwargs.get("qk_clip_tau") and parallel_dims is not None:
+        unsupported = [k for k in ("tp", "pp", "cp") if getattr(parallel_dims, f"{k}_enabled")]
+        if unsupported:
+            raise NotImplementedError(
+                f"[{REGISTRY[name].section}] qk_clip_tau with {', '.join(unsupported)} parallelism is not supported "
+                "yet: the plug-in records each attention's maxima from its whole local heads and sequence"
+            )
     hint = setting_hint(name, kwargs)
     if hint is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning(hint)

@@ -54,6 +54,8 @@ def check_option(section: str, option: Option, value: object) -> None:
         check_choice(section, option.name, value, option.choices)
     elif option.bounds == "[0, 1)":
         check_unit_interval(section, option.name, value)
+    elif option.bounds == "[0, 1]" and not 0.0 <= value <= 1.0:
+        raise ValueError(f"[{section}] {option.name} = {value!r} is not valid; it must lie in [0, 1]")
     elif option.bounds in ("> 0", ">= 0"):
         check_positive(section, option.name, value, allow_zero=option.bounds == ">= 0")
     elif option.bounds.startswith("integer >= "):

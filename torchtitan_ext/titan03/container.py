@@ -164,6 +164,11 @@ class MatrixOptimizersContainer(OptimizersContainer):
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         entry, kwargs = config.entry, config.optimizer_kwargs()
+        if kwargs.get("qk_clip_tau"):
+            raise NotImplementedError(
+                f"[{entry.section}] qk_clip_tau is not supported on torchtitan 0.3 yet: its attention fuses the query "
+                "and key weights (wqkv), whose heads' rows QK-clip does not read yet; use torchtitan 0.2"
+            )
         self.model_parts = model_parts
         self.optimizers = []
         all_params: list[nn.Parameter] = []

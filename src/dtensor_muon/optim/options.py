@@ -129,16 +129,14 @@ def _engine(
 
 _WITHOUT_NS_FORMS = tuple(m for m in TP_MODES if m not in NEWTON_SCHULZ_TP_MODES)
 
-QK_CLIP_WHY = "torchtitan's attention does not hand its per-head maxima to the optimizer yet"
-
 QK_CLIP = (
     Option("qk_clip_tau", 0.0, "QK-clip's τ: after each step, heads whose largest logit exceeded τ have their query "
-           "and key rows scaled back to it (0: off)", bounds=">= 0", engine=True, config_default=NOT_IN_CONFIG,
-           config_why=QK_CLIP_WHY),
+           "and key rows scaled back to it (0: off)", bounds=">= 0", engine=True),
     Option("qk_clip_alpha", 0.5, "QK-clip's α: the query rows take γ^α, the key rows γ^(1−α)", bounds="[0, 1]",
-           engine=True, config_default=NOT_IN_CONFIG, config_why=QK_CLIP_WHY),
+           engine=True),
     Option("qk_clip_heads", None, "{layer name: AttentionHeads}: each attention layer's query and key weights and "
-           "heads, for QK-clip", engine=True, config_default=NOT_IN_CONFIG, config_why=QK_CLIP_WHY),
+           "heads, for QK-clip", engine=True, config_default=NOT_IN_CONFIG,
+           config_why="the torchtitan plug-ins read each attention layer's heads from the model"),
 )  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------------------------
