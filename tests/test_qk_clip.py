@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import dtensor_muon
 from dtensor_muon import AttentionHeads
+from dtensor_muon.distributed.consensus import OptionMismatchError
 from dtensor_muon.distributed.layout import box_slices, layout_boxes
 
 TAU, ALPHA = 5.0, 0.5
@@ -246,3 +247,18 @@ def test_overlap_clips_each_weight_before_its_next_forward(device):
             assert result["losses"] == reference["losses"], (overlap, result["losses"], reference["losses"])
         for name, want in reference["params"].items():
             assert torch.equal(torch.cat([r["pieces"][name] for r in results]), want), (overlap, name)
+
+
+def different_tau(rank: int, world_size: int) -> str:
+    mesh = init_device_mesh("cpu", (world_size,))
+    params = [(n, torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))) for n, w in weights(GQA).items()]
+    try:
+        dtensor_muon.Muon(params, qk_clip_tau=100.0 + rank, qk_clip_heads={"layer0": GQA})
+    except OptionMismatchError as error:
+        return str(error)
+    return "constructed"
+
+
+def test_ranks_with_different_qk_clip_settings_all_raise_naming_the_option():
+    messages = run_distributed(different_tau, 2)
+    assert all("qk_clip_tau differs across ranks (rank 0: 100.0, rank 1: 101.0)" in m for m in messages), messages

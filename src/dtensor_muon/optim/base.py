@@ -178,7 +178,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._register_hooks()
         self._report_routing([p for g in self.param_groups for p in g["params"]])
         if self._qk_clip is not None:
-            self._qk_clip.check_params(self._named_parameters())
+            params = self._named_parameters()
+            self._qk_clip.check_params(params)
+            device = local(next(iter(params.values()))).device
+            self._qk_clip.check_same_everywhere(device, f"{type(self).__name__}: QK-clip")
 
     def validate_group(self, group: dict[str, Any]) -> None:
         """Raise ValueError/TypeError naming the first bad hyperparameter of the subclass's own keys."""

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from ..distributed import consensus
 from ..distributed.layout import local, read_layout
 from ..rules.qk_clip import AttentionHeads, row_factors
 
@@ -34,6 +35,15 @@ class QKClip:
         self.layers = dict(sorted(heads.items()))  # one order on every rank: the packed tensor's
         self._recorded: dict[str, Tensor] = {}
         self.metrics: dict[str, float] = {}
+
+    def check_same_everywhere(self, device: torch.device, what: str) -> None:
+        """Raise on every rank, naming the first difference, unless all ranks hold the same τ, α and layers (the
+        all-reduce packs the layers' maxima in one order: a difference would mix them up or hang it)."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        description = [("option qk_clip_tau", self.tau), ("option qk_clip_alpha", self.alpha)]
+        description += [(f"option qk_clip_heads[{layer!r}]", repr(heads)) for layer, heads in self.layers.items()]
+        consensus.check_same_everywhere(description, None, device, what)
 
     def check_params(self, params: dict[str, Tensor]) -> None:
         """Raise ValueError unless each layer's two weights are both among ``params`` or both absent (another
