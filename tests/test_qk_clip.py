@@ -262,3 +262,34 @@ def different_tau(rank: int, world_size: int) -> str:
 def test_ranks_with_different_qk_clip_settings_all_raise_naming_the_option():
     messages = run_distributed(different_tau, 2)
     assert all("qk_clip_tau differs across ranks (rank 0: 100.0, rank 1: 101.0)" in m for m in messages), messages
+
+
+def interleaved(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A fused QKV weight interleaved by key group: per group its query rows, its key rows, its value rows."""
+    parts = [w.reshape(kv_heads, -1, w.shape[-1]) for w in (wq, wk, wv)]
+    return torch.cat(parts, dim=1).reshape(-1, wq.shape[-1])
+
+
+def test_a_fused_qkv_weight_is_clipped_as_its_separate_projections():
+    g = torch.Generator().manual_seed(3)
+    separate = {name: torch.randn(rows, 6, generator=g) for name, rows in (("wq", 12), ("wk", 6), ("wv", 6))}
+    a = {n: torch.nn.Parameter(w.clone()) for n, w in separate.items()}
+    heads = AttentionHeads(q="wq", k="wk", n_heads=4, head_dim=3, n_kv_heads=2)
+    opt_a = dtensor_muon.Muon(list(a.items()), lr=0.02, qk_clip_tau=TAU, qk_clip_heads={"l": heads})
+    fused = torch.nn.Parameter(interleaved(*separate.values(), kv_heads=2))
+    opt_b = dtensor_muon.Muon(
+        [("wqkv", fused)],
+        lr=0.02,
+        matrix_splits={"wqkv": dtensor_muon.MatrixSplit.grouped_qkv(4, 2, 3)},  # each projection updated alone
+        qk_clip_tau=TAU,
+        qk_clip_heads={"l": AttentionHeads.grouped_qkv("wqkv", n_heads=4, n_kv_heads=2, head_dim=3)},
+    )
+    for step in range(2):
+        grads = {n: gradient(p.shape, step, i) for i, (n, p) in enumerate(a.items())}
+        for n, p in a.items():
+            p.grad = grads[n]
+        fused.grad = interleaved(*grads.values(), kv_heads=2)
+        for opt in (opt_a, opt_b):
+            opt.record_max_logits("l", torch.tensor(MAXIMA["GQA"]))
+            opt.step()
+    assert torch.equal(fused.detach(), interleaved(*(p.detach() for p in a.values()), kv_heads=2))

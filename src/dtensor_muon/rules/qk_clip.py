@@ -13,7 +13,10 @@ head at or below τ keeps γ = 1 (its rows untouched, bit for bit). With α (0.5
 Rows are the output rows of ``nn.Linear`` weights ([out, in]): head h of ``W_q`` is rows h·d … (h+1)·d − 1 (MHA,
 GQA: d = head_dim; MLA: d = qk_nope_head_dim + qk_rope_head_dim, NoPE first), group g of ``W_k`` rows
 g·d … (g+1)·d − 1, and head h of MLA's ``wkv_b`` rows h·(n + v) … with the n NoPE key rows first, then the v value
-rows. The factors are computed in float64 and applied in the weight's dtype; optimizer state is not rescaled.
+rows. A fused QKV weight interleaved by key group (:meth:`AttentionHeads.grouped_qkv`, the layout of
+:meth:`dtensor_muon.MatrixSplit.grouped_qkv`: per group its query heads, its key head, its value head, d rows each)
+takes the same factors in that order, the value rows 1. The factors are computed in float64 and applied in the
+weight's dtype; optimizer state is not rescaled.
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ class AttentionHeads:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    fused: bool = False
+    """``q`` and ``k`` name one fused QKV weight, its rows interleaved by key group (:meth:`grouped_qkv`)."""
+
+    @classmethod
+    def grouped_qkv(cls, weight: str, n_heads: int, n_kv_heads: int, head_dim: int) -> AttentionHeads:
+        """The heads of a fused QKV weight whose rows interleave by key group (torchtitan 0.3's ``wqkv``): per
+        group g its ``n_heads / n_kv_heads`` query heads, then its key head, then its value head."""
+        return cls(q=weight, k=weight, n_heads=n_heads, head_dim=head_dim, n_kv_heads=n_kv_heads, fused=True)
 
     def __post_init__(self) -> None:
         if self.n_heads < 1:
@@ -52,6 +63,11 @@ class AttentionHeads:
                     f"{self.qk_nope_head_dim} and {self.v_head_dim}"
                 )
             return
+        if self.fused != (self.q == self.k):
+            raise ValueError(
+                f"AttentionHeads {self.q!r}: q and k name one weight exactly when it is a fused QKV weight "
+                "(AttentionHeads.grouped_qkv)"
+            )
         if self.head_dim < 1:
             raise ValueError(f"AttentionHeads {self.q!r}: head_dim must be >= 1, got {self.head_dim}")
         kv = self.kv_heads
@@ -73,6 +89,8 @@ class AttentionHeads:
         if self.is_mla:
             q_rows = self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
             return {self.q: q_rows, self.k: self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)}
+        if self.fused:
+            return {self.q: (self.n_heads + 2 * self.kv_heads) * self.head_dim}
         return {self.q: self.n_heads * self.head_dim, self.k: self.kv_heads * self.head_dim}
 
 
@@ -100,4 +118,9 @@ def row_factors(heads: AttentionHeads, max_logits: Tensor, tau: float, alpha: fl
     gamma = head_factors(max_logits.reshape(heads.kv_heads, group).amax(dim=1), tau)  # per key head
     q = gamma.repeat_interleave(group).pow(alpha).repeat_interleave(heads.head_dim)
     k = gamma.pow(1 - alpha).repeat_interleave(heads.head_dim)
+    if heads.fused:  # per key group: its query rows, its key rows, its value rows (1)
+        d = heads.head_dim
+        v = torch.ones(heads.kv_heads, d, dtype=gamma.dtype)
+        rows = torch.cat([q.reshape(heads.kv_heads, group * d), k.reshape(heads.kv_heads, d), v], dim=1)
+        return {heads.q: rows.reshape(-1)}
     return {heads.q: q, heads.k: k}
