@@ -42,10 +42,10 @@ def test_heads_are_read_from_the_model_with_the_rows_of_their_weights(name):
     assert next(iter(layers.values()))[1].is_mla == (name == "deepseek_v3")
 
 
-def test_an_attention_that_is_not_sdpa_is_refused_naming_it():
+def test_varlen_attention_is_refused_naming_it():
     m = model("llama3")
-    m.layers["0"].attention.attn_type = "flex"
-    with pytest.raises(NotImplementedError, match=r"attention 'layers\.0\.attention' runs attn_type = 'flex'"):
+    m.layers["0"].attention.attn_type = "varlen"
+    with pytest.raises(NotImplementedError, match=r"attention 'layers\.0\.attention' runs 'varlen'"):
         qk_clip.attention_heads(m)
 
 
@@ -61,7 +61,7 @@ def test_causal_maxima_equal_the_float64_reference_within_float32_products(monke
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 8, 16, 4, generator=g), torch.randn(2, 2, 16, 4, generator=g)
     monkeypatch.setattr(qk_clip, "SCORES_BYTES", 3 * 4 * 16 * 16)  # three query heads at a time: chunks cut groups
-    got = qk_clip.causal_max_logits(q, k, 0.5)
+    got = qk_clip.max_logits(q, k, 0.5)
     want = reference_maxima(q, k, 0.5)
     # each score is a 4-term float32 dot product: within 4·2⁻²⁴ of Σ|q||k| per entry, times the scale
     bound = 4 * 2**-24 * 0.5 * (q.abs().amax() * k.abs().amax() * 4)
@@ -70,7 +70,7 @@ def test_causal_maxima_equal_the_float64_reference_within_float32_products(monke
     future[0, 0, 0] = 1.0  # only query position 0 sees a key at position 0; a large future key must not count
     keys = torch.zeros(1, 1, 16, 4)
     keys[0, 0, 5] = 100.0
-    assert qk_clip.causal_max_logits(future, keys, 1.0).item() == 0.0
+    assert qk_clip.max_logits(future, keys, 1.0).item() == 0.0
 
 
 def test_hooks_hand_over_the_maxima_of_the_attentions_own_inputs():
@@ -113,3 +113,30 @@ def test_llama3_with_a_low_tau_clips_heads_and_trains(tmp_path):
     # forward (new batch, weights updated and clipped) sees logits back near τ
     assert clipped[0] > 0 and peak[0] > 0.1 and peak[1] < peak[0] / 2, lines
     assert sorted(losses) == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(list(losses.values()))))
+
+
+def test_flex_attention_masks_are_reproduced_from_their_mask_mod():
+    """Two documents per sequence (a different split in each batch row), causal inside each: the maxima only see
+    the positions the block mask lets attention see."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seq = 16
+    starts = torch.tensor([[0] * 5 + [1] * 11, [0] * 9 + [1] * 7])  # document id of each position, per batch row
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (starts[b, q_idx] == starts[b, kv_idx]) & (kv_idx <= q_idx)
+
+    block_mask = create_block_mask(same_document_causal, 2, None, seq, seq, device="cpu")
+    dense = qk_clip.dense_mask(block_mask, torch.device("cpu"))
+    want = torch.tensor(
+        [[[bool(starts[b, i] == starts[b, j] and j <= i) for j in range(seq)] for i in range(seq)] for b in range(2)]
+    )
+    assert torch.equal(dense[:, 0], want)
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 4, seq, 8, generator=g), torch.randn(2, 4, seq, 8, generator=g)
+    k[:, :, 4] = 50.0  # a huge key at position 4: in row 0's first document only
+    got = qk_clip.max_logits(q, k, 0.25, dense)
+    scores = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) * 0.25
+    reference = scores.masked_fill(~want[:, None], float("-inf")).amax(dim=(0, 2, 3))
+    assert torch.allclose(got.double(), reference, rtol=1e-5)
+    assert not torch.allclose(got, qk_clip.max_logits(q, k, 0.25))  # the plain causal mask would see more

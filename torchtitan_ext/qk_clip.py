@@ -3,15 +3,18 @@ maxima handed to the optimizer from the attention's inputs.
 
 :func:`attention_heads` finds every module with an ``inner_attention`` (torchtitan's attention layers) and reads
 its geometry: ``wq``/``wk`` with ``n_heads``, ``n_kv_heads``, ``head_dim`` (Llama3, Qwen3: MHA or GQA), or
-``wkv_b`` with the MLA dims (DeepSeek-V3; the query weight is ``wq``, or ``wq_b`` with a query LoRA). Parameter
-names are the model part's own (``named_parameters``), activation-checkpoint wrappers included.
+``wkv_b`` with the MLA dims (DeepSeek-V3; the query weight is ``wq``, or ``wq_b`` with a query LoRA); in
+torchtitan 0.3, a ``qkv_linear`` with ``wq``/``wk`` or a fused ``wqkv`` interleaved by key group
+(:meth:`dtensor_muon.AttentionHeads.grouped_qkv`). Parameter names are the model part's own (``named_parameters``,
+passed through ``name_of``: torchtitan 0.3 names them canonically), activation-checkpoint wrappers included.
 
 :func:`record_maxima` registers a forward pre-hook on each ``inner_attention``: from the query and key it is
-called with ([batch, heads, seq, head_dim], after RoPE and QK-norm) and its ``scale`` (default head_dim^-½) it
-computes the causal softmax inputs q_i·k_j·scale (j ≤ i) in float32, a few query heads at a time, and hands
-each head's maximum to the optimizer. This is the exact fallback: one more Q·Kᵀ product per layer and
-forward. torchtitan 0.2's SDPA path (causal) is supported; FlexAttention's and varlen's masks are refused (their
-documents' masks are not reproduced here).
+called with (after RoPE and QK-norm; [batch, heads, seq, head_dim] in torchtitan 0.2, [batch, seq, heads,
+head_dim] in 0.3) and its ``scale`` (default head_dim^-½) it computes the causal softmax inputs q_i·k_j·scale
+(j ≤ i, or FlexAttention's mask) in float32, a few query heads at a time, and hands each head's maximum to the optimizer. This is the exact
+fallback: one more Q·Kᵀ product per layer and forward (and, with FlexAttention, its mask made dense from the block
+mask's ``mask_mod``: [batch, seq, seq] booleans). SDPA (causal) and FlexAttention of both lines are supported;
+varlen attention is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from dtensor_muon import AttentionHeads
 
@@ -28,24 +32,47 @@ SCORES_BYTES = 256 * 2**20
 """At most this many bytes of float32 scores at a time (query heads are taken in groups that fit)."""
 
 
-def attention_heads(model: nn.Module) -> dict[str, tuple[nn.Module, AttentionHeads]]:
-    """``{layer name: (its inner_attention module, AttentionHeads)}`` for every attention layer of ``model``."""
+SUPPORTED = ("sdpa", "flex", "ScaledDotProductAttentionWrapper", "ScaledDotProductAttention", "FlexAttentionWrapper",
+             "FlexAttention")  # fmt: skip
+"""The attentions (torchtitan 0.2's ``attn_type``, 0.3's inner-attention classes) whose masks the hooks reproduce:
+causal SDPA, and FlexAttention's block masks (made dense from their ``mask_mod``)."""
+
+
+def attention_heads(
+    model: nn.Module, name_of: Callable[[str], str] = str
+) -> dict[str, tuple[nn.Module, AttentionHeads]]:
+    """``{layer name: (its inner_attention module, AttentionHeads)}`` for every attention layer of ``model``;
+    ``name_of`` maps a parameter's ``named_parameters`` name to the optimizer's."""
     layers = {}
     for name, module in model.named_modules():
         inner = getattr(module, "inner_attention", None)
         if not isinstance(inner, nn.Module):
             continue
         prefix = f"{name}." if name else ""
-        if getattr(module, "attn_type", "sdpa") != "sdpa":
+        kind = getattr(module, "attn_type", type(inner).__name__)  # torchtitan 0.2 names it; 0.3's is the class
+        if kind not in SUPPORTED:
             raise NotImplementedError(
-                f"QK-clip: attention {name!r} runs attn_type = {module.attn_type!r}, whose masks this plug-in does not "
-                "reproduce for the logit maxima; use [model] attn_type = 'sdpa' (or qk_clip_tau = 0)"
+                f"QK-clip: attention {name!r} runs {kind!r}, whose masks this plug-in does not reproduce for the "
+                "logit maxima; use SDPA or FlexAttention ([model] attn_type), or qk_clip_tau = 0"
             )
-        if hasattr(module, "wkv_b"):
+        qkv = getattr(module, "qkv_linear", None)
+        if qkv is not None and hasattr(qkv, "wqkv"):
+            heads = AttentionHeads.grouped_qkv(
+                name_of(f"{prefix}qkv_linear.wqkv.weight"), module.n_heads, module.n_kv_heads, module.head_dim
+            )
+        elif qkv is not None:
+            heads = AttentionHeads(
+                q=name_of(f"{prefix}qkv_linear.wq.weight"),
+                k=name_of(f"{prefix}qkv_linear.wk.weight"),
+                n_heads=module.n_heads,
+                head_dim=module.head_dim,
+                n_kv_heads=module.n_kv_heads,
+            )
+        elif hasattr(module, "wkv_b"):
             q = "wq" if getattr(module, "q_lora_rank", 0) == 0 else "wq_b"
             heads = AttentionHeads(
-                q=f"{prefix}{q}.weight",
-                k=f"{prefix}wkv_b.weight",
+                q=name_of(f"{prefix}{q}.weight"),
+                k=name_of(f"{prefix}wkv_b.weight"),
                 n_heads=module.n_heads,
                 qk_nope_head_dim=module.qk_nope_head_dim,
                 qk_rope_head_dim=module.qk_rope_head_dim,
@@ -53,14 +80,16 @@ def attention_heads(model: nn.Module) -> dict[str, tuple[nn.Module, AttentionHea
             )
         elif hasattr(module, "wq") and hasattr(module, "wk"):
             heads = AttentionHeads(
-                q=f"{prefix}wq.weight",
-                k=f"{prefix}wk.weight",
+                q=name_of(f"{prefix}wq.weight"),
+                k=name_of(f"{prefix}wk.weight"),
                 n_heads=module.n_heads,
                 head_dim=module.head_dim,
                 n_kv_heads=module.n_kv_heads,
             )
         else:
-            raise ValueError(f"QK-clip: attention {name!r} ({type(module).__name__}) has neither wq/wk nor wkv_b")
+            raise ValueError(
+                f"QK-clip: attention {name!r} ({type(module).__name__}) has no wq/wk, wkv_b or qkv_linear weights"
+            )
         layers[name] = (inner, heads)
     if not layers:
         raise ValueError("QK-clip: the model has no attention layer (no module with an inner_attention)")
@@ -68,40 +97,62 @@ def attention_heads(model: nn.Module) -> dict[str, tuple[nn.Module, AttentionHea
 
 
 @torch.no_grad()
-def causal_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """max over batch and positions j ≤ i of q_i·k_j·scale, per query head (float32); a key head serves
-    ``q heads / k heads`` query heads (GQA)."""
+def max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """max over batch and allowed positions of q_i·k_j·scale, per query head (float32); ``mask`` ([batch or 1,
+    1, seq, seq], True where attention looks) or, without one, the causal j ≤ i; a key head serves ``q heads /
+    k heads`` query heads (GQA)."""
     batch, heads, seq, _ = q.shape
     repeat = heads // k.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    if mask is None:
+        mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=q.device).tril()
     chunk = max(1, SCORES_BYTES // (4 * seq * seq))
     out = torch.full((heads,), float("-inf"), device=q.device)
     for b in range(batch):
+        allowed = mask[b if mask.shape[0] > 1 else 0, 0]
         for h0 in range(0, heads, chunk):
             h1 = min(heads, h0 + chunk)
             qs = q[b, h0:h1].float()
             ks = k[b, torch.arange(h0, h1, device=k.device) // repeat].float()  # each query head's key head
             scores = (qs @ ks.transpose(-2, -1)) * scale
-            peak = scores.masked_fill(~causal, float("-inf")).amax(dim=(1, 2))
+            peak = scores.masked_fill(~allowed, float("-inf")).amax(dim=(1, 2))
             out[h0:h1] = torch.maximum(out[h0:h1], peak)
     return out
 
 
-def record_maxima(layers: dict[str, tuple[nn.Module, AttentionHeads]], record: Callable[[str, torch.Tensor], None]):
+def dense_mask(block_mask: BlockMask, device: torch.device) -> torch.Tensor:
+    """FlexAttention's mask as a [batch or 1, 1, q_len, kv_len] bool tensor, from its ``mask_mod`` (document and
+    causal masks alike)."""
+    batch, _, q_len, kv_len = block_mask.shape
+    return create_mask(block_mask.mask_mod, batch, None, q_len, kv_len, device=device)
+
+
+def record_maxima(
+    layers: dict[str, tuple[nn.Module, AttentionHeads]], record: Callable[[str, torch.Tensor], None]
+) -> list:
     """Register the hooks that hand each layer's per-head maxima to ``record(layer, maxima)``; return their
     handles."""
     handles = []
     for layer, (inner, _) in layers.items():
+        # torchtitan 0.3's inner attentions take [batch, seq, heads, d]; 0.2's wrappers [batch, heads, seq, d]
+        seq_first = type(inner).__name__ in ("ScaledDotProductAttention", "FlexAttention")
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], layer: str = layer) -> None:
-            if "block_mask" in kwargs or len(args) > 3 or not kwargs.get("is_causal", True):
+        def hook(
+            module: nn.Module, args: tuple, kwargs: dict[str, Any], layer: str = layer, seq_first: bool = seq_first
+        ) -> None:
+            if kwargs.get("score_mod") is not None:
                 raise NotImplementedError(
-                    f"QK-clip: attention {layer!r} runs with a mask this plug-in does not reproduce (FlexAttention "
-                    "or varlen); use [model] attn_type = 'sdpa'"
+                    f"QK-clip: attention {layer!r} has a score_mod: its softmax inputs are not q·k·scale"
                 )
-            q, k = args[0], args[1]
+            masks = kwargs.get("block_mask", kwargs.get("attention_masks"))
+            if len(args) > 3 or not (masks is None or isinstance(masks, BlockMask)) or not kwargs.get("is_causal", 1):
+                raise NotImplementedError(
+                    f"QK-clip: attention {layer!r} runs with a mask this plug-in does not reproduce (varlen); use SDPA "
+                    "or FlexAttention"
+                )
+            q, k = (args[0].transpose(1, 2), args[1].transpose(1, 2)) if seq_first else (args[0], args[1])
             scale = kwargs.get("scale") or q.shape[-1] ** -0.5
-            record(layer, causal_max_logits(q, k, scale))
+            mask = dense_mask(masks, q.device) if masks is not None else None
+            record(layer, max_logits(q, k, scale, mask))
 
         handles.append(inner.register_forward_pre_hook(hook, with_kwargs=True))
     return handles

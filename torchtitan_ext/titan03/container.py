@@ -37,6 +37,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from dtensor_muon import MatrixSplit
 from torchtitan_ext import sections
 from torchtitan_ext.metrics import combine
+from torchtitan_ext.qk_clip import attention_heads, record_maxima
 from torchtitan_ext.registry import REGISTRY, MatrixOptimizerEntry
 
 logger = logging.getLogger("torchtitan_ext")
@@ -164,20 +165,24 @@ class MatrixOptimizersContainer(OptimizersContainer):
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         entry, kwargs = config.entry, config.optimizer_kwargs()
-        if kwargs.get("qk_clip_tau"):
+        if kwargs.get("qk_clip_tau") and (len(model_parts) > 1 or _tensor_parallel(model_parts)):
             raise NotImplementedError(
-                f"[{entry.section}] qk_clip_tau is not supported on torchtitan 0.3 yet: its attention fuses the query "
-                "and key weights (wqkv), whose heads' rows QK-clip does not read yet; use torchtitan 0.2"
+                f"[{entry.section}] qk_clip_tau with pipeline or tensor parallelism is not supported yet: the "
+                "plug-in records each attention's maxima from its whole local heads"
             )
         self.model_parts = model_parts
+        self.qk_clip_hooks: list = []
         self.optimizers = []
         all_params: list[nn.Parameter] = []
         for part, model in enumerate(model_parts):
             named = [(canonical_fqn(name), p) for name, p in model.named_parameters() if p.requires_grad]
             splits = fused_qkv_splits(model, config.fused_qkv)
-            optimizer = entry.optimizer_cls(named, **kwargs, matrix_splits=splits)
+            layers = attention_heads(model, canonical_fqn) if kwargs.get("qk_clip_tau") else {}
+            heads = {"qk_clip_heads": {name: h for name, (_, h) in layers.items()}} if layers else {}
+            optimizer = entry.optimizer_cls(named, **kwargs, **heads, matrix_splits=splits)
             if kwargs.get("overlap"):
                 optimizer.attach(model)
+            self.qk_clip_hooks.extend(record_maxima(layers, optimizer.record_max_logits))
             self.optimizers.append(optimizer)
             all_params.extend(p for _, p in named)
             logger.info(f"Optimizer {entry.name} (model_part={part}): {len(named)} parameters, lr {config.lr}")
@@ -189,6 +194,12 @@ class MatrixOptimizersContainer(OptimizersContainer):
         """The latest ``opt.metrics`` of every part's optimizer, combined over the parts of this rank (times,
         bytes and FLOPs add up; see :data:`torchtitan_ext.metrics.REDUCTIONS`)."""
         return combine((opt.metrics for opt in self.optimizers), over="parts")
+
+
+def _tensor_parallel(model_parts: list[nn.Module]) -> bool:
+    """Whether any parameter is a DTensor over a mesh with a dim named "tp"."""
+    meshes = (getattr(p, "device_mesh", None) for m in model_parts for p in m.parameters())
+    return any(mesh is not None and "tp" in (mesh.mesh_dim_names or ()) for mesh in meshes)
 
 
 def option_keys(name: str) -> tuple[str, ...]:
