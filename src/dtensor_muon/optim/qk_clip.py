@@ -4,8 +4,9 @@ each rank scales its own rows of every query and key weight (the factors: :mod:`
 The model hands over the maxima (``optimizer.record_max_logits(layer, max_logits)``: one float per head, the
 largest softmax input this rank saw, the attention's scale included) any number of times per step: gradient
 accumulation, pipeline micro-batches and recomputation all keep the maximum. At ``step()``, after the update,
-every configured layer's maxima (−inf where this rank recorded none, e.g. a pipeline stage without that layer)
-go into one tensor, all-reduced with MAX over every rank: one collective per step whatever the number of layers.
+every configured layer's maxima (−inf where this rank recorded none, e.g. a pipeline stage without that layer:
+give every rank the same ``qk_clip_heads``, the whole model's layers, which construction checks) go into one
+tensor, all-reduced with MAX over every rank: one collective per step whatever the number of layers.
 Each rank then multiplies the rows it holds of each query and key weight by their factors, wherever the layout
 puts them (the global rows of a shard come from its box: FSDP's uneven shards, tensor parallelism, FSDP over
 tensor parallelism), so every rank's pieces together equal the whole weight clipped in one process. With
