@@ -11,6 +11,7 @@ wins), a rank that recorded nothing, and one all-reduce added per step.
 
 import copy
 import math
+from collections.abc import Callable
 
 import pytest
 import scenarios
@@ -150,6 +151,23 @@ def place(name: str, w: torch.Tensor, mesh, placements) -> DTensor:
     return DTensor.from_local(w[box_slices(box)].contiguous(), mesh, placements, shape=w.shape, stride=w.stride())
 
 
+def all_reduces_of(call: Callable[[], object]) -> int:
+    """How many times ``call()`` calls torch.distributed.all_reduce (each call goes through to the real one)."""
+    real, calls = torch.distributed.all_reduce, 0
+
+    def counted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    torch.distributed.all_reduce = counted
+    try:
+        call()
+    finally:
+        torch.distributed.all_reduce = real
+    return calls
+
+
 def sharded(rank: int, world_size: int, kind: str, layout: str) -> tuple[dict[str, torch.Tensor], int]:
     heads, maxima = {"GQA": GQA, "MLA": MLA}[kind], MAXIMA[kind]
     if layout == "fsdp":
@@ -161,13 +179,6 @@ def sharded(rank: int, world_size: int, kind: str, layout: str) -> tuple[dict[st
     opt = optimizer(list(params.items()), heads)
     name_of = list(params)
     calls = 0
-    real = torch.distributed.all_reduce
-
-    def counted(*args, **kwargs):
-        nonlocal calls
-        calls += 1
-        return real(*args, **kwargs)
-
     for step in range(2):
         for i, p in enumerate(params.values()):
             p.grad = place(name_of[i], gradient(p.shape, step, i), mesh, placements)
@@ -176,9 +187,7 @@ def sharded(rank: int, world_size: int, kind: str, layout: str) -> tuple[dict[st
             opt.record_max_logits("layer0", torch.tensor(maxima))
         elif rank == 0:
             opt.record_max_logits("layer0", torch.tensor(maxima).clamp(max=TAU / 2))
-        torch.distributed.all_reduce = counted
-        opt.step()
-        torch.distributed.all_reduce = real
+        calls += all_reduces_of(opt.step)
     return {n: full_tensor(p) for n, p in params.items()}, calls
 
 
@@ -187,19 +196,10 @@ def calls_without_clip(rank: int, world_size: int) -> int:
     params = {n: torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)])) for n, w in weights(GQA).items()}
     opt = optimizer(list(params.items()), None)
     calls = 0
-    real = torch.distributed.all_reduce
-
-    def counted(*args, **kwargs):
-        nonlocal calls
-        calls += 1
-        return real(*args, **kwargs)
-
     for step in range(2):
         for i, p in enumerate(params.values()):
             p.grad = distribute_tensor(gradient(p.shape, step, i), mesh, [Shard(0)])
-        torch.distributed.all_reduce = counted
-        opt.step()
-        torch.distributed.all_reduce = real
+        calls += all_reduces_of(opt.step)
     return calls
 
 
