@@ -99,7 +99,7 @@ from common import benchmark_parser, markdown_table, median, write_result
 from torch import nn
 from torch.autograd import DeviceType
 
-from dtensor_muon import Muon
+from dtensor_muon import AttentionHeads, Muon
 from dtensor_muon.distributed.layout import box_shape
 from dtensor_muon.kernels.elementwise import decay_and_add_many, momentum_steps
 from dtensor_muon.linalg.newton_schulz import newton_schulz
@@ -477,6 +477,7 @@ class ParameterSet:
         for _, p in self.named:
             p.grad = torch.empty_like(p)
         self.muon_names = {n for n, p in self.named if uses_muon(n, p, None)}
+        self.qk_clip_heads: dict[str, AttentionHeads] = {}  # the attention layers, for the QK-clip row
 
     def kind(self, index: int) -> str:
         """ "matrices" (2-D Muon), "experts" (3-D Muon) or "adamw"."""
@@ -522,10 +523,56 @@ class ParameterSet:
         return matrices, rest
 
 
+QK_CLIP_TAU = 100.0
+"""τ of the QK-clip row: :class:`MuonClippingHalfTheHeads` hands over maxima of 2τ and τ/2, head by head."""
+
+
+def qk_clip_heads(shapes: Shapes, family: str, flavor: str, quick: bool) -> dict[str, AttentionHeads]:
+    """Each attention layer's heads, from the parameter names and the flavor's head counts (:data:`BUILTIN_ARGS`):
+    ``wq``/``wk`` (MHA, GQA: head_dim from wq's rows) or ``wkv_b`` with ``wq`` or ``wq_b`` (MLA)."""
+    a = {**BUILTIN_ARGS[family, flavor], **shape_overrides(family, flavor, quick)}
+    rows = {name: shape[0] for name, shape in shapes}
+    heads = {}
+    for name in rows:
+        layer = name.rsplit(".", 2)[0]
+        if name.endswith(".attention.wkv_b.weight"):
+            q = f"{layer}.wq.weight" if f"{layer}.wq.weight" in rows else f"{layer}.wq_b.weight"
+            heads[layer] = AttentionHeads(
+                q, name, n_heads=a["n_heads"], qk_nope_head_dim=a["qk_nope_head_dim"],
+                qk_rope_head_dim=a["qk_rope_head_dim"], v_head_dim=a["v_head_dim"],
+            )  # fmt: skip
+        elif name.endswith(".attention.wk.weight"):
+            head_dim = rows[f"{layer}.wq.weight"] // a["n_heads"]
+            heads[layer] = AttentionHeads(
+                f"{layer}.wq.weight", name, n_heads=a["n_heads"], head_dim=head_dim, n_kv_heads=rows[name] // head_dim
+            )
+    return heads
+
+
+class MuonClippingHalfTheHeads(Muon):
+    """``dtensor_muon.Muon`` with QK-clip, handed before each step the maxima an attention would hand over: 2τ for
+    every other head, τ/2 for the rest, so each step pays the clip's all-reduce and the row scaling of half the
+    heads (GQA: of every key group)."""
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        for layer, heads in self.clipped_heads.items():
+            alternating = torch.tensor([2 * QK_CLIP_TAU, QK_CLIP_TAU / 2]).repeat(heads.n_heads)[: heads.n_heads]
+            self.record_max_logits(layer, alternating)
+        return super().step(closure)
+
+
 def build_optimizer(kind: str, params: ParameterSet) -> list[torch.optim.Optimizer]:
     fused = params.device.type == "cuda"
     if kind == "dtensor_muon":
         return [Muon(params.named, **MUON_ARGS, adamw_betas=BETAS, adamw_eps=ADAM_EPS)]
+    if kind == "dtensor_muon_qk_clip":
+        heads = params.qk_clip_heads
+        opt = MuonClippingHalfTheHeads(
+            params.named, **MUON_ARGS, adamw_betas=BETAS, adamw_eps=ADAM_EPS, qk_clip_tau=QK_CLIP_TAU,
+            qk_clip_heads=heads,
+        )  # fmt: skip
+        opt.clipped_heads = heads
+        return [opt]
     if kind == "torch_muon_adamw":
         matrices, rest = params.split()
         return [
@@ -543,6 +590,7 @@ def build_optimizer(kind: str, params: ParameterSet) -> list[torch.optim.Optimiz
 
 LABELS = {
     "dtensor_muon": "dtensor_muon.Muon",
+    "dtensor_muon_qk_clip": "dtensor_muon.Muon + QK-clip (half the heads)",
     "torch_muon_adamw": "torch.optim.Muon + AdamW{}",
     "adamw": "AdamW{} on everything",
 }
@@ -911,6 +959,9 @@ def parse_args() -> Any:
         help="time the busiest FSDP rank's share at W ranks (repeatable or a comma list: 8,64,256)",
     )
     parser.add_argument("--skip-whole", action="store_true", help="only the per-rank view (no whole-step rows)")
+    parser.add_argument(
+        "--qk-clip", action="store_true", help="also dtensor_muon.Muon with QK-clip on half the heads (its cost)"
+    )
     args = parser.parse_args()
     try:
         args.world_size = world_sizes(args.world_size)
@@ -966,9 +1017,10 @@ def whole_step(args: Any, params: ParameterSet, floor: dict[str, float] | None) 
         for i in (indices[: args.check_params] if device.type == "cuda" else indices)
     ]
     rows, finals = [], {}
-    for kind in ("dtensor_muon", "torch_muon_adamw", "adamw"):
+    kinds = ("dtensor_muon", *(("dtensor_muon_qk_clip",) if args.qk_clip else ()), "torch_muon_adamw", "adamw")
+    for kind in kinds:
         rows.append(run_optimizer(kind, params, args.warmup, args.steps))
-        if kind != "adamw":
+        if kind in ("dtensor_muon", "torch_muon_adamw"):
             finals[kind] = snapshot(params, check)
         print(f"  {rows[-1]['optimizer']}: {rows[-1]['step_ms']:.2f} ms", flush=True)
     differences = update_differences(params, finals["dtensor_muon"], finals["torch_muon_adamw"])
@@ -1006,7 +1058,9 @@ def main() -> None:
     rows: list[dict] = []
     extra: dict[str, Any] = {}
     if not args.skip_whole:
-        rows, extra = whole_step(args, ParameterSet(shapes, device), floor)
+        params = ParameterSet(shapes, device)
+        params.qk_clip_heads = qk_clip_heads(shapes, family, flavor, args.quick) if args.qk_clip else {}
+        rows, extra = whole_step(args, params, floor)
         free(device)
         print(markdown_table(rows, WHOLE_COLUMNS))
         print(

@@ -70,6 +70,32 @@ def test_builtin_shapes_are_torchtitans(model):
         assert shapes["output.weight"] == (128256, 4096)
 
 
+@pytest.mark.parametrize("model", ["llama3_8b", "deepseek_v3_16b", "qwen3_30b_a3b"])
+def test_qk_clip_row_takes_the_heads_the_torchtitan_plug_in_reads_from_the_model(model):
+    """The benchmark's heads, from parameter names and its head counts, against torchtitan_ext.qk_clip's, read from
+    the attention modules of the meta-built model (2 layers)."""
+    pytest.importorskip("torchtitan")
+    import copy
+
+    import torch
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_ext import qk_clip
+
+    optimizer_step = bench_module("optimizer_step")
+    family, flavor = optimizer_step.MODELS[model]
+    shapes = optimizer_step.torchtitan_shapes(family, flavor, 2)
+    spec = get_train_spec(family)
+    args = copy.deepcopy(spec.model_args[flavor])
+    args.n_layers = 2
+    if family == "deepseek_v3":
+        args.moe_impl = "standard"
+    with torch.device("meta"):
+        model_heads = {layer: heads for layer, (_, heads) in qk_clip.attention_heads(spec.model_cls(args)).items()}
+    assert optimizer_step.qk_clip_heads(shapes, family, flavor, False) == model_heads
+    assert len(model_heads) == 2
+
+
 @pytest.mark.slow
 def test_optimizer_step_quick_matches_torch_optim_muon(tmp_path):
     pytest.importorskip("torchtitan")
