@@ -1,6 +1,7 @@
 """SOAP's basis refresh (``basis="cholqr"``, :mod:`dtensor_muon.linalg.eigenbasis`) taken apart: what each operation of
 one refresh of a k×k factor costs, and what the float32 Cholesky passes' replacements cost and how accurate they
-are. This is how BENCHMARKS.md's "What the rest of the step is made of" figures were measured.
+are. This is how BENCHMARKS.md's per-operation table of the refresh (section "The refresh on matrix products")
+was measured.
 
     PYTHONPATH=src python tools/soap/refresh_ops.py                 # k = 4096 and 1024, on the GPU
     PYTHONPATH=src python tools/soap/refresh_ops.py --sides 2048

@@ -1,6 +1,6 @@
 """How far SOAP's per-step power iteration turns each basis in real training: whether the refresh could be a
-small rotation instead of a QR factorization. This is how BENCHMARKS.md's figures on a factorization-free
-refresh were measured.
+small rotation instead of a QR factorization. BENCHMARKS.md ("The refresh on matrix products") cites its run for
+why the refresh keeps its factorizations.
 
     PYTHONPATH=src:. python tools/soap/rotation_width.py                       # tiny Llama3, 60 steps, CPU
     PYTHONPATH=src:. python tools/soap/rotation_width.py --steps 30 --json out.json
