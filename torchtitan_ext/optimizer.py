@@ -13,6 +13,7 @@ with ``scale = "shape"``), so one lr serves both.
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.metrics import combine
-from torchtitan_ext.qk_clip import attention_heads, record_maxima
+from torchtitan_ext.qk_clip import build_with_qk_clip
 from torchtitan_ext.registry import (
     REGISTRY,
     check_optimizer_name,
@@ -49,15 +50,11 @@ class MatrixOptimizersContainer(OptimizersContainer):
         self.model_parts = model_parts
         self.optimizers = []
         all_params: list[nn.Parameter] = []
-        self.qk_clip_hooks: list = []
         for model in model_parts:
             named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-            layers = attention_heads(model) if optimizer_kwargs.get("qk_clip_tau") else {}
-            heads = {"qk_clip_heads": {name: h for name, (_, h) in layers.items()}} if layers else {}
-            opt = optimizer_cls(named, **optimizer_kwargs, **heads)
+            opt = build_with_qk_clip(functools.partial(optimizer_cls, named), model, optimizer_kwargs)
             if optimizer_kwargs.get("overlap"):
                 opt.attach(model)
-            self.qk_clip_hooks.extend(record_maxima(layers, opt.record_max_logits))
             self.optimizers.append(opt)
             all_params.extend(p for _, p in named)
         self._validate_length(len(model_parts))

@@ -11,10 +11,12 @@ passed through ``name_of``: torchtitan 0.3 names them canonically), activation-c
 :func:`record_maxima` registers a forward pre-hook on each ``inner_attention``: from the query and key it is
 called with (after RoPE and QK-norm; [batch, heads, seq, head_dim] in torchtitan 0.2, [batch, seq, heads,
 head_dim] in 0.3) and its ``scale`` (default head_dim^-½) it computes the causal softmax inputs q_i·k_j·scale
-(j ≤ i, or FlexAttention's mask) in float32, a few query heads at a time, and hands each head's maximum to the optimizer. This is the exact
-fallback: one more Q·Kᵀ product per layer and forward (and, with FlexAttention, its mask made dense from the block
-mask's ``mask_mod``: [batch, seq, seq] booleans). SDPA (causal) and FlexAttention of both lines are supported;
+(j ≤ i, or FlexAttention's mask) in float32, a few query heads at a time, and hands each head's maximum to the
+optimizer. This is the exact fallback: one more Q·Kᵀ product per layer and forward (and, with FlexAttention, its
+mask made dense from the block mask's ``mask_mod``: [batch, seq, seq] booleans). SDPA (causal) and FlexAttention of both lines are supported;
 varlen attention is refused.
+
+:func:`build_with_qk_clip` puts both together for the optimizers' containers of both torchtitan lines.
 """
 
 from __future__ import annotations
@@ -55,18 +57,13 @@ def attention_heads(
                 f"QK-clip: attention {name!r} runs {kind!r}, whose masks this plug-in does not reproduce for the "
                 "logit maxima; use SDPA or FlexAttention ([model] attn_type), or qk_clip_tau = 0"
             )
-        qkv = getattr(module, "qkv_linear", None)
-        if qkv is not None and hasattr(qkv, "wqkv"):
+        # torchtitan 0.3 keeps the projections in a qkv_linear submodule, 0.2 on the attention itself
+        projections, at = (
+            (module.qkv_linear, f"{prefix}qkv_linear.") if hasattr(module, "qkv_linear") else (module, prefix)
+        )
+        if hasattr(projections, "wqkv"):
             heads = AttentionHeads.grouped_qkv(
-                name_of(f"{prefix}qkv_linear.wqkv.weight"), module.n_heads, module.n_kv_heads, module.head_dim
-            )
-        elif qkv is not None:
-            heads = AttentionHeads(
-                q=name_of(f"{prefix}qkv_linear.wq.weight"),
-                k=name_of(f"{prefix}qkv_linear.wk.weight"),
-                n_heads=module.n_heads,
-                head_dim=module.head_dim,
-                n_kv_heads=module.n_kv_heads,
+                name_of(f"{at}wqkv.weight"), module.n_heads, module.n_kv_heads, module.head_dim
             )
         elif hasattr(module, "wkv_b"):
             q = "wq" if getattr(module, "q_lora_rank", 0) == 0 else "wq_b"
@@ -78,10 +75,10 @@ def attention_heads(
                 qk_rope_head_dim=module.qk_rope_head_dim,
                 v_head_dim=module.v_head_dim,
             )
-        elif hasattr(module, "wq") and hasattr(module, "wk"):
+        elif hasattr(projections, "wq") and hasattr(projections, "wk"):
             heads = AttentionHeads(
-                q=name_of(f"{prefix}wq.weight"),
-                k=name_of(f"{prefix}wk.weight"),
+                q=name_of(f"{at}wq.weight"),
+                k=name_of(f"{at}wk.weight"),
                 n_heads=module.n_heads,
                 head_dim=module.head_dim,
                 n_kv_heads=module.n_kv_heads,
@@ -156,3 +153,16 @@ def record_maxima(
 
         handles.append(inner.register_forward_pre_hook(hook, with_kwargs=True))
     return handles
+
+
+def build_with_qk_clip(
+    build: Callable[..., Any], model: nn.Module, kwargs: dict[str, Any], name_of: Callable[[str], str] = str
+) -> Any:
+    """``build(**kwargs)``, the optimizer of one model part; with ``qk_clip_tau`` set, also handed the part's
+    attention heads (``qk_clip_heads``), and the hooks that record its maxima are registered on the model."""
+    if not kwargs.get("qk_clip_tau"):
+        return build(**kwargs)
+    layers = attention_heads(model, name_of)
+    optimizer = build(**kwargs, qk_clip_heads={name: heads for name, (_, heads) in layers.items()})
+    record_maxima(layers, optimizer.record_max_logits)
+    return optimizer

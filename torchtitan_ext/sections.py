@@ -108,6 +108,9 @@ def _float32_wire(why: str) -> Callable[[Any], None]:
     return check
 
 
+_SOAP_WIRE = _float32_wire("SOAP's factors are float32 and a bfloat16 wire would round the gradient")
+"""The float32-only wire of ``[soap]``, ``[klsoap]`` and ``[rekls]``."""
+
 Muon = _section_class(
     "Muon",
     "muon",
@@ -136,13 +139,13 @@ SOAP = _section_class(
     'SOAP\'s options beyond the shared ``[optimizer]`` ones (used when ``optimizer.name = "SOAP"``): Adam '
     "(``[optimizer]`` beta1, beta2, eps) in the eigenbasis of Shampoo's factors, on each matrix's owner; the "
     "wire is float32 only (SOAP's factors are float32).",
-    _float32_wire("SOAP's factors are float32 and a bfloat16 wire would round the gradient"),
+    _SOAP_WIRE,
 )
 KLSOAP = _section_class(
     "KLSOAP",
     "klsoap",
     "``[soap]``'s keys with KL-Shampoo's factors on (used when ``optimizer.name = \"KLSOAP\"``).",
-    _float32_wire("SOAP's factors are float32 and a bfloat16 wire would round the gradient"),
+    _SOAP_WIRE,
     base=SOAP,
 )
 REKLS = _section_class(
@@ -150,7 +153,7 @@ REKLS = _section_class(
     "rekls",
     "``[soap]``'s keys with KL-Shampoo's factors and a full eigendecomposition every refresh (used when "
     '``optimizer.name = "REKLS"``).',
-    _float32_wire("SOAP's factors are float32 and a bfloat16 wire would round the gradient"),
+    _SOAP_WIRE,
     base=KLSOAP,
 )
 

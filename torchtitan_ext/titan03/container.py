@@ -26,6 +26,7 @@ On the command line (tyro): ``--optimizer.name SOAP --optimizer.lr 0.01 --optimi
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -37,7 +38,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from dtensor_muon import MatrixSplit
 from torchtitan_ext import sections
 from torchtitan_ext.metrics import combine
-from torchtitan_ext.qk_clip import attention_heads, record_maxima
+from torchtitan_ext.qk_clip import build_with_qk_clip
 from torchtitan_ext.registry import REGISTRY, MatrixOptimizerEntry
 
 logger = logging.getLogger("torchtitan_ext")
@@ -171,18 +172,15 @@ class MatrixOptimizersContainer(OptimizersContainer):
                 "plug-in records each attention's maxima from its whole local heads"
             )
         self.model_parts = model_parts
-        self.qk_clip_hooks: list = []
         self.optimizers = []
         all_params: list[nn.Parameter] = []
         for part, model in enumerate(model_parts):
             named = [(canonical_fqn(name), p) for name, p in model.named_parameters() if p.requires_grad]
             splits = fused_qkv_splits(model, config.fused_qkv)
-            layers = attention_heads(model, canonical_fqn) if kwargs.get("qk_clip_tau") else {}
-            heads = {"qk_clip_heads": {name: h for name, (_, h) in layers.items()}} if layers else {}
-            optimizer = entry.optimizer_cls(named, **kwargs, **heads, matrix_splits=splits)
+            build = functools.partial(entry.optimizer_cls, named, matrix_splits=splits)
+            optimizer = build_with_qk_clip(build, model, kwargs, canonical_fqn)
             if kwargs.get("overlap"):
                 optimizer.attach(model)
-            self.qk_clip_hooks.extend(record_maxima(layers, optimizer.record_max_logits))
             self.optimizers.append(optimizer)
             all_params.extend(p for _, p in named)
             logger.info(f"Optimizer {entry.name} (model_part={part}): {len(named)} parameters, lr {config.lr}")

@@ -18,7 +18,7 @@ table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -216,8 +216,8 @@ SOAP = (
     *QK_CLIP,
 )  # fmt: skip
 
-KLSOAP = tuple(Option(**{**o.__dict__, "default": True}) if o.name == "kl" else o for o in SOAP)
-REKLS = tuple(Option(**{**o.__dict__, "default": "eigh"}) if o.name == "basis" else o for o in KLSOAP)
+KLSOAP = tuple(replace(o, default=True) if o.name == "kl" else o for o in SOAP)
+REKLS = tuple(replace(o, default="eigh") if o.name == "basis" else o for o in KLSOAP)
 
 OPTIONS: dict[str, tuple[Option, ...]] = {
     "Muon": MUON,
