@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_modules import BENCH, bench_module
 
 from dtensor_muon.plan import build_plan
 from dtensor_muon.plan.routing import uses_muon
@@ -17,21 +18,12 @@ from dtensor_muon.plan.simulate import fsdp_layout
 from dtensor_muon.rules.muon import MuonRule
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
 MOE_MODELS = ["qwen3_30b_a3b", "kimi_k2"]
-
-
-def bench_module():
-    sys.path.insert(0, str(BENCH))
-    try:
-        return __import__("optimizer_step")
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def quick_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
     """The parameter shapes a ``--quick --model MODEL`` run uses (2 layers)."""
-    o = bench_module()
+    o = bench_module("optimizer_step")
     family, _ = o.MODELS[model]
     return o.builtin_shapes(family, o.QUICK_FLAVORS.get(model, o.QUICK_FLAVOR), 2, True)
 
@@ -40,7 +32,7 @@ def independent_max_rank_flops(shapes: list[tuple[str, tuple[int, ...]]], world_
     """(max of the plan's per-rank FLOPs, the busiest rank's computed matrices' ``MuonRule.cost`` summed) for the
     Muon parameters of ``shapes`` under FSDP over ``world_size`` ranks, planned here as the engine plans."""
     muon = [(n, s) for n, s in shapes if uses_muon(n, torch.empty(s, device="meta"), None)]
-    group = bench_module().muon_group()
+    group = bench_module("optimizer_step").muon_group()
     rule = MuonRule()
     plan = build_plan(
         [fsdp_layout(n, s, world_size) for n, s in muon],
@@ -57,7 +49,7 @@ def independent_max_rank_flops(shapes: list[tuple[str, tuple[int, ...]]], world_
 @pytest.mark.parametrize("model", MOE_MODELS)
 def test_builtin_shapes_are_torchtitans(model):
     pytest.importorskip("torchtitan")
-    o = bench_module()
+    o = bench_module("optimizer_step")
     family, flavor = o.MODELS[model]
     quick_flavor = o.QUICK_FLAVORS[model]
     cases = [
@@ -86,7 +78,7 @@ def test_builtin_shapes_are_torchtitans(model):
 
 
 def test_experts_and_world_size_arguments_are_checked():
-    o = bench_module()
+    o = bench_module("optimizer_step")
     assert o.world_sizes(["8,64", "256"]) == [8, 64, 256]
     with pytest.raises(ValueError):
         o.world_sizes(["0"])
@@ -96,7 +88,7 @@ def test_experts_and_world_size_arguments_are_checked():
 
 @pytest.mark.parametrize("model", MOE_MODELS)
 def test_busiest_rank_share_is_the_plans_busiest_rank(model):
-    o = bench_module()
+    o = bench_module("optimizer_step")
     shapes = quick_shapes(model)
     muon_names = {n for n, s in shapes if uses_muon(n, torch.empty(s, device="meta"), None)}
     for world in (8, 64):

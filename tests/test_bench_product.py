@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_modules import BENCH, bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
 
 
 def run_quick(script: str, tmp_path: Path, *flags: str, timeout: int = 240) -> dict:
@@ -34,14 +34,6 @@ def run_quick(script: str, tmp_path: Path, *flags: str, timeout: int = 240) -> d
     result = json.loads(out.read_text())
     assert result["machine"]["torch"] and result["args"]["quick"] is True
     return result
-
-
-def bench_module(name: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def test_newton_schulz_flop_count_by_hand():

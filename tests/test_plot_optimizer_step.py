@@ -2,22 +2,12 @@
 ratio of the step times, and the Newton–Schulz floor line at the floor's position on the same axis."""
 
 import json
-import sys
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
+from bench_modules import bench_module
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 SVG = "{http://www.w3.org/2000/svg}"
-
-
-def plot_module():
-    sys.path.insert(0, str(BENCH))
-    try:
-        return __import__("plot_optimizer_step")
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 RUN = {
@@ -51,7 +41,7 @@ RUN = {
 def test_svg_bars_and_floor(tmp_path):
     path = tmp_path / "optimizer_step_llama3_8b.json"
     path.write_text(json.dumps(RUN))
-    out = plot_module().plot(path)
+    out = bench_module("plot_optimizer_step").plot(path)
     assert out == tmp_path / "optimizer_step_llama3_8b.svg"
     root = ET.parse(out).getroot()
     assert root.tag == f"{SVG}svg"
@@ -79,5 +69,5 @@ def test_svg_bars_and_floor(tmp_path):
 def test_runs_without_whole_step_rows_are_skipped(tmp_path):
     path = tmp_path / "optimizer_step_qwen3_30b_a3b_shares.json"
     path.write_text(json.dumps({**RUN, "rows": []}))
-    assert plot_module().plot(path) is None
+    assert bench_module("plot_optimizer_step").plot(path) is None
     assert not path.with_suffix(".svg").exists()
