@@ -6,8 +6,10 @@ its own hyperparameters; this base does the rest, for whole models on one device
 - param groups: each user group is split into a matrix-rule group (``"use_muon": True``) and an AdamW group
   (``"use_muon": False``, with ``lr``/``weight_decay`` from ``adamw_lr``/``adamw_weight_decay`` when given), so
   learning-rate schedulers scale both; each gets its own ``lr`` (a Tensor lr is cloned for the second);
-- routing (:mod:`dtensor_muon.plan.routing`), logged at construction (logger ``dtensor_muon``); unnamed parameters
-  that look like an embedding or an output head raise a ``UserWarning``;
+- routing (:mod:`dtensor_muon.plan.routing`), logged at construction (logger ``dtensor_muon``), in the order the
+  parameters were given; an unnamed parameter is ``param[i]``, its position in that order, in the log, warnings
+  and errors. Unnamed 2-D matrices routed to the matrix rule by default raise a ``UserWarning`` (an output head
+  cannot be recognized without names) unless a group given with ``"use_muon": False`` holds a matrix;
 - matrix views (:mod:`dtensor_muon.plan.views`): a group's ``"matrix_split"`` or the ``matrix_splits`` keyword
   (``{name pattern: MatrixSplit}``, fnmatch patterns) cuts fused parameters into their matrices;
 - state, created eagerly for every parameter that requires grad: the rule's shard state for matrix-rule
@@ -39,7 +41,17 @@ from ..distributed.layout import local, read_layout, tensor_parallel_blocks
 from ..distributed.overlap import attach_hooks
 from ..engine.context import OWNER_STATE_KEY, Entry
 from ..engine.step import EXCHANGE_MODES, Engine
-from ..plan.routing import caller_stacklevel, name_patterns, sequential_output_layer, unnamed_lookalikes, uses_muon
+from ..plan.routing import (
+    caller_stacklevel,
+    given_label,
+    is_given_label,
+    name_patterns,
+    sequential_output_layer,
+    unnamed_lookalikes,
+    unnamed_matrices_warning,
+    uses_muon,
+    with_shape,
+)
 from ..plan.views import MatrixSplit
 from ..rules import adamw as adamw_rule
 from ..rules.base import MatrixRule
@@ -170,6 +182,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._hook_handles: list = []
         self._unnamed_default: set[int] = set()  # ids of unnamed matrices routed to the rule by default
         self._named_default: set[int] = set()  # ids of named 2-D matrices routed to the rule by default
+        self._given_index: dict[int, int] = {}  # id(param) → its position among all the parameters given
+        self._adamw_matrix_given = False  # a group given with "use_muon": False holds a ≥2-D parameter
         self._stateless: list[Tensor] = []  # parameters without state (frozen at construction)
         # this library's group options (torch adds "differentiable" to defaults on load: not one of them)
         self._option_keys = (*defaults, "use_muon", "matrix_split")
@@ -238,7 +252,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self.validate_group(group)
         offset = len(self._all_params())
         for i, (name, p) in enumerate(named):
-            label = name or f"params[{offset + i}]"
+            label = name or given_label(offset + i)
             if not isinstance(p, Tensor):
                 raise TypeError(f"parameter {label!r}: expected a Tensor, got {type(p).__name__}")
             if p.is_complex():
@@ -248,6 +262,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             if group["use_muon"] and p.ndim < 2:
                 raise ValueError(f"parameter {label!r}: use_muon=True needs ≥2 dims, got shape {tuple(p.shape)}")
         added: list[Tensor] = []
+        position = {id(p): offset + i for i, (_, p) in enumerate(named)}
+        if group["use_muon"] is False and any(p.ndim >= 2 for _, p in named):
+            self._adamw_matrix_given = True
         for use_muon in (True, False):
             part = [(n, p) for n, p in named if uses_muon(n, p, group["use_muon"]) == use_muon]
             if not part:
@@ -264,6 +281,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             sub["lr"], sub["weight_decay"] = lr, weight_decay
             super().add_param_group(sub)
             for name, p in part:
+                self._given_index[id(p)] = position[id(p)]
                 if p.requires_grad:
                     self.state[p] = self._fresh_state(p, use_muon)
                 if use_muon and group["use_muon"] is None and p.ndim == 2:
@@ -309,14 +327,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def _labelled(self) -> Iterator[tuple[str, Tensor, dict[str, Any]]]:
-        """(label, parameter, group) in ``param_groups`` order; unnamed parameters are ``params[k]``, k their
-        position in that order (after each user group is split into its matrix-rule part and its AdamW part)."""
-        k = 0
+        """(label, parameter, group) in ``param_groups`` order; an unnamed parameter's label is ``param[i]``, i its
+        position among the parameters given (:func:`.routing.given_label`), whichever part of its group's split
+        (matrix rule or AdamW) it landed in."""
         for group in self.param_groups:
             names = group.get("param_names") or [None] * len(group["params"])
             for name, p in zip(names, group["params"]):
-                yield name or f"params[{k}]", p, group
-                k += 1
+                yield name or given_label(self._given_index[id(p)]), p, group
 
     def _build_engine(self, loaded_owner_state: set[int] | None = None) -> Engine:
         """The engine over the parameters that have state; those without (frozen) are listed in _stateless.
@@ -412,17 +429,21 @@ class MatrixOptimizer(torch.optim.Optimizer):
         optimizer._engine = optimizer._build_engine(loaded_owner_state={id(p) for p, _ in loaded})
 
     def _report_routing(self, params: list[Tensor]) -> None:
-        """Log where ``params`` go (INFO: one line per rule; DEBUG: one line per parameter) and warn when
-        unnamed matrices routed to the matrix rule look like an embedding or an output head, or when the last
-        layer of an ``nn.Sequential`` model is routed to it (each warning points at the caller's line)."""
+        """Log where ``params`` go, in the order they were given (INFO: one line per rule; DEBUG: one line per
+        parameter), and warn when unnamed matrices go to the matrix rule by default (an output head cannot be
+        recognized) or the last layer of an ``nn.Sequential`` model does (each warning points at the caller's
+        line). Unnamed parameters appear as ``param[i] (shape)``."""
         chosen = {id(p) for p in params}
-        rows = [(label, p, group) for label, p, group in self._labelled() if id(p) in chosen]
+        rows = sorted(
+            ((label, p, group) for label, p, group in self._labelled() if id(p) in chosen),
+            key=lambda row: self._given_index[id(row[1])],
+        )
         if logger.isEnabledFor(logging.INFO):
             me, rule_name = type(self).__name__, self.rule.name
             rules: dict[str, list[tuple[str, Tensor]]] = {rule_name: [], "adamw": [], "frozen": []}
             for label, p, group in rows:
                 rule = "frozen" if not self.state.get(p) else (rule_name if group["use_muon"] else "adamw")
-                rules[rule].append((label, p))
+                rules[rule].append((with_shape(label, p) if is_given_label(label) else label, p))
             titles = {
                 rule_name: rule_name if me.lower() == rule_name else f"{me} ({rule_name} rule)",
                 "adamw": "adamw",
@@ -452,16 +473,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 "%s routing table (name, shape, rule, param group):\n%s", type(self).__name__, "\n".join(lines)
             )
         candidates = [(label, p) for label, p, _ in rows if id(p) in self._unnamed_default]
-        shapes = [tuple(p.shape) for p in self._all_params()]
-        found = unnamed_lookalikes(candidates, shapes)
-        if found:
+        if candidates and not self._adamw_matrix_given:
+            found = unnamed_lookalikes(candidates, [tuple(p.shape) for p in self._all_params()])
             warnings.warn(
-                f"{type(self).__name__}: parameters were given without names, so embeddings and output heads cannot "
-                f"be told from hidden matrices: every matrix goes to {type(self).__name__}, and {', '.join(found)} look like an embedding table "
-                "or an output head (long side > 4× the short one and the longest of any matrix), which belong to "
-                "AdamW. Pass model.named_parameters() or dtensor_muon.muon_param_groups(model), or put them in a "
-                f'param group with "use_muon": False (or "use_muon": True to keep them on {type(self).__name__} without '
-                "this warning).",
+                unnamed_matrices_warning(type(self).__name__, [with_shape(label, p) for label, p in candidates], found),
                 UserWarning,
                 stacklevel=caller_stacklevel(),
             )
@@ -469,7 +484,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if last is not None and id(last[1]) in self._named_default and id(last[1]) in chosen:
             me, (label, p) = type(self).__name__, last
             warnings.warn(
-                f"{me}: {label} ({p.shape[0]}×{p.shape[1]}) is the last layer of an nn.Sequential (its name is positions only) and goes to {me}. "
+                f"{me}: {with_shape(label, p)} is the last layer of an nn.Sequential (its name is positions only) "
+                f"and goes to {me}. "
                 "If it is the output layer (the classifier or head feeding the loss), it belongs to AdamW: build the "
                 "groups with dtensor_muon.muon_param_groups(model), which routes a Sequential's last Linear to "
                 f'AdamW, or put it in a param group with "use_muon": False ("use_muon": True keeps it on {me} '
@@ -489,6 +505,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             "_matrix_splits": self._matrix_splits,
             "_option_keys": self._option_keys,
             "_qk_clip": self._qk_clip,
+            "_given_positions": [self._given_index[id(p)] for p in self._all_params()],
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -514,6 +531,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self._hook_handles = []
             self._unnamed_default = set()
             self._named_default = set()
+            self._adamw_matrix_given = False
+            params = self._all_params()
+            positions = self.__dict__.pop("_given_positions", None) or range(len(params))  # None: pickled before
+            self._given_index = {id(p): i for p, i in zip(params, positions)}
             self._engine = None
             self._engine = self._build_engine()
             self._register_hooks()

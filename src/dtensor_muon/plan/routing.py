@@ -11,14 +11,17 @@ The rule, applied to each parameter in this order (the first that applies decide
    a ≥4-D weight viewed as ``(shape[0], -1)`` (convolutions).
 
 Parameters given without names (``model.parameters()``) skip step 3, so an embedding or output head among
-them goes to Muon; the optimizer then warns (:func:`unnamed_lookalikes` says which ones it names). An
-``nn.Sequential`` model names its layers by position (``"6.weight"``), so its output layer goes to Muon
-too; the optimizer warns about it (:func:`sequential_output_layer`), and
+them goes to Muon: the optimizer then warns whenever one of their 2-D matrices goes to the matrix rule by
+default (:func:`unnamed_matrices_warning`), naming each by its position in the parameters given and its shape
+(``param[7] (7×45)``, :func:`given_label`) and flagging those that look like an embedding or a head
+(:func:`unnamed_lookalikes`). An ``nn.Sequential`` model names its layers by position (``"6.weight"``), so its
+output layer goes to Muon too; the optimizer warns about it (:func:`sequential_output_layer`), and
 :func:`dtensor_muon.muon_param_groups` routes a Sequential's last ``nn.Linear`` to AdamW. Name them
 (``model.named_parameters()``), route them by module type with :func:`dtensor_muon.muon_param_groups`, or
 put them in a group with ``"use_muon"`` set. Parameters with ``requires_grad=False`` are routed the same way
 but get no optimizer state until they require a gradient (see :class:`dtensor_muon.Muon`). The optimizer logs
-the outcome (logger ``dtensor_muon``: one INFO line per rule, the full table at DEBUG).
+the outcome (logger ``dtensor_muon``: one INFO line per rule, the full table at DEBUG), in the order the
+parameters were given.
 """
 
 from __future__ import annotations
@@ -81,6 +84,23 @@ def uses_muon(name: str | None, param: Tensor, explicit: bool | None) -> bool:
     return True
 
 
+def given_label(position: int) -> str:
+    """The label of an unnamed parameter: ``param[i]``, ``i`` its position among all the parameters given to the
+    optimizer, in the order given (over every group, then each ``add_param_group``): for
+    ``Muon(model.parameters())`` it is ``list(model.parameters())[i]``."""
+    return f"param[{position}]"
+
+
+def is_given_label(label: str) -> bool:
+    """True when ``label`` is an unnamed parameter's :func:`given_label` (a parameter name has no ``[``)."""
+    return label.startswith("param[")
+
+
+def with_shape(label: str, p: Tensor) -> str:
+    """``label`` followed by the shape of ``p``: ``"param[7] (7×45)"``, ``"param[8] (45)"``, ``"param[9] ()"``."""
+    return f"{label} ({'×'.join(str(n) for n in p.shape)})"
+
+
 def unnamed_lookalikes(
     candidates: Sequence[tuple[str, Tensor]], all_matrix_shapes: Sequence[tuple[int, ...]]
 ) -> list[str]:
@@ -98,8 +118,39 @@ def unnamed_lookalikes(
             continue
         long, short = max(p.shape), min(p.shape)
         if long == longest and long > LOOKALIKE_ASPECT * short:
-            found.append(f"{label} ({p.shape[0]}×{p.shape[1]})")
+            found.append(with_shape(label, p))
     return found
+
+
+def unnamed_matrices_warning(optimizer: str, matrices: Sequence[str], lookalikes: Sequence[str]) -> str:
+    """The warning for unnamed 2-D matrices routed to the matrix rule by default.
+
+    ``optimizer``: the front end's class name; ``matrices``: those matrices as ``"param[i] (A×B)"``, in the order
+    given (the last is named: a model's output layer is usually its last parameter); ``lookalikes``: those of
+    them that :func:`unnamed_lookalikes` flags. Says that an output head or an embedding cannot be recognized
+    without names, and the three ways to route one to AdamW.
+    """
+    me = optimizer
+    if len(matrices) == 1:
+        which = f"the one matrix, {matrices[0]}, goes to {me}"
+    else:
+        which = f"all {len(matrices)} matrices go to {me}, the last, {matrices[-1]}, included"
+    looks = ""
+    if lookalikes:
+        verb = "looks" if len(lookalikes) == 1 else "look"
+        looks = (
+            f"; {', '.join(lookalikes)} {verb} like an embedding or a head (long side > {LOOKALIKE_ASPECT}× the "
+            "short one, the longest of any matrix)"
+        )
+    return (
+        f"{me}: parameters were given without names, so a classifier or output head (or an embedding) cannot be "
+        f"recognized: {which} (the output layer, if the model ends in a Linear){looks}. Heads and embeddings "
+        f"belong to AdamW: pass {me}(model.named_parameters()) (names such as output, lm_head, head, classifier "
+        f"go to AdamW) or {me}(dtensor_muon.muon_param_groups(model)), or put the head in a group with "
+        f'"use_muon": False: {me}([{{"params": body}}, {{"params": head.parameters(), "use_muon": False}}]). '
+        f'param[i] is list(model.parameters())[i]; a group with "use_muon": True keeps its matrices on {me} '
+        "without this warning."
+    )
 
 
 SEQUENTIAL_WEIGHT = re.compile(r"(\d+\.)+weight")
@@ -132,11 +183,12 @@ def caller_stacklevel() -> int:
 
 
 def name_patterns(members: list[tuple[str, Tensor]]) -> str:
-    """Names with numeric components as ``*`` (``layers.*.attention.wq.weight ×32``), in first-seen order."""
+    """Names with numeric components as ``*`` (``layers.*.attention.wq.weight ×32``), in first-seen order; an
+    unnamed parameter's label (:func:`given_label`, with or without its shape) is kept as it is."""
     counts: dict[str, int] = {}
     first: dict[str, str] = {}
     for label, _ in members:
-        pattern = label if label.startswith("params[") else re.sub(r"(?<![^.])\d+(?![^.])", "*", label)
+        pattern = label if is_given_label(label) else re.sub(r"(?<![^.])\d+(?![^.])", "*", label)
         counts[pattern] = counts.get(pattern, 0) + 1
         first.setdefault(pattern, label)
     return ", ".join(f"{pattern} ×{n}" if n > 1 else first[pattern] for pattern, n in counts.items())
