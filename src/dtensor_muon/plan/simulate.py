@@ -1,23 +1,31 @@
-"""Plan simulator: the Muon plan of a torchtitan model under FSDP, TP and EP at any world size, on CPU.
+"""Plan simulator: a matrix optimizer's plan of a torchtitan model under FSDP, TP and EP at any world size, on CPU.
 
     python -m dtensor_muon.plan --model llama3:8B --world-size 8 64 512
     python -m dtensor_muon.plan --model llama3:70B --world-size 512 --tp 8
     python -m dtensor_muon.plan --model deepseek_v3:16B --world-size 64 --ep 8
+    python -m dtensor_muon.plan --model qwen3:30B-A3B --world-size 64 --optimizer soap
 
-Builds the model on the meta device (no memory), routes its parameters as :class:`dtensor_muon.Muon`
-would, lays every parameter out as torchtitan 0.2.2 does (chunked like ``torch.chunk``), and plans it:
+Builds the model on the meta device (no memory), routes its parameters as the optimizer would, lays every
+parameter out as torchtitan 0.2.2 does (chunked like ``torch.chunk``), and plans the matrices with the rule's
+declared cost (``--optimizer``: its rule and the defaults of its options table, read from the front end when
+the simulator runs; plan/ itself imports no rule):
 
 - dense parameters on the mesh (dp = W/tp, tp): FSDP ``Shard(0)`` over dp, and with ``--tp`` torchtitan's
   tensor-parallel plan (:func:`tensor_parallel_dim`: column-parallel ``Shard(0)``, row-parallel ``wo``/``w2``
-  ``Shard(1)``, the MLA down-projections and the router replicated), FSDP's shard then strided over TP's;
+  ``Shard(1)``, the MLA down-projections and the router replicated; the AdamW parameters: embedding and
+  output ``Shard(0)``, norms replicated), FSDP's shard then strided over TP's;
 - with ``--ep``, 3-D experts on their own mesh (W/ep, ep): ``Shard(0)`` over ep, FSDP over the rest on dim 0
   (strided) or, when W exceeds the expert count, on dim 1, as torchtitan chooses (experts stay replicated
   over tp: the simulator models no expert tensor parallelism).
 
-Each mesh gets its own plan, as in the optimizer, and the per-rank loads add up. It prints per world size: per-rank Newton–Schulz GFLOP per step (max and mean, ``ns_steps`` iterations),
-the imbalance max/mean, the busiest rank over the plan's lower bound (:attr:`.Plan.lower_bound`, 1.000:
-no assignment of these units does better) and over max(mean load, costliest unit), bytes sent and received per rank per step (max), and the estimated time of the
-busiest rank at the given TFLOP/s and GB/s.
+Each mesh gets its own plan, as in the optimizer, and the per-rank loads add up. It prints per world size: per-rank
+planned GFLOP per step (max and mean: the rule's cost, Newton–Schulz's FLOPs for ``ns_steps`` iterations for
+Muon, SOAP's operations as TF32-product FLOPs), the imbalance max/mean, the busiest rank over the plan's lower
+bound (:attr:`.Plan.lower_bound`, 1.000: no assignment of these units does better) and over max(mean load,
+costliest unit), bytes sent and received per rank per step (max), and the estimated time of the busiest rank
+at the given TFLOP/s and GB/s; then the optimizer's memory per rank (:mod:`.memory`, each term's maximum over
+the ranks in GiB, the largest total of one rank, and that total with the rank's float32 parameters and
+gradients).
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ import argparse
 import copy
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -34,9 +44,13 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..distributed.layout import ParamLayout, TensorParallelLayout, chunk_range, layout_boxes, tensor_parallel_layout
 from .builder import build_plan
+from .memory import INT8_BLOCK, MOMENTUM_DTYPES, MemoryPeak, MeshPlan, OptimizerMemory, memory_per_rank, peak
 from .model import Plan
 from .placement import TensorParallelGroup
 from .routing import uses_muon
+
+if TYPE_CHECKING:
+    from ..rules.base import MatrixRule
 
 MODEL_FAMILIES = {
     "llama3": ("torchtitan.models.llama3", "Transformer", "llama3_args"),
@@ -44,9 +58,15 @@ MODEL_FAMILIES = {
     "qwen3": ("torchtitan.models.qwen3", "Qwen3Model", "qwen3_args"),
 }
 
+OPTIMIZERS = {"muon": "Muon", "normuon": "NorMuon", "mop": "MOP", "soap": "SOAP", "klsoap": "KLSOAP", "rekls": "REKLS"}
+"""``--optimizer`` names and the front-end classes (``dtensor_muon.<class>``) whose rule and defaults they take."""
 
-def model_matrix_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of the Muon parameters of a torchtitan model named ``family:flavor``."""
+ParamShapes = list[tuple[str, tuple[int, ...], bool]]
+"""(name, shape, routed to the matrix rule) of each parameter of a model."""
+
+
+def model_parameters(model: str) -> ParamShapes:
+    """(name, shape, uses the matrix rule) of every parameter of a torchtitan model named ``family:flavor``."""
     import importlib
 
     family, _, flavor = model.partition(":")
@@ -62,7 +82,29 @@ def model_matrix_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
         args.moe_impl = "standard"  # what update_from_config sets from torchtitan's default job config
     with torch.device("meta"):
         net = getattr(module, class_name)(args)
-    return [(n, tuple(p.shape)) for n, p in net.named_parameters() if uses_muon(n, p, None)]
+    return [(n, tuple(p.shape), uses_muon(n, p, None)) for n, p in net.named_parameters()]
+
+
+def model_matrix_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the matrix-rule parameters of a torchtitan model named ``family:flavor``."""
+    return [(name, shape) for name, shape, matrix in model_parameters(model) if matrix]
+
+
+def optimizer_rule(name: str, ns_steps: int = 5) -> tuple[MatrixRule, dict[str, Any], int]:
+    """The rule of optimizer ``name`` (:data:`OPTIONS`), a param group of its defaults (``ns_steps`` for
+    Newton–Schulz's) and its default wire dtype's bytes. The front ends are imported here, when the simulator
+    runs: plan/ imports no rule."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"--optimizer: expected one of {sorted(OPTIMIZERS)}, got {name!r}")
+    import dtensor_muon
+    from dtensor_muon.optim.options import OPTIONS
+
+    options = OPTIONS[OPTIMIZERS[name]]
+    group = {o.name: o.default for o in options if not o.engine}
+    if "ns_steps" in group:
+        group["ns_steps"] = ns_steps
+    wire = next(o.default for o in options if o.name == "wire_dtype")
+    return getattr(dtensor_muon, OPTIMIZERS[name]).rule, group, wire.itemsize
 
 
 def fsdp_layout(name: str, shape: tuple[int, ...], world_size: int) -> ParamLayout:
@@ -115,15 +157,69 @@ def mesh_layout(name: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...], 
     return ParamLayout(name, shape, layout_boxes(name, shape, mesh_shape, tuple(placements)), 0)
 
 
+CostFn = Callable[[int, tuple[int, int]], tuple[int, ...]]
+"""``build_plan``'s ``cost_fn``: (parameter position, matrix shape) → (planned cost, owner-state bytes, shared)."""
+
+
+def plan_model(
+    params: ParamShapes,
+    world: int,
+    *,
+    bucket_bytes: int,
+    wire_itemsize: int,
+    cost_fn: CostFn,
+    batchable: bool,
+    tp: int = 1,
+    ep: int = 1,
+    tp_mode: str = "owned",
+) -> tuple[list[MeshPlan], list[ParamLayout]]:
+    """The plans of the matrix-rule parameters of ``params`` (one per mesh, see the module docstring) and the
+    layouts of the AdamW parameters, at world size ``world``."""
+    if world % tp or world % ep:
+        raise ValueError(f"world size {world} is not a multiple of --tp {tp} and --ep {ep}")
+    dense_mesh = (world // tp, tp) if tp > 1 else (world,)
+    groups: dict[tuple, list[tuple[ParamLayout, tuple[str, TensorParallelLayout] | None]]] = {}
+    adamw = []
+    for name, shape, matrix in params:
+        if not matrix:
+            adamw.append(mesh_layout(name, shape, dense_mesh, dense_placements(name, shape, tp)))
+            continue
+        choice = None
+        if ep > 1 and len(shape) == 3:
+            mesh_shape, placements = (world // ep, ep), expert_placements(shape, world, ep)
+        else:
+            mesh_shape, placements = dense_mesh, dense_placements(name, shape, tp)
+            dim = tensor_parallel_dim(name, shape)
+            if tp > 1 and dim is not None and tp_mode != "owned":
+                choice = (tp_mode, tensor_parallel_layout(shape, mesh_shape, 1, dim))
+        groups.setdefault(mesh_shape, []).append((mesh_layout(name, shape, mesh_shape, placements), choice))
+    meshes = []
+    for members in groups.values():
+        layouts = [layout for layout, _ in members]
+        plan = build_plan(
+            layouts,
+            list(range(len(members))),
+            bucket_bytes,
+            wire_itemsize,
+            batchable=[batchable] * len(members),
+            cost_fn=cost_fn,
+            tensor_parallel=[choice for _, choice in members],
+        )
+        meshes.append(MeshPlan(plan, dict(enumerate(layouts))))
+    return meshes, adamw
+
+
 @dataclass
 class Summary:
-    """What one simulated configuration costs per step (loads of every mesh's plan added per rank)."""
+    """What one simulated configuration costs per step (loads of every mesh's plan added per rank) and holds."""
 
     model: str
     world_size: int
     tp: int
     ep: int
     tp_mode: str
+    optimizer: str
+    momentum_dtype: str
     matrices: int
     local_matrices: int
     distributed_matrices: int
@@ -138,6 +234,8 @@ class Summary:
     est_ns_ms: float
     est_comm_ms: float
     plan_seconds: float
+    memory: MemoryPeak
+    """The optimizer's memory per rank (:mod:`.memory`; bytes)."""
 
 
 def _add(per_plan: list[list[int]]) -> list[int]:
@@ -159,15 +257,17 @@ def summarize_plans(
     tp: int,
     ep: int,
     tp_mode: str,
-    ns_steps: int,
     tflops: float,
     gbps: float,
     seconds: float,
+    memory: MemoryPeak,
+    optimizer: str = "muon",
+    momentum_dtype: str = "float32",
 ) -> Summary:
     """One row for the plans of one configuration; the bounds are the plans' bounds added (each plan's
     busiest rank may be a different rank, so the sum bounds the combined busiest rank from below)."""
     flops = _add([plan.rank_flops for plan in plans])
-    gflop = [f * ns_steps / 1e9 for f in flops]
+    gflop = [f / 1e9 for f in flops]
     sent_max = max(_add([plan.rank_bytes_sent for plan in plans]))
     received_max = max(_add([plan.rank_bytes_received for plan in plans]))
     mean = sum(flops) / len(flops)
@@ -179,6 +279,8 @@ def summarize_plans(
         tp=tp,
         ep=ep,
         tp_mode=tp_mode,
+        optimizer=optimizer,
+        momentum_dtype=momentum_dtype,
         matrices=sum(len(plan.routes) for plan in plans),
         local_matrices=sum(r.is_local for plan in plans for r in plan.routes),
         distributed_matrices=_tensor_parallel_matrices(plans, True),
@@ -193,6 +295,7 @@ def summarize_plans(
         est_ns_ms=max(gflop) / tflops,  # GFLOP / (TFLOP/s) = ms
         est_comm_ms=max(sent_max, received_max) / (gbps * 1e6),
         plan_seconds=seconds,
+        memory=memory,
     )
 
 
@@ -200,52 +303,55 @@ def simulate(
     model: str,
     world_sizes: list[int],
     ns_steps: int = 5,
-    wire_bytes: int = 2,
+    wire_bytes: int | None = None,
     bucket_mb: float = 64.0,
     tflops: float = 800.0,
     gbps: float = 50.0,
     tp: int = 1,
     ep: int = 1,
     tp_mode: str = "owned",
+    *,
+    optimizer: str = "muon",
+    momentum_dtype: str = "float32",
+    int8_block: int = INT8_BLOCK,
+    cuda_graphs: bool = True,
 ) -> list[Summary]:
-    """Plan ``model`` at each world size with tensor-parallel degree ``tp``, expert-parallel degree ``ep`` and
-    the dense matrices' ``tp_mode`` (owned, duplicated, distributed or auto); see the module docstring."""
-    shapes = model_matrix_shapes(model)
+    """Plan ``model`` for ``optimizer`` at each world size with tensor-parallel degree ``tp``, expert-parallel
+    degree ``ep`` and the dense matrices' ``tp_mode`` (owned, duplicated, distributed or auto), and model its
+    memory with the momentum buffer in ``momentum_dtype``; ``wire_bytes`` None: the optimizer's default wire
+    dtype. See the module docstring."""
+    rule, group, default_wire = optimizer_rule(optimizer, ns_steps)
+    wire = default_wire if wire_bytes is None else wire_bytes
+    spec = OptimizerMemory.from_rule(
+        rule, group, wire, momentum_dtype=momentum_dtype, int8_block=int8_block, cuda_graphs=cuda_graphs
+    )
+    params = model_parameters(model)
     out = []
     for world in world_sizes:
-        if world % tp or world % ep:
-            raise ValueError(f"world size {world} is not a multiple of --tp {tp} and --ep {ep}")
         start = time.perf_counter()
-        dense_mesh = (world // tp, tp) if tp > 1 else (world,)
-        groups: dict[tuple, list[tuple[ParamLayout, tuple[str, TensorParallelLayout] | None]]] = {}
-        for name, shape in shapes:
-            choice = None
-            if ep > 1 and len(shape) == 3:
-                mesh_shape, placements = (world // ep, ep), expert_placements(shape, world, ep)
-            else:
-                mesh_shape, placements = dense_mesh, dense_placements(name, shape, tp)
-                dim = tensor_parallel_dim(name, shape)
-                if tp > 1 and dim is not None and tp_mode != "owned":
-                    choice = (tp_mode, tensor_parallel_layout(shape, mesh_shape, 1, dim))
-            groups.setdefault(mesh_shape, []).append((mesh_layout(name, shape, mesh_shape, placements), choice))
-        plans = [
-            build_plan(
-                [layout for layout, _ in members],
-                list(range(len(members))),
-                int(bucket_mb * 2**20),
-                wire_bytes,
-                tensor_parallel=[choice for _, choice in members],
-            )
-            for members in groups.values()
-        ]
+        meshes, adamw = plan_model(
+            params,
+            world,
+            bucket_bytes=int(bucket_mb * 2**20),
+            wire_itemsize=wire,
+            cost_fn=lambda k, shape: rule.cost(group, shape).plan_entry(),
+            batchable=rule.can_batch(group),
+            tp=tp,
+            ep=ep,
+            tp_mode=tp_mode,
+        )
         seconds = time.perf_counter() - start
-        out.append(summarize_plans(model, plans, tp, ep, tp_mode, ns_steps, tflops, gbps, seconds))
+        memory = peak(memory_per_rank(meshes, adamw, spec, world))
+        plans = [mesh.plan for mesh in meshes]
+        out.append(
+            summarize_plans(model, plans, tp, ep, tp_mode, tflops, gbps, seconds, memory, optimizer, momentum_dtype)
+        )
     return out
 
 
 def format_table(rows: list[Summary]) -> str:
     header = (
-        f"{'model':<18}{'ranks':>6}{'tp':>4}{'ep':>4}{'tp_mode':>12}{'matrices':>9}{'local':>7}{'dist':>6}{'dup':>5}{'NS GFLOP max':>14}{'mean':>11}"
+        f"{'model':<18}{'ranks':>6}{'tp':>4}{'ep':>4}{'tp_mode':>12}{'matrices':>9}{'local':>7}{'dist':>6}{'dup':>5}{'GFLOP max':>14}{'mean':>11}"
         f"{'imbal':>7}{'/bound':>8}{'/max(mean,largest)':>19}{'MB sent max':>12}{'MB recv max':>12}{'NS ms':>8}{'comm ms':>9}{'plan s':>8}"
     )
     lines = [header]
@@ -260,6 +366,33 @@ def format_table(rows: list[Summary]) -> str:
     return "\n".join(lines)
 
 
+MEMORY_COLUMNS = (
+    ("shard", "shard_state"),
+    ("adamw", "adamw_state"),
+    ("owner", "owner_state"),
+    ("exchange", "exchange"),
+    ("NS work", "ns_workspace"),
+    ("graphs", "cuda_graphs"),
+    ("optimizer", "optimizer"),
+    ("params+grads", "params_grads"),
+    ("sum", "with_params_grads"),
+)
+"""The memory table's columns (header, :class:`.memory.MemoryPeak` field)."""
+
+
+def format_memory_table(rows: list[Summary]) -> str:
+    """The optimizer's memory per rank, GiB: each term's maximum over the ranks, the largest optimizer total of
+    one rank, the largest parameters and gradients, and the largest sum of both on one rank."""
+    header = f"{'model':<18}{'ranks':>6}{'tp':>4}{'ep':>4}{'optimizer':>10}{'momentum':>10}" + "".join(
+        f"{title:>13}" for title, _ in MEMORY_COLUMNS
+    )
+    lines = [f"optimizer memory per rank, GiB (max over ranks)\n{header}"]
+    for r in rows:
+        cells = "".join(f"{getattr(r.memory, key) / 2**30:>13.3f}" for _, key in MEMORY_COLUMNS)
+        lines.append(f"{r.model:<18}{r.world_size:>6}{r.tp:>4}{r.ep:>4}{r.optimizer:>10}{r.momentum_dtype:>10}{cells}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m dtensor_muon.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -271,8 +404,18 @@ def main(argv: list[str] | None = None) -> None:
         help="family:flavor, e.g. llama3:8B, llama3:70B, llama3:405B, deepseek_v3:16B (repeatable)",
     )
     parser.add_argument("--world-size", type=int, nargs="+", required=True)
+    parser.add_argument("--optimizer", default="muon", choices=sorted(OPTIMIZERS), help="the matrix optimizer")
+    parser.add_argument(
+        "--momentum-dtype", default="float32", choices=MOMENTUM_DTYPES, help="storage of Muon/NorMuon/MOP's momentum"
+    )
+    parser.add_argument("--int8-block", type=int, default=INT8_BLOCK, help="elements per scale of an int8 momentum")
+    parser.add_argument(
+        "--no-cuda-graphs", action="store_true", help="owners run Newton–Schulz eagerly (ns_cuda_graphs=False)"
+    )
     parser.add_argument("--ns-steps", type=int, default=5)
-    parser.add_argument("--wire-bytes", type=int, default=2, help="bytes per element on the wire (bf16: 2)")
+    parser.add_argument(
+        "--wire-bytes", type=int, help="bytes per element on the wire (default: the optimizer's wire dtype)"
+    )
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--tflops", type=float, default=800.0, help="Newton–Schulz TFLOP/s per rank")
     parser.add_argument("--gbps", type=float, default=50.0, help="all-to-all GB/s per rank")
@@ -284,13 +427,15 @@ def main(argv: list[str] | None = None) -> None:
         choices=("owned", "duplicated", "distributed", "auto"),
         help="how the TP-sharded matrices are computed (Muon's tp_mode)",
     )
-    parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--json", help="also write the rows (memory in bytes) to this JSON file")
     args = parser.parse_args(argv)
     for size in args.world_size:
         if size < 1:
             parser.error(f"--world-size must be >= 1, got {size}")
         if size % args.tp or size % args.ep:
             parser.error(f"--world-size {size} must be a multiple of --tp {args.tp} and --ep {args.ep}")
+    if args.int8_block < 1:
+        parser.error(f"--int8-block must be >= 1, got {args.int8_block}")
     rows = [
         row
         for model in args.model
@@ -305,9 +450,15 @@ def main(argv: list[str] | None = None) -> None:
             args.tp,
             args.ep,
             args.tp_mode,
+            optimizer=args.optimizer,
+            momentum_dtype=args.momentum_dtype,
+            int8_block=args.int8_block,
+            cuda_graphs=not args.no_cuda_graphs,
         )
     ]
     print(format_table(rows))
+    print()
+    print(format_memory_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=2)

@@ -1,0 +1,334 @@
+"""The optimizer's memory per rank: the bytes each rank holds for a matrix rule's plans, term by term.
+
+Pure and CPU-only, like the rest of :mod:`dtensor_muon.plan`: it reads the plans (one per mesh, mesh ranks =
+global ranks), the layouts of their parameters and of the AdamW parameters, and what the optimizer declares
+(:class:`OptimizerMemory`, read from its rule by :meth:`OptimizerMemory.from_rule`). numel(P, r) is the number
+of elements of parameter P in rank r's local shard (its box, :class:`~..distributed.layout.ParamLayout`);
+a unit of B matrices computed as m×n (m ≤ n: Newton–Schulz works on the wide orientation) has B·m·n
+elements. Per rank r:
+
+- ``params_grads`` (reference, not the optimizer's) = 2·p·Σ_P numel(P, r) over every parameter: the model's
+  parameters and gradients as FSDP keeps them (p = 4, float32 shards).
+- ``shard_state`` = Σ_P [momentum(numel(P, r)) + s] over the matrix-rule parameters: the rule's shard state,
+  kept in the parameter's layout (:meth:`~..rules.base.MatrixRule.init_shard_state`). momentum(n) is the
+  momentum buffer of Muon, NorMuon and MOP: 4n (float32), 2n (bfloat16), n + 4·⌈n/block⌉ (int8, one float32
+  scale per ``block`` elements of the flattened shard: :data:`INT8_BLOCK` must match the optimizer's storage
+  format); 0 for a rule without one (SOAP). s: the rule's 0-d entries per parameter (SOAP's step count: 4),
+  kept on the host as torch keeps AdamW's.
+- ``adamw_state`` = Σ_P [2·p·numel(P, r) + 4] over the AdamW parameters (embeddings, norms, output head):
+  ``exp_avg`` and ``exp_avg_sq`` in the parameter's dtype (float32), and the 0-d ``step`` on the host.
+- ``owner_state`` = Σ over the matrices r computes (owned, local, a tensor-parallel group's member) of the
+  rule's declared owner-state bytes (:attr:`~..rules.base.MatrixCost.owner_state_bytes`: SOAP 4·(2mn + Σ_k
+  (2k² + k)) + 8 over its preconditioned sides k, NorMuon 4m, Muon and MOP 0): the plan's
+  :attr:`~.model.Plan.rank_owner_state_bytes`, which it balances.
+- ``exchange`` = (u + w)·Σ_P numel(P, r) over the parameters not fully local to r (U, the prepared input,
+  u = 4 for a new float32 tensor, 0 where ``prepare`` returns the gradient itself; the update buffer each
+  return exchange lands in, in the wire dtype w)
+  + w·(out_send + out_recv + back_send + back_recv) (elements of the pieces r sends to and receives from
+  owners and of the pieces of O it sends back and receives, every bucket's: a step launches every bucket's
+  exchange out at once and leaves every return exchange in flight until the updates are applied)
+  + o·Σ_units B·m·n over the owned and tensor-parallel units r computes (their direction outputs O, in the
+  rule's input dtype o, held until the return exchanges are launched)
+  + max(w·assembled, u·local): the larger of the largest bucket's whole matrices assembled on r (one bucket
+  at a time) and the largest fully local parameter's U (the local units run first, one parameter's U at once).
+  All of a step's exchange buffers counted as alive at once: an upper bound of their peak (NCCL frees a
+  bucket's send buffer once it is waited for).
+- ``ns_workspace`` = max over the units r computes of B·ω·(2mn + 4m²), ω the Newton–Schulz working dtype's
+  bytes: the start X₀ and the current X, and the m×m matrices of the Gram form (R, Z, Q and a product; the
+  standard form needs two: X·Xᵀ and b·A + c·A·A). 0 for a rule that runs no Newton–Schulz (MOP's SVD and
+  SOAP's products: their direction workspace is not modelled).
+- ``cuda_graphs`` = Σ over the distinct unit signatures (B, m, n) r computes through the owner's runner
+  (not ``tp_mode="distributed"``) with B·m²·n ≤ :data:`~..linalg.ns_graphs.MAX_GRAPH_WORK` of B·ω·(3mn + 4m²):
+  per captured graph its start buffer outside its private pool, and the pool, which keeps the capture's
+  peak (X, its next value, the m×m matrices). 0 without CUDA graphs or Newton–Schulz.
+
+The optimizer's total is the sum of the terms after ``params_grads``; :func:`peak` takes each term's maximum
+over the ranks and the largest total of one rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..distributed.layout import ParamLayout, box_numel
+from ..linalg.newton_schulz import resolve_ns_dtype
+from ..linalg.ns_graphs import MAX_GRAPH_WORK
+from .model import Plan
+from .placement import GatherAll, Local, Owned, TensorParallelGroup
+from .views import matrix_shape_of_box
+
+if TYPE_CHECKING:
+    from ..rules.base import MatrixRule
+
+MOMENTUM_DTYPES = ("float32", "bfloat16", "int8")
+"""The momentum buffer's storage: float32, bfloat16, or int8 blockwise with one float32 scale per block."""
+
+INT8_BLOCK = 256
+"""Elements per float32 scale of an int8 momentum buffer: must equal the optimizer's storage format."""
+
+PARAM_ITEMSIZE = 4
+"""Bytes per element of the parameters, their gradients and AdamW's moments: float32 FSDP shards."""
+
+ADAMW_STEP_BYTES = 4
+"""AdamW's 0-d float32 ``step`` per parameter (on the host, as torch.optim.AdamW keeps it)."""
+
+
+def momentum_bytes(numel: int, momentum_dtype: str = "float32", block: int = INT8_BLOCK) -> int:
+    """Bytes of a momentum buffer of ``numel`` elements: 4n, 2n, or n + 4·⌈n/block⌉ (int8 with float32 scales)."""
+    if momentum_dtype == "float32":
+        return 4 * numel
+    if momentum_dtype == "bfloat16":
+        return 2 * numel
+    if momentum_dtype == "int8":
+        return numel + 4 * math.ceil(numel / block)
+    raise ValueError(f"momentum_dtype: expected one of {MOMENTUM_DTYPES}, got {momentum_dtype!r}")
+
+
+@dataclass(frozen=True)
+class OptimizerMemory:
+    """What the model reads of an optimizer (see the module docstring for each term)."""
+
+    momentum: bool
+    """Whether the shard state holds a buffer of the parameter's shape (Muon, NorMuon, MOP)."""
+    shard_scalar_bytes: int
+    """Bytes of the shard state's 0-d entries per parameter (SOAP's step count: 4)."""
+    input_itemsize: int
+    """u: bytes per element of U on the shard; 0 where ``prepare`` returns the gradient itself."""
+    output_itemsize: int
+    """o: bytes per element of the direction's output O (the rule's input dtype)."""
+    wire_itemsize: int
+    """w: bytes per element on the wire and in the update buffers."""
+    ns_itemsize: int
+    """ω: bytes per element of Newton–Schulz's working dtype; 0 for a rule that runs none."""
+    momentum_dtype: str = "float32"
+    int8_block: int = INT8_BLOCK
+    cuda_graphs: bool = True
+    """Whether owners replay Newton–Schulz from CUDA graphs (the optimizer's ``ns_cuda_graphs`` on CUDA)."""
+
+    def __post_init__(self) -> None:
+        if self.momentum_dtype not in MOMENTUM_DTYPES:
+            raise ValueError(f"momentum_dtype: expected one of {MOMENTUM_DTYPES}, got {self.momentum_dtype!r}")
+        if self.int8_block < 1:
+            raise ValueError(f"int8_block must be >= 1, got {self.int8_block}")
+
+    @classmethod
+    def from_rule(
+        cls,
+        rule: MatrixRule,
+        group: Mapping[str, Any],
+        wire_itemsize: int,
+        *,
+        momentum_dtype: str = "float32",
+        int8_block: int = INT8_BLOCK,
+        cuda_graphs: bool = True,
+    ) -> OptimizerMemory:
+        """Read from the rule under ``group``'s settings: its shard state (``init_shard_state`` of a float32
+        probe: entries of the probe's shape are the momentum buffer, the others per-parameter scalars), whether
+        ``prepare`` allocates U (it returns the probe gradient itself, or a new tensor), its input dtype (O's)
+        and, where the group holds ``ns_dtype``, Newton–Schulz's working dtype."""
+        probe = torch.zeros(2, 3)
+        state = rule.init_shard_state(probe)
+        u = rule.prepare(probe, state, dict(group))
+        return cls(
+            momentum=any(t.shape == probe.shape for t in state.values()),
+            shard_scalar_bytes=sum(t.nbytes for t in state.values() if t.shape != probe.shape),
+            input_itemsize=0 if u.data_ptr() == probe.data_ptr() else u.element_size(),
+            output_itemsize=rule.input_dtype(dict(group)).itemsize,
+            wire_itemsize=wire_itemsize,
+            ns_itemsize=resolve_ns_dtype(group["ns_dtype"]).itemsize if "ns_dtype" in group else 0,
+            momentum_dtype=momentum_dtype,
+            int8_block=int8_block,
+            cuda_graphs=cuda_graphs,
+        )
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """One mesh's plan and the layouts of its parameters, by the ``param_index`` the plan's matrices carry."""
+
+    plan: Plan
+    layouts: Mapping[int, ParamLayout]
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds, per term (see the module docstring)."""
+
+    params_grads: int
+    shard_state: int
+    adamw_state: int
+    owner_state: int
+    exchange: int
+    ns_workspace: int
+    cuda_graphs: int
+
+    @property
+    def optimizer(self) -> int:
+        """The optimizer's total: every term but ``params_grads``."""
+        return (
+            self.shard_state
+            + self.adamw_state
+            + self.owner_state
+            + self.exchange
+            + self.ns_workspace
+            + self.cuda_graphs
+        )
+
+
+@dataclass(frozen=True)
+class MemoryPeak:
+    """Each term's maximum over the ranks (bytes; the busiest rank of one term need not be another's), the
+    largest optimizer total of one rank, and the largest total with the rank's parameters and gradients."""
+
+    params_grads: int
+    shard_state: int
+    adamw_state: int
+    owner_state: int
+    exchange: int
+    ns_workspace: int
+    cuda_graphs: int
+    optimizer: int
+    with_params_grads: int
+
+
+def peak(ranks: Sequence[RankMemory]) -> MemoryPeak:
+    """Per-term maxima over ``ranks`` and the largest per-rank totals."""
+    terms = {f.name: max(getattr(r, f.name) for r in ranks) for f in fields(RankMemory)}
+    return MemoryPeak(
+        **terms,
+        optimizer=max(r.optimizer for r in ranks),
+        with_params_grads=max(r.optimizer + r.params_grads for r in ranks),
+    )
+
+
+def ns_workspace_bytes(batch: int, shape: tuple[int, int], itemsize: int) -> int:
+    """B·ω·(2mn + 4m²) for B matrices of ``shape`` (m the shorter side)."""
+    m, n = min(shape), max(shape)
+    return batch * itemsize * (2 * m * n + 4 * m * m)
+
+
+def graph_bytes(batch: int, shape: tuple[int, int], itemsize: int) -> int:
+    """B·ω·(3mn + 4m²): one captured graph's start buffer and private pool for B matrices of ``shape``."""
+    m, n = min(shape), max(shape)
+    return batch * itemsize * (3 * m * n + 4 * m * m)
+
+
+def memory_per_rank(
+    meshes: Sequence[MeshPlan],
+    adamw: Sequence[ParamLayout],
+    optimizer: OptimizerMemory,
+    world_size: int,
+) -> list[RankMemory]:
+    """Every rank's :class:`RankMemory` for these plans (each over ``world_size`` ranks) and AdamW parameters."""
+    for mesh in meshes:
+        if mesh.plan.world_size != world_size:
+            raise ValueError(f"a plan over {mesh.plan.world_size} ranks in a model of {world_size} ranks")
+    for layout in [*adamw, *(layout for mesh in meshes for layout in mesh.layouts.values())]:
+        if layout.world_size != world_size:
+            raise ValueError(f"parameter {layout.name!r} is laid out over {layout.world_size} ranks, not {world_size}")
+    out = []
+    for rank in range(world_size):
+        matrix_numels = [box_numel(layout.boxes[rank]) for mesh in meshes for layout in mesh.layouts.values()]
+        adamw_numels = [box_numel(layout.boxes[rank]) for layout in adamw]
+        shard = sum(optimizer.shard_scalar_bytes for _ in matrix_numels)
+        if optimizer.momentum:
+            shard += sum(momentum_bytes(n, optimizer.momentum_dtype, optimizer.int8_block) for n in matrix_numels)
+        computed = [unit for mesh in meshes for unit in computed_units(mesh.plan, rank)]
+        ns = optimizer.ns_itemsize
+        out.append(
+            RankMemory(
+                params_grads=2 * PARAM_ITEMSIZE * (sum(matrix_numels) + sum(adamw_numels)),
+                shard_state=shard,
+                adamw_state=sum(2 * PARAM_ITEMSIZE * n + ADAMW_STEP_BYTES for n in adamw_numels),
+                owner_state=sum(mesh.plan.rank_owner_state_bytes[rank] for mesh in meshes),
+                exchange=sum(exchange_bytes(mesh, rank, optimizer) for mesh in meshes),
+                ns_workspace=max((ns_workspace_bytes(b, s, ns) for b, s, _ in computed), default=0),
+                cuda_graphs=graphs_bytes(computed, ns) if optimizer.cuda_graphs else 0,
+            )
+        )
+    return out
+
+
+def computed_units(plan: Plan, rank: int) -> list[tuple[int, tuple[int, int], bool]]:
+    """(B, m×n shape, through the owner's runner) of each unit ``rank`` computes: its owned units, the local
+    ones it holds, those of the tensor-parallel groups it is in (distributed: its block, not through the
+    runner). A grouped split's parts are one matrix of their whole shape."""
+    out = []
+    for unit in plan.units:
+        first = plan.routes[unit.members[0]]
+        batch = len(unit.members) // first.spec.parts
+        p = unit.placement
+        if isinstance(p, GatherAll):
+            raise ValueError(
+                "the memory model covers owned, local and tensor-parallel units, not exchange='gather_all'"
+            )
+        if isinstance(p, TensorParallelGroup) and p.distributed:
+            for member, target, _ in first.targets:
+                if member == rank:
+                    out.append((batch, matrix_shape_of_box(target, len(target)), False))
+            continue
+        if (
+            (isinstance(p, Owned) and p.rank == rank)
+            or (isinstance(p, TensorParallelGroup) and rank in p.ranks)
+            or (isinstance(p, Local) and any(r == rank for r, _ in first.holders))
+        ):
+            out.append((batch, first.spec.whole_shape, True))
+    return out
+
+
+def graphs_bytes(computed: list[tuple[int, tuple[int, int], bool]], itemsize: int) -> int:
+    """Σ :func:`graph_bytes` over the distinct (B, m, n) run through the runner within MAX_GRAPH_WORK."""
+    signatures = set()
+    for batch, shape, runner in computed:
+        m, n = min(shape), max(shape)
+        if runner and batch * m * m * n <= MAX_GRAPH_WORK:
+            signatures.add((batch, shape))
+    return sum(graph_bytes(batch, shape, itemsize) for batch, shape in signatures)
+
+
+def exchange_bytes(mesh: MeshPlan, rank: int, optimizer: OptimizerMemory) -> int:
+    """The ``exchange`` term of one mesh's plan on ``rank`` (see the module docstring)."""
+    plan = mesh.plan
+    u, w, o = optimizer.input_itemsize, optimizer.wire_itemsize, optimizer.output_itemsize
+    fully_local = plan.fully_local_params()
+    numel = {k: box_numel(layout.boxes[rank]) for k, layout in mesh.layouts.items()}
+    routed = sum(n for k, n in numel.items() if k not in fully_local)
+    local = max((n for k, n in numel.items() if k in fully_local), default=0)
+    wire = 0  # elements sent and received, out and back
+    outputs = 0  # elements of O held
+    for route in plan.routes:
+        placement = plan.units[route.unit].placement
+        if isinstance(placement, Owned):
+            wire += sum(box_numel(box) for box, source in route.pieces if source == rank)
+            wire += sum(box_numel(box) for holder, box in route.holders if holder == rank)
+            if placement.rank == rank:
+                wire += sum(box_numel(box) for box, _ in route.pieces)
+                wire += sum(box_numel(box) for _, box in route.holders)
+                outputs += route.spec.numel
+        elif isinstance(placement, TensorParallelGroup):
+            for member, target, pieces in route.targets:
+                wire += sum(box_numel(box) for box, source in pieces if source == rank)
+                if member == rank:
+                    wire += sum(box_numel(box) for box, _ in pieces)
+                    outputs += box_numel(target)
+            for (holder, box), member in zip(route.holders, route.back_from):
+                wire += box_numel(box) * ((holder == rank) + (member == rank))
+    assembled = max((assembled_elements(plan, bucket, rank) for bucket in plan.buckets), default=0)
+    assembled = max([assembled, *(assembled_elements(plan, bucket, rank) for bucket in plan.tensor_parallel_buckets)])
+    return (u + w) * routed + w * wire + o * outputs + max(w * assembled, u * local)
+
+
+def assembled_elements(plan: Plan, bucket: list[int], rank: int) -> int:
+    """Elements of the whole matrices (or tensor-parallel targets) ``rank`` assembles for one bucket."""
+    total = 0
+    for i in bucket:
+        route = plan.routes[i]
+        if route.owner == rank:
+            total += route.spec.numel
+        total += sum(box_numel(target) for member, target, _ in route.targets if member == rank)
+    return total
