@@ -132,7 +132,7 @@ class OptimizerMemory:
         ``prepare`` allocates U (it returns the probe gradient itself, or a new tensor), its input dtype (O's)
         and, where the group holds ``ns_dtype``, Newton–Schulz's working dtype."""
         probe = torch.zeros(2, 3)
-        state = rule.init_shard_state(probe)
+        state = rule.init_shard_state(probe, dict(group), "probe")
         u = rule.prepare(probe, state, dict(group))
         return cls(
             momentum=any(t.shape == probe.shape for t in state.values()),

@@ -1,0 +1,215 @@
+"""The optimizer's memory model (dtensor_muon.plan.memory) against the bytes the optimizer holds and by hand.
+
+The measured case: the scenarios' awkward model (uneven and empty shards, whole experts, a 4-D weight,
+AdamW parameters) on 4 real gloo ranks, one step of each optimizer; the state each rank then holds (sum of
+``nbytes`` of its local tensors) equals the model's shard-state, AdamW-state and owner-state terms exactly,
+the model's plans built by the simulator's layouts, not by the optimizer. The hand-computed cases write every
+term of two matrices down.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import scenarios
+import torch
+from dist_harness import run_distributed
+from torch.distributed.tensor import DTensor
+
+import dtensor_muon
+from dtensor_muon.plan import build_plan
+from dtensor_muon.plan.memory import (
+    MeshPlan,
+    OptimizerMemory,
+    memory_per_rank,
+    momentum_bytes,
+    peak,
+)
+from dtensor_muon.plan.placement import Owned
+from dtensor_muon.plan.routing import uses_muon
+from dtensor_muon.plan.simulate import (
+    fsdp_layout,
+    main,
+    optimizer_rule,
+    plan_model,
+    simulate,
+)
+
+WORLD = 4
+OPTIMIZERS = {"muon": "Muon", "normuon": "NorMuon", "mop": "MOP", "soap": "SOAP"}
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return (t.to_local() if isinstance(t, DTensor) else t).nbytes
+
+
+def held_state(rank: int, world_size: int, optimizer: str) -> dict[str, int]:
+    """One step of ``optimizer`` on the scenarios' Shard(0) parameters; the bytes of its state on this rank."""
+    params = scenarios.distributed_params("shard0", world_size)
+    front = getattr(dtensor_muon, OPTIMIZERS[optimizer])
+    opt = front(params, lr=0.01)
+    scenarios.set_gradients(params, 0)
+    opt.step()
+    held = {"shard_state": 0, "adamw_state": 0, "owner_state": 0}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for key, value in opt.state[p].items():
+                if key == "owner_state":
+                    held["owner_state"] += sum(nbytes(t) for matrix in value.values() for t in matrix.values())
+                elif group["use_muon"]:
+                    held["shard_state"] += nbytes(value)
+                else:
+                    held["adamw_state"] += nbytes(value)
+    return held
+
+
+def modelled_state(optimizer: str, world_size: int) -> list[dict[str, int]]:
+    """The model's state terms per rank for the same parameters, planned as the simulator plans."""
+    rule, group, wire = optimizer_rule(optimizer)
+    params = [
+        (name, shape, uses_muon(name, torch.empty(shape, device="meta"), None)) for name, shape in scenarios.SHAPES
+    ]
+    meshes, adamw = plan_model(
+        params,
+        world_size,
+        bucket_bytes=64 * 2**20,
+        wire_itemsize=wire,
+        cost_fn=lambda k, shape: rule.cost(group, shape).plan_entry(),
+        batchable=rule.can_batch(group),
+    )
+    ranks = memory_per_rank(meshes, adamw, OptimizerMemory.from_rule(rule, group, wire), world_size)
+    return [{"shard_state": r.shard_state, "adamw_state": r.adamw_state, "owner_state": r.owner_state} for r in ranks]
+
+
+def measure_every_optimizer(rank: int, world_size: int) -> dict[str, dict[str, int]]:
+    return {name: held_state(rank, world_size, name) for name in OPTIMIZERS}
+
+
+def test_state_terms_equal_the_bytes_the_optimizers_hold():
+    measured = run_distributed(measure_every_optimizer, WORLD)
+    for name in OPTIMIZERS:
+        got = [measured[rank][name] for rank in range(WORLD)]
+        assert modelled_state(name, WORLD) == got, name
+    assert any(m["soap"]["owner_state"] > 0 for m in measured)  # the owner terms are not vacuous
+    assert any(m["normuon"]["owner_state"] > 0 for m in measured)
+
+
+# ---------------------------------------------------------------- by hand
+# Two matrices on 2 ranks, Shard(0): A 4×8 (16 elements per rank), B 6×4 (12 per rank); a vector of 10 for AdamW.
+A, B = (4, 8), (6, 4)
+MUON = OptimizerMemory(
+    momentum=True, shard_scalar_bytes=0, input_itemsize=4, output_itemsize=2, wire_itemsize=2, ns_itemsize=2
+)
+
+
+def two_matrices(owner_bytes: dict[tuple[int, int], int] | None = None) -> tuple[list[MeshPlan], list]:
+    layouts = [fsdp_layout("a", A, 2), fsdp_layout("b", B, 2)]
+    cost = None if owner_bytes is None else (lambda k, shape: (shape[0] * shape[1], owner_bytes[shape]))
+    plan = build_plan(layouts, [0, 1], 2**20, 2, cost_fn=cost)
+    return [MeshPlan(plan, {0: layouts[0], 1: layouts[1]})], [fsdp_layout("v", (10,), 2)]
+
+
+def owners(meshes: list[MeshPlan]) -> tuple[int, int]:
+    placements = [u.placement for u in meshes[0].plan.units]
+    assert all(isinstance(p, Owned) for p in placements)
+    return placements[0].rank, placements[1].rank  # type: ignore[union-attr]
+
+
+def test_every_term_by_hand():
+    meshes, adamw = two_matrices({A: 100, B: 10})
+    owner_a, owner_b = owners(meshes)
+    ranks = memory_per_rank(meshes, adamw, MUON, 2)
+    for r, got in enumerate(ranks):
+        a, b = owner_a == r, owner_b == r
+        assert got.params_grads == 2 * 4 * (16 + 12 + 5)
+        assert got.shard_state == 4 * (16 + 12)
+        assert got.adamw_state == 2 * 4 * 5 + 4
+        assert got.owner_state == 100 * a + 10 * b
+        u_and_updates = (4 + 2) * (16 + 12)
+        # own pieces out and O's pieces back, and on the owner every piece in and every piece of O out
+        wire = 2 * (2 * 16 + 2 * 12 + a * 2 * 32 + b * 2 * 24)
+        outputs = 2 * (32 * a + 24 * b)
+        assembled = 2 * (32 * a + 24 * b)  # one bucket holds both matrices
+        assert got.exchange == u_and_updates + wire + outputs + assembled
+        # 4×8: 2·(2·4·8 + 4·4²) = 256; 6×4 works as 4×6: 2·(2·4·6 + 4·4²) = 224
+        assert got.ns_workspace == max(256 * a, 224 * b)
+        # 2·(3·4·8 + 4·4²) = 320; 2·(3·4·6 + 4·4²) = 272
+        assert got.cuda_graphs == 320 * a + 272 * b
+        assert got.optimizer == sum(
+            (got.shard_state, got.adamw_state, got.owner_state, got.exchange, got.ns_workspace, got.cuda_graphs)
+        )
+    top = peak(ranks)
+    assert top.optimizer == max(r.optimizer for r in ranks)
+    assert top.with_params_grads == max(r.optimizer + r.params_grads for r in ranks)
+
+
+@pytest.mark.parametrize(
+    "dtype, block, expected",
+    [("float32", 256, 4 * 28), ("bfloat16", 256, 2 * 28), ("int8", 256, 16 + 4 + 12 + 4), ("int8", 8, 16 + 8 + 12 + 8)],
+)
+def test_momentum_dtypes_by_hand(dtype, block, expected):
+    """int8: one byte per element and a float32 scale per started block of each shard (⌈16/8⌉ = 2, ⌈12/8⌉ = 2)."""
+    meshes, adamw = two_matrices()
+    spec = OptimizerMemory(True, 0, 4, 2, 2, 2, momentum_dtype=dtype, int8_block=block)
+    assert [r.shard_state for r in memory_per_rank(meshes, adamw, spec, 2)] == [expected, expected]
+    assert momentum_bytes(0, "int8") == 0
+
+
+def test_whole_experts_are_local_and_their_input_is_the_exchange_term():
+    """Experts [4, 3, 5] over 2 ranks: two whole experts each, computed where they lie, one by one (4 experts
+    make units of one): nothing travels; the exchange term is the parameter's U (4·30 bytes), the workspace
+    one 3×5 matrix's, and one graph serves both experts."""
+    layout = fsdp_layout("experts", (4, 3, 5), 2)
+    plan = build_plan([layout], [0], 2**20, 2)
+    ranks = memory_per_rank([MeshPlan(plan, {0: layout})], [], MUON, 2)
+    for got in ranks:
+        assert got.exchange == 4 * 30
+        assert got.ns_workspace == 2 * (2 * 3 * 5 + 4 * 3 * 3)
+        assert got.cuda_graphs == 2 * (3 * 3 * 5 + 4 * 3 * 3)
+        assert got.owner_state == 0 and got.adamw_state == 0
+
+
+def test_what_each_rule_declares():
+    muon = OptimizerMemory.from_rule(*optimizer_rule("muon")[:2], 2)
+    assert (muon.momentum, muon.shard_scalar_bytes, muon.input_itemsize, muon.output_itemsize, muon.ns_itemsize) == (
+        True, 0, 4, 2, 2,
+    )  # fmt: skip
+    soap = OptimizerMemory.from_rule(*optimizer_rule("soap")[:2], 4)
+    assert (soap.momentum, soap.shard_scalar_bytes, soap.input_itemsize, soap.output_itemsize, soap.ns_itemsize) == (
+        False, 4, 0, 4, 0,
+    )  # fmt: skip
+    mop = OptimizerMemory.from_rule(*optimizer_rule("mop")[:2], 4)
+    assert (mop.momentum, mop.input_itemsize, mop.output_itemsize, mop.ns_itemsize) == (True, 4, 4, 0)
+
+
+def test_bad_settings_raise():
+    with pytest.raises(ValueError, match="momentum_dtype"):
+        momentum_bytes(4, "float8")
+    with pytest.raises(ValueError, match="momentum_dtype"):
+        OptimizerMemory(True, 0, 4, 2, 2, 2, momentum_dtype="fp8")
+    with pytest.raises(ValueError, match="int8_block"):
+        OptimizerMemory(True, 0, 4, 2, 2, 2, int8_block=0)
+    meshes, adamw = two_matrices()
+    with pytest.raises(ValueError, match="ranks"):
+        memory_per_rank(meshes, adamw, MUON, 3)
+    layout = fsdp_layout("a", A, 2)
+    gathered = build_plan([layout], [0], 2**20, 2, gather_all=True)
+    with pytest.raises(ValueError, match="gather_all"):
+        memory_per_rank([MeshPlan(gathered, {0: layout})], [], MUON, 2)
+    with pytest.raises(ValueError, match="--optimizer"):
+        optimizer_rule("adam")
+
+
+def test_simulator_memory_table_and_json(capsys, tmp_path):
+    out = tmp_path / "m.json"
+    main(["--model", "llama3:debugmodel", "--world-size", "4", "--optimizer", "soap", "--json", str(out)])
+    assert "optimizer memory per rank" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())
+    assert row["optimizer"] == "soap" and row["memory"]["owner_state"] > 0
+    (f32,) = simulate("llama3:debugmodel", [4])
+    (bf16,) = simulate("llama3:debugmodel", [4], momentum_dtype="bfloat16")
+    (int8,) = simulate("llama3:debugmodel", [4], momentum_dtype="int8")
+    assert f32.memory.owner_state == 0
+    assert bf16.memory.shard_state * 2 == f32.memory.shard_state
+    assert f32.memory.shard_state / 4 < int8.memory.shard_state < f32.memory.shard_state / 3.9
