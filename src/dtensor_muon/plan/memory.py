@@ -49,7 +49,7 @@ over the ranks and the largest total of one rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +59,7 @@ from ..distributed.layout import ParamLayout, box_numel
 from ..linalg.newton_schulz import resolve_ns_dtype
 from ..linalg.ns_graphs import MAX_GRAPH_WORK
 from .model import Plan
-from .placement import GatherAll, Local, Owned, TensorParallelGroup
+from .placement import GatherAll, Owned, TensorParallelGroup
 from .views import matrix_shape_of_box
 
 if TYPE_CHECKING:
@@ -228,37 +228,48 @@ def memory_per_rank(
     for mesh in meshes:
         if mesh.plan.world_size != world_size:
             raise ValueError(f"a plan over {mesh.plan.world_size} ranks in a model of {world_size} ranks")
-    for layout in [*adamw, *(layout for mesh in meshes for layout in mesh.layouts.values())]:
+    matrix_layouts = [layout for mesh in meshes for layout in mesh.layouts.values()]
+    for layout in [*adamw, *matrix_layouts]:
         if layout.world_size != world_size:
             raise ValueError(f"parameter {layout.name!r} is laid out over {layout.world_size} ranks, not {world_size}")
+    exchange = [0] * world_size
+    computed: list[list[ComputedUnit]] = [[] for _ in range(world_size)]
+    for mesh in meshes:
+        for rank, nbytes in enumerate(exchange_per_rank(mesh, optimizer)):
+            exchange[rank] += nbytes
+        for rank, units in enumerate(units_per_rank(mesh.plan)):
+            computed[rank].extend(units)
+    ns = optimizer.ns_itemsize
     out = []
     for rank in range(world_size):
-        matrix_numels = [box_numel(layout.boxes[rank]) for mesh in meshes for layout in mesh.layouts.values()]
+        matrix_numels = [box_numel(layout.boxes[rank]) for layout in matrix_layouts]
         adamw_numels = [box_numel(layout.boxes[rank]) for layout in adamw]
-        shard = sum(optimizer.shard_scalar_bytes for _ in matrix_numels)
+        shard = optimizer.shard_scalar_bytes * len(matrix_numels)
         if optimizer.momentum:
             shard += sum(momentum_bytes(n, optimizer.momentum_dtype, optimizer.int8_block) for n in matrix_numels)
-        computed = [unit for mesh in meshes for unit in computed_units(mesh.plan, rank)]
-        ns = optimizer.ns_itemsize
         out.append(
             RankMemory(
                 params_grads=2 * PARAM_ITEMSIZE * (sum(matrix_numels) + sum(adamw_numels)),
                 shard_state=shard,
                 adamw_state=sum(2 * PARAM_ITEMSIZE * n + ADAMW_STEP_BYTES for n in adamw_numels),
                 owner_state=sum(mesh.plan.rank_owner_state_bytes[rank] for mesh in meshes),
-                exchange=sum(exchange_bytes(mesh, rank, optimizer) for mesh in meshes),
-                ns_workspace=max((ns_workspace_bytes(b, s, ns) for b, s, _ in computed), default=0),
-                cuda_graphs=graphs_bytes(computed, ns) if optimizer.cuda_graphs else 0,
+                exchange=exchange[rank],
+                ns_workspace=max((ns_workspace_bytes(b, s, ns) for b, s, _ in computed[rank]), default=0),
+                cuda_graphs=graphs_bytes(computed[rank], ns) if optimizer.cuda_graphs else 0,
             )
         )
     return out
 
 
-def computed_units(plan: Plan, rank: int) -> list[tuple[int, tuple[int, int], bool]]:
-    """(B, m×n shape, through the owner's runner) of each unit ``rank`` computes: its owned units, the local
-    ones it holds, those of the tensor-parallel groups it is in (distributed: its block, not through the
-    runner). A grouped split's parts are one matrix of their whole shape."""
-    out = []
+ComputedUnit = tuple[int, tuple[int, int], bool]
+"""(B, m×n shape, run through the owner's Newton–Schulz runner) of a unit a rank computes."""
+
+
+def units_per_rank(plan: Plan) -> list[list[ComputedUnit]]:
+    """The units each rank computes: its owned units, the local ones it holds, those of the tensor-parallel
+    groups it is in (``distributed``: its block, not through the runner). A grouped split's parts are one
+    matrix of their whole shape."""
+    out: list[list[ComputedUnit]] = [[] for _ in range(plan.world_size)]
     for unit in plan.units:
         first = plan.routes[unit.members[0]]
         batch = len(unit.members) // first.spec.parts
@@ -269,19 +280,20 @@ def computed_units(plan: Plan, rank: int) -> list[tuple[int, tuple[int, int], bo
             )
         if isinstance(p, TensorParallelGroup) and p.distributed:
             for member, target, _ in first.targets:
-                if member == rank:
-                    out.append((batch, matrix_shape_of_box(target, len(target)), False))
+                out[member].append((batch, matrix_shape_of_box(target, len(target)), False))
             continue
-        if (
-            (isinstance(p, Owned) and p.rank == rank)
-            or (isinstance(p, TensorParallelGroup) and rank in p.ranks)
-            or (isinstance(p, Local) and any(r == rank for r, _ in first.holders))
-        ):
-            out.append((batch, first.spec.whole_shape, True))
+        if isinstance(p, Owned):
+            ranks: Iterable[int] = (p.rank,)
+        elif isinstance(p, TensorParallelGroup):
+            ranks = p.ranks
+        else:  # Local: every holder
+            ranks = dict.fromkeys(rank for rank, _ in first.holders)
+        for rank in ranks:
+            out[rank].append((batch, first.spec.whole_shape, True))
     return out
 
 
-def graphs_bytes(computed: list[tuple[int, tuple[int, int], bool]], itemsize: int) -> int:
+def graphs_bytes(computed: list[ComputedUnit], itemsize: int) -> int:
     """Σ :func:`graph_bytes` over the distinct (B, m, n) run through the runner within MAX_GRAPH_WORK."""
     signatures = set()
     for batch, shape, runner in computed:
@@ -291,44 +303,58 @@ def graphs_bytes(computed: list[tuple[int, tuple[int, int], bool]], itemsize: in
     return sum(graph_bytes(batch, shape, itemsize) for batch, shape in signatures)
 
 
-def exchange_bytes(mesh: MeshPlan, rank: int, optimizer: OptimizerMemory) -> int:
-    """The ``exchange`` term of one mesh's plan on ``rank`` (see the module docstring)."""
+def exchange_per_rank(mesh: MeshPlan, optimizer: OptimizerMemory) -> list[int]:
+    """The ``exchange`` term of one mesh's plan on each rank (see the module docstring)."""
     plan = mesh.plan
+    world = plan.world_size
     u, w, o = optimizer.input_itemsize, optimizer.wire_itemsize, optimizer.output_itemsize
     fully_local = plan.fully_local_params()
-    numel = {k: box_numel(layout.boxes[rank]) for k, layout in mesh.layouts.items()}
-    routed = sum(n for k, n in numel.items() if k not in fully_local)
-    local = max((n for k, n in numel.items() if k in fully_local), default=0)
-    wire = 0  # elements sent and received, out and back
-    outputs = 0  # elements of O held
+    routed = [0] * world  # elements of the shards of the parameters not fully local
+    local = [0] * world  # the largest fully local shard
+    for k, layout in mesh.layouts.items():
+        for rank, box in enumerate(layout.boxes):
+            if k in fully_local:
+                local[rank] = max(local[rank], box_numel(box))
+            else:
+                routed[rank] += box_numel(box)
+    wire = [0] * world  # elements sent and received, out and back
+    outputs = [0] * world  # elements of O held
     for route in plan.routes:
         placement = plan.units[route.unit].placement
         if isinstance(placement, Owned):
-            wire += sum(box_numel(box) for box, source in route.pieces if source == rank)
-            wire += sum(box_numel(box) for holder, box in route.holders if holder == rank)
-            if placement.rank == rank:
-                wire += sum(box_numel(box) for box, _ in route.pieces)
-                wire += sum(box_numel(box) for _, box in route.holders)
-                outputs += route.spec.numel
+            owner = placement.rank
+            for box, source in route.pieces:
+                wire[source] += box_numel(box)
+                wire[owner] += box_numel(box)
+            for holder, box in route.holders:
+                wire[holder] += box_numel(box)
+                wire[owner] += box_numel(box)
+            outputs[owner] += route.spec.numel
         elif isinstance(placement, TensorParallelGroup):
             for member, target, pieces in route.targets:
-                wire += sum(box_numel(box) for box, source in pieces if source == rank)
-                if member == rank:
-                    wire += sum(box_numel(box) for box, _ in pieces)
-                    outputs += box_numel(target)
+                for box, source in pieces:
+                    wire[source] += box_numel(box)
+                    wire[member] += box_numel(box)
+                outputs[member] += box_numel(target)
             for (holder, box), member in zip(route.holders, route.back_from):
-                wire += box_numel(box) * ((holder == rank) + (member == rank))
-    assembled = max((assembled_elements(plan, bucket, rank) for bucket in plan.buckets), default=0)
-    assembled = max([assembled, *(assembled_elements(plan, bucket, rank) for bucket in plan.tensor_parallel_buckets)])
-    return (u + w) * routed + w * wire + o * outputs + max(w * assembled, u * local)
+                wire[holder] += box_numel(box)
+                wire[member] += box_numel(box)
+    assembled = [0] * world  # the largest bucket's whole matrices (or tensor-parallel targets)
+    for bucket in [*plan.buckets, *plan.tensor_parallel_buckets]:
+        for rank, elements in assembled_per_rank(plan, bucket).items():
+            assembled[rank] = max(assembled[rank], elements)
+    return [
+        (u + w) * routed[r] + w * wire[r] + o * outputs[r] + max(w * assembled[r], u * local[r]) for r in range(world)
+    ]
 
 
-def assembled_elements(plan: Plan, bucket: list[int], rank: int) -> int:
-    """Elements of the whole matrices (or tensor-parallel targets) ``rank`` assembles for one bucket."""
-    total = 0
+def assembled_per_rank(plan: Plan, bucket: list[int]) -> dict[int, int]:
+    """Elements of the whole matrices (or tensor-parallel targets) each rank assembles for one bucket."""
+    total: dict[int, int] = {}
     for i in bucket:
         route = plan.routes[i]
-        if route.owner == rank:
-            total += route.spec.numel
-        total += sum(box_numel(target) for member, target, _ in route.targets if member == rank)
+        if route.owner is not None:
+            total[route.owner] = total.get(route.owner, 0) + route.spec.numel
+        for member, target, _ in route.targets:
+            total[member] = total.get(member, 0) + box_numel(target)
     return total
