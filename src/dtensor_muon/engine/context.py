@@ -122,7 +122,8 @@ class StepContext:
     def _shard_inputs(self, e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
         g = self.grads[e.index]
         grad = local(g) if g is not None else torch.zeros_like(local(e.param))
-        return grad, {key: local(self.state[e.param][key]) for key in self.rule.shard_state_keys}
+        held = self.state[e.param]
+        return grad, {key: local(held[key]) for key in self.rule.shard_state_keys if key in held}
 
     def _shards_by_group(self, entries: list[Entry]) -> list[tuple[list[Entry], list[Tensor], list[dict[str, Tensor]]]]:
         """``entries`` split by param group (the same dict), each part in the given order, with its shards'

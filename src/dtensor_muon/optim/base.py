@@ -231,6 +231,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self.register_load_state_dict_pre_hook(lambda optimizer, state_dict: optimizer.flush())
         self.register_load_state_dict_pre_hook(MatrixOptimizer._check_loaded_state)
         self.register_load_state_dict_pre_hook(MatrixOptimizer._keep_owner_state_uncast)
+        self.register_load_state_dict_pre_hook(MatrixOptimizer._keep_momentum_uncast)
         self.register_load_state_dict_post_hook(MatrixOptimizer._rebuild_after_load)
 
     # ---------------------------------------------------------------- groups and state
@@ -283,7 +284,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             for name, p in part:
                 self._given_index[id(p)] = position[id(p)]
                 if p.requires_grad:
-                    self.state[p] = self._fresh_state(p, use_muon)
+                    self.state[p] = self._fresh_state(p, self.param_groups[-1], name or given_label(position[id(p)]))
                 if use_muon and group["use_muon"] is None and p.ndim == 2:
                     (self._unnamed_default if name is None else self._named_default).add(id(p))
                 added.append(p)
@@ -320,8 +321,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             if "__init__" in cls.__dict__ and issubclass(cls, MatrixOptimizer) and cls is not MatrixOptimizer
         )
 
-    def _fresh_state(self, p: Tensor, use_muon: bool) -> dict[str, Tensor]:
-        return self.rule.init_shard_state(p) if use_muon else adamw_rule.init_state(p)
+    def _fresh_state(self, p: Tensor, group: dict[str, Any], label: str) -> dict[str, Tensor]:
+        """Fresh state of parameter ``label`` of ``group``: the rule's shard state or AdamW's."""
+        return self.rule.init_shard_state(p, group, label) if group["use_muon"] else adamw_rule.init_state(p)
 
     def _all_params(self) -> list[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -357,11 +359,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _create_missing_state(self) -> bool:
         """Fresh state for every parameter that requires grad and has none; True when any was created."""
         created = False
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and not self.state.get(p):
-                    self.state[p] = self._fresh_state(p, group["use_muon"])
-                    created = True
+        for label, p, group in list(self._labelled()):
+            if p.requires_grad and not self.state.get(p):
+                self.state[p] = self._fresh_state(p, group, label)
+                created = True
         return created
 
     def _split_of(self, label: str, p: Tensor, group: dict[str, Any]) -> MatrixSplit | None:
@@ -418,7 +419,15 @@ class MatrixOptimizer(torch.optim.Optimizer):
         return {**state_dict, "state": state}
 
     @staticmethod
+    def _keep_momentum_uncast(optimizer: MatrixOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Take a low-precision momentum's tensors out of a state dict before torch casts them to the parameter's
+        dtype; :meth:`_rebuild_after_load` puts them back (:func:`.state_loading.hold_uncast`)."""
+        state_dict, optimizer._loaded_momentum = state_loading.hold_uncast(optimizer, state_dict)
+        return state_dict
+
+    @staticmethod
     def _rebuild_after_load(optimizer: MatrixOptimizer) -> None:
+        state_loading.restore_uncast(optimizer, optimizer.__dict__.pop("_loaded_momentum", []))
         loaded = optimizer.__dict__.pop("_loaded_owner_state", [])
         for p, held in loaded:
             device = local(p).device

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..plan.views import MatrixSplit
+from ..rules.momentum_storage import check_momentum_dtype
 from ..rules.mop import MOP_SCALES, MOPRule
 from ..rules.muon import AdjustLrFn
 from ..rules.qk_clip import AttentionHeads
@@ -37,6 +38,7 @@ class MOP(MatrixOptimizer):
         adjust_lr_fn: with ``scale="shape"``: None/"original", "match_rms_adamw", "spectral_unclamped" or a
             callable, as in Muon.
         adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.
+        momentum_dtype: storage of the momentum buffer, "float32", "bfloat16" or "int8", as in Muon.
         wire_dtype: dtype of the exchange; float32 by default, since the SVD runs in float32 (a 16-bit wire
             is refused for DTensor parameters: it would round the SVD's input).
         bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, matrix_splits, tp_mode, qk_clip_tau,
@@ -61,6 +63,7 @@ class MOP(MatrixOptimizer):
         adamw_eps: float = 1e-8,
         adamw_lr: float | None = None,
         adamw_weight_decay: float | None = None,
+        momentum_dtype: str = "float32",
         wire_dtype: torch.dtype | None = torch.float32,
         bucket_size_mb: float = 64.0,
         exchange: str = "owner",
@@ -78,3 +81,4 @@ class MOP(MatrixOptimizer):
     def validate_group(self, group: dict[str, Any]) -> None:
         require(group["scale"] in MOP_SCALES, f"scale must be one of {MOP_SCALES}, got {group['scale']!r}")
         validate_adjust_lr_fn(group)
+        check_momentum_dtype(group["momentum_dtype"])

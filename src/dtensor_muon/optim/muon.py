@@ -15,6 +15,7 @@ import torch
 from ..kernels import resolve_ns_algorithm
 from ..linalg.newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec, resolve_coefficients, resolve_ns_dtype
 from ..plan.views import MatrixSplit
+from ..rules.momentum_storage import check_momentum_dtype
 from ..rules.muon import ADJUST_LR_NAMES, AdjustLrFn, MuonRule
 from ..rules.qk_clip import AttentionHeads
 from .base import MatrixOptimizer, given_keywords, require, require_number
@@ -68,6 +69,9 @@ class Muon(MatrixOptimizer):
             ``(lr, (A, B)) -> lr`` for an A×B matrix.
     Keyword-only:
         adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.
+        momentum_dtype: storage of the momentum buffer (a param-group key): "float32" (the parameter's dtype,
+            torch.optim.Muon's), "bfloat16" (stochastic rounding) or "int8" (one float32 scale per 128 entries
+            of a row); B' and U are computed in float32 either way (:mod:`dtensor_muon.rules.momentum_storage`).
         ns_dtype: Newton–Schulz working dtype (bfloat16, float32, float16).
         ns_algorithm: "auto" (Gram Newton–Schulz where it is faster and validated: Keller's coefficients,
             large rectangular matrices on the GPU backend), "standard" or "gram" (measured as accurate as
@@ -120,6 +124,7 @@ class Muon(MatrixOptimizer):
         adamw_eps: float = 1e-8,
         adamw_lr: float | None = None,
         adamw_weight_decay: float | None = None,
+        momentum_dtype: str = "float32",
         ns_dtype: torch.dtype | str = torch.bfloat16,
         ns_algorithm: str = "auto",
         wire_dtype: torch.dtype | None = torch.bfloat16,
@@ -139,3 +144,4 @@ class Muon(MatrixOptimizer):
 
     def validate_group(self, group: dict[str, Any]) -> None:
         validate_newton_schulz(group)
+        check_momentum_dtype(group["momentum_dtype"])

@@ -9,6 +9,7 @@ import torch
 
 from ..linalg.newton_schulz import KELLER_COEFFICIENTS, CoefficientSpec
 from ..plan.views import MatrixSplit
+from ..rules.momentum_storage import check_momentum_dtype
 from ..rules.muon import AdjustLrFn
 from ..rules.normuon import NorMuonRule
 from ..rules.qk_clip import AttentionHeads
@@ -47,6 +48,7 @@ class NorMuon(MatrixOptimizer):
         adamw_eps: float = 1e-8,
         adamw_lr: float | None = None,
         adamw_weight_decay: float | None = None,
+        momentum_dtype: str = "float32",
         ns_dtype: torch.dtype | str = torch.bfloat16,
         ns_algorithm: str = "auto",
         wire_dtype: torch.dtype | None = torch.bfloat16,
@@ -66,6 +68,7 @@ class NorMuon(MatrixOptimizer):
 
     def validate_group(self, group: dict[str, Any]) -> None:
         validate_newton_schulz(group)
+        check_momentum_dtype(group["momentum_dtype"])
         require_number(group, "beta2", "normuon_eps")
         require(0 <= group["beta2"] < 1, f"beta2: expected a number in [0, 1), got {group['beta2']}")
         require(group["normuon_eps"] > 0, f"normuon_eps: expected a number > 0, got {group['normuon_eps']}")

@@ -25,6 +25,7 @@ import torch
 
 from ..engine.step import EXCHANGE_MODES
 from ..kernels import NS_ALGORITHMS
+from ..kernels.low_precision import MOMENTUM_DTYPES
 from ..linalg.newton_schulz import KELLER_COEFFICIENTS, NAMED_COEFFICIENTS, SUPPORTED_NS_DTYPES
 from ..rules.mop import MOP_SCALES
 from ..rules.muon import ADJUST_LR_NAMES
@@ -143,6 +144,9 @@ QK_CLIP = (
 # Muon, NorMuon, MOP, SOAP.
 
 _MOMENTUM = Option("momentum", 0.95, "momentum μ of the matrices' buffer", bounds="[0, 1)")
+_MOMENTUM_DTYPE = Option("momentum_dtype", "float32", "storage of the matrices' momentum buffer: float32 (the "
+                         "parameter's dtype), bfloat16 (stochastic rounding, 2 bytes) or int8 (absmax per 128 "
+                         "entries of a row, 1.03 bytes)", choices=MOMENTUM_DTYPES)  # fmt: skip
 
 MUON = (
     Option("lr", 1e-3, "learning rate γ (AdamW's too unless adamw_lr is given)", bounds=">= 0",
@@ -161,6 +165,7 @@ MUON = (
            "match_rms_adamw (γ·0.2·√max(A, B)), spectral_unclamped (γ·√(A/B)) or a callable",
            choices=ADJUST_LR_NAMES, config_default="match_rms_adamw", config_why=ADJUST_LR_CONFIG_WHY),
     *ADAMW,
+    _MOMENTUM_DTYPE,
     Option("ns_dtype", torch.bfloat16, "Newton–Schulz working dtype", choices=tuple(sorted(SUPPORTED_NS_DTYPES)),
            config_default="bfloat16"),
     Option("ns_algorithm", "auto", '"auto" (Gram Newton–Schulz where faster and validated), "standard" or "gram"',
@@ -188,6 +193,7 @@ MOP = (
     Option("adjust_lr_fn", None, 'with scale="shape": as Muon\'s', choices=ADJUST_LR_NAMES,
            config_default="match_rms_adamw", config_why=ADJUST_LR_CONFIG_WHY),
     *ADAMW,
+    _MOMENTUM_DTYPE,
     *_engine(torch.float32, ("float32",), "the SVD's float32 input", _WITHOUT_NS_FORMS),
     *QK_CLIP,
 )  # fmt: skip

@@ -1,9 +1,12 @@
 """Loading optimizer state: what must fit before anything is loaded, and the opt-in switch between optimizers.
 
 :func:`load_problem` says why a state dict cannot be loaded into a :class:`~.base.MatrixOptimizer` on this rank
-(another optimizer's or another routing's state, another world size's shards, missing owner state); the
-front end's load pre-hook raises it on every rank after :func:`agree`. :func:`load_compatible_state` keeps the
-AdamW moments of another optimizer's state and starts everything else fresh.
+(another optimizer's or another routing's state, another world size's shards, missing owner state, momentum
+saved in another ``momentum_dtype``); the front end's load pre-hook raises it on every rank after :func:`agree`.
+:func:`hold_uncast` and :func:`restore_uncast` keep a low-precision momentum's tensors (bf16 buffers, int8 codes
+and their float32 scales) in their own dtypes, which torch's loading would cast to the parameter's.
+:func:`load_compatible_state` keeps the AdamW moments of another optimizer's state and starts everything else
+fresh.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ..engine.step import Engine
 from ..plan.routing import name_patterns
 from ..rules import adamw as adamw_rule
 from ..rules.base import MatrixRule
+from ..rules.momentum_storage import BUFFER, same_format, stored_format
 
 logger = logging.getLogger("dtensor_muon")
 
@@ -36,7 +40,9 @@ class Loadable(Protocol):
 
     def _labelled(self) -> Iterator[tuple[str, Tensor, dict[str, Any]]]: ...
 
-    def _fresh_state(self, p: Tensor, use_muon: bool) -> dict[str, Tensor]: ...
+    def _all_params(self) -> list[Tensor]: ...
+
+    def _fresh_state(self, p: Tensor, group: dict[str, Any], label: str) -> dict[str, Tensor]: ...
 
     def _build_engine(self, loaded_owner_state: set[int] | None = None) -> Engine: ...
 
@@ -51,8 +57,10 @@ def load_problem(opt: Loadable, state_dict: dict[str, Any]) -> str | None:
     ``owner_state`` for a rule with owner state, for a matrix-rule parameter; AdamW's for the others); the
     local shape of every shard-state and AdamW tensor (a DTensor's local piece; a plain tensor as it is)
     against this rank's layout of the parameter; and, for owner state, that every matrix this rank computes
-    is there in its shape. A parameter without saved state gets fresh state, as in torch. Group counts
-    and sizes are left to torch's own check.
+    is there in its shape; for a rule with ``momentum_dtype``, that the saved group's ``momentum_dtype`` and
+    the format of each saved momentum (:func:`~..rules.momentum_storage.stored_format`) are this group's (a
+    bf16 parameter's "float32" and "bfloat16" buffers are one format). A parameter without saved state gets
+    fresh state, as in torch. Group counts and sizes are left to torch's own check.
     """
     saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
     if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
@@ -96,6 +104,14 @@ def load_problem(opt: Loadable, state_dict: dict[str, Any]) -> str | None:
                 f"({rule if expected else 'adamw'}): it was saved with another routing (other param groups, "
                 f"names or use_muon). Nothing was loaded. {switch}"
             )
+        mode, saved_mode = group.get("momentum_dtype"), saved.get("momentum_dtype", "float32")
+        if expected and mode is not None and saved_mode != mode:
+            first = rows[k][0] if group["params"] else "no parameters"
+            return (
+                f"{me}.load_state_dict: loaded param group {gi} (first parameter {first!r}) was saved with "
+                f"momentum_dtype={saved_mode!r}, this optimizer's group {gi} has momentum_dtype={mode!r}. Nothing "
+                f"was loaded. Build the optimizer with momentum_dtype={saved_mode!r} to resume this checkpoint."
+            )
         k += len(group["params"])
     saved_ids = [i for g in saved_groups for i in g["params"]]
     for key, (label, p, group) in zip(saved_ids, rows):
@@ -106,8 +122,16 @@ def load_problem(opt: Loadable, state_dict: dict[str, Any]) -> str | None:
         where = f"{me}.load_state_dict: parameter {label!r} ({rule if use_muon else 'adamw'})"
         if not isinstance(saved, dict):
             return f"{where}: its loaded state is a {type(saved).__name__}, expected a dict. Nothing was loaded."
-        current = opt.state.get(p) or opt._fresh_state(p, use_muon)
-        keys = list(opt.rule.shard_state_keys if use_muon else adamw_rule.STATE_KEYS)
+        if use_muon and "momentum_dtype" in group and BUFFER in saved:
+            found, mode = stored_format(saved, p.dtype), group["momentum_dtype"]
+            if not same_format(found, mode, p.dtype):
+                return (
+                    f"{where}: the loaded momentum was saved with momentum_dtype={found!r}, this optimizer has "
+                    f"momentum_dtype={mode!r}. Nothing was loaded. Build the optimizer with "
+                    f"momentum_dtype={found!r} to resume this checkpoint."
+                )
+        current = opt.state.get(p) or opt._fresh_state(p, group, label)
+        keys = list(opt.rule.state_keys(group) if use_muon else adamw_rule.STATE_KEYS)
         if use_muon and opt.rule.has_owner_state:
             keys.append(OWNER_STATE_KEY)
         # a rank that computes none of the parameter's matrices may get no owner_state key at all (flattening
@@ -169,6 +193,35 @@ def owner_state_problem(where: str, saved: Any, held: dict[str, Any], reshard: s
                     f"{tuple(reference.shape)}. Nothing was loaded. {reshard}"
                 )
     return None
+
+
+def hold_uncast(opt: Loadable, state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[Tensor, str, Tensor]]]:
+    """``state_dict`` without the matrix-rule shard-state tensors whose dtype is not their parameter's (a
+    low-precision momentum: torch's loading casts state tensors to the parameter's dtype), and those tensors as
+    (parameter, key, tensor), for :func:`restore_uncast` after torch has loaded the rest."""
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    param_of = dict(zip(saved_ids, opt._all_params()))  # as torch's load_state_dict maps them
+    held: list[tuple[Tensor, str, Tensor]] = []
+    state = dict(state_dict["state"])
+    for key, value in state.items():
+        p = param_of.get(key)
+        if p is None or not isinstance(value, dict):
+            continue
+        uncast = {
+            name: t
+            for name, t in value.items()
+            if name in opt.rule.shard_state_keys and name != "step" and isinstance(t, Tensor) and t.dtype != p.dtype
+        }
+        if uncast:
+            held.extend((p, name, t) for name, t in uncast.items())
+            state[key] = {name: t for name, t in value.items() if name not in uncast}
+    return {**state_dict, "state": state}, held
+
+
+def restore_uncast(opt: Loadable, held: list[tuple[Tensor, str, Tensor]]) -> None:
+    """Put :func:`hold_uncast`'s tensors into the loaded state, on their parameter's device, dtype kept."""
+    for p, name, t in held:
+        opt.state[p][name] = t.to(local(p).device)
 
 
 def agree(opt: Loadable, problem: str | None) -> str | None:
@@ -248,8 +301,8 @@ def load_compatible_state(opt: Loadable, state_dict: dict[str, Any]) -> dict[str
     if problem is not None:
         raise ValueError(problem)
     opt.flush()
-    for _, p, group in rows:
-        state = opt._fresh_state(p, group["use_muon"])
+    for label, p, group in rows:
+        state = opt._fresh_state(p, group, label)
         entry = kept.get(id(p))
         if entry is not None:
             step = entry["step"]

@@ -76,14 +76,19 @@ class MatrixRule(ABC):
     """Short name used in metric keys and messages (``"muon"``)."""
 
     shard_state_keys: tuple[str, ...] = ()
-    """Keys of the state :meth:`init_shard_state` creates (in the parameter's layout)."""
+    """Every key of the state :meth:`init_shard_state` may create (in the parameter's layout)."""
 
     has_owner_state: bool = False
     """Whether :meth:`init_owner_state` creates any state."""
 
-    def init_shard_state(self, param: Tensor) -> dict[str, Tensor]:
-        """Fresh shard state of a parameter (DTensor parameters get DTensors in the same layout)."""
-        return {key: torch.zeros_like(param) for key in self.shard_state_keys}
+    def state_keys(self, group: Group) -> tuple[str, ...]:
+        """The shard-state keys of a parameter of ``group`` (those of :attr:`shard_state_keys` its settings use)."""
+        return self.shard_state_keys
+
+    def init_shard_state(self, param: Tensor, group: Group, name: str) -> dict[str, Tensor]:
+        """Fresh shard state of parameter ``name`` of ``group`` (DTensor parameters get DTensors in the same
+        layout)."""
+        return {key: torch.zeros_like(param) for key in self.state_keys(group)}
 
     def init_owner_state(self, shape: tuple[int, int], group: Group, device: torch.device) -> dict[str, Tensor]:
         """Fresh owner state of one ``shape`` matrix (none by default)."""

@@ -7,7 +7,10 @@ With momentum μ, gradient g, momentum buffer B, learning rate γ and weight dec
     O = NS(U)                                    (Newton–Schulz polar-factor approximation)
     θ ← θ·(1 − γλ) − γ'·O,   γ' = adjust_lr(γ, matrix shape)
 
-These are exactly torch.optim.Muon's operations, so one device gives the same bits.
+These are exactly torch.optim.Muon's operations, so one device gives the same bits. With a param group's
+``momentum_dtype`` "bfloat16" or "int8" the buffer is kept in that format (:mod:`.momentum_storage`): each step
+decodes B to float32, computes B' by the same lerp and U from the float32 B' (before B' is encoded), and
+encodes B' back.
 """
 
 from __future__ import annotations
@@ -20,30 +23,21 @@ from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
 from ..kernels import resolve_ns_algorithm
-from ..kernels.elementwise import momentum_step, momentum_steps
+from ..kernels.elementwise import momentum_step, momentum_steps, stored_momentum_step
 from ..linalg.distributed_ns import distributed_newton_schulz
 from ..linalg.newton_schulz import ns_iteration_flops, resolve_coefficients, resolve_ns_dtype
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
+from .momentum_storage import (
+    BUFFER,
+    MOMENTUM_KEYS,
+    SCALE,
+    held_format_problem,
+    init_momentum_state,
+    momentum_state_keys,
+)
 
 AdjustLrFn = None | str | Callable[[float, tuple[int, int]], float]
 ADJUST_LR_NAMES = ("original", "match_rms_adamw", "spectral_unclamped")
-
-
-def momentum_input(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
-    """U from the step's B (see the module formula), leaving the momentum buffer as it is."""
-    return momentum_step(grad, momentum_buffer, momentum, nesterov, write_buffer=False, want_input=True)
-
-
-def advance_momentum(grad: Tensor, momentum_buffer: Tensor, momentum: float) -> None:
-    """B ← B + (1 − μ)·(g − B) in place: the same operation :func:`momentum_input` runs out of place, so the
-    buffer gets the bits U was computed from."""
-    momentum_step(grad, momentum_buffer, momentum, False, write_buffer=True, want_input=False)
-
-
-def advance_momentum_to_input(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
-    """:func:`advance_momentum`, then U from the advanced buffer: :func:`momentum_input`'s bits in one pass
-    (one kernel on the GPU, :mod:`dtensor_muon.kernels.elementwise`)."""
-    return momentum_step(grad, momentum_buffer, momentum, nesterov, write_buffer=True, want_input=True)
 
 
 def adjusted_lr(lr: float | Tensor, adjust_lr_fn: AdjustLrFn, matrix_shape: tuple[int, int]) -> float | Tensor:
@@ -74,31 +68,70 @@ def newton_schulz_settings(group: Group) -> tuple:
 
 
 class MomentumRule(MatrixRule):
-    """A rule whose shard state is Muon's momentum buffer (module formula): ``prepare`` gives U, ``advance``
-    writes B'; a group's shards at once take multi-tensor passes (:func:`momentum_steps`), the same bits."""
+    """A rule whose shard state is Muon's momentum buffer (module formula) in the group's ``momentum_dtype``:
+    ``prepare`` gives U, ``advance`` writes B'; a float32 group's shards at once take multi-tensor passes
+    (:func:`momentum_steps`), the same bits."""
 
-    shard_state_keys = ("momentum_buffer",)
+    shard_state_keys = MOMENTUM_KEYS
+
+    def state_keys(self, group: Group) -> tuple[str, ...]:
+        return momentum_state_keys(group["momentum_dtype"])
+
+    def init_shard_state(self, param: Tensor, group: Group, name: str) -> dict[str, Tensor]:
+        return init_momentum_state(param, group["momentum_dtype"], name)
 
     def prepare(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
-        return momentum_input(grad, shard_state["momentum_buffer"], group["momentum"], group["nesterov"])
+        return momentum_pass(grad, shard_state, group, write_buffer=False)  # type: ignore[return-value]
 
     def advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> None:
-        advance_momentum(grad, shard_state["momentum_buffer"], group["momentum"])
+        momentum_pass(grad, shard_state, group, write_buffer=True, want_input=False)
 
     def prepare_and_advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
-        return advance_momentum_to_input(grad, shard_state["momentum_buffer"], group["momentum"], group["nesterov"])
+        return momentum_pass(grad, shard_state, group, write_buffer=True)  # type: ignore[return-value]
 
     def prepare_many(
         self, grads: list[Tensor], shard_states: list[dict[str, Tensor]], group: Group, *, advance: bool
     ) -> list[Tensor]:
-        buffers = [s["momentum_buffer"] for s in shard_states]
+        if group["momentum_dtype"] != "float32":
+            return [momentum_pass(g, s, group, write_buffer=advance) for g, s in zip(grads, shard_states)]  # type: ignore[misc]
+        buffers = [s[BUFFER] for s in shard_states]
         return momentum_steps(  # type: ignore[return-value]  (want_input: every entry is a tensor)
             grads, buffers, group["momentum"], group["nesterov"], write_buffer=advance, want_input=True
         )
 
     def advance_many(self, grads: list[Tensor], shard_states: list[dict[str, Tensor]], group: Group) -> None:
-        buffers = [s["momentum_buffer"] for s in shard_states]
+        if group["momentum_dtype"] != "float32":
+            for g, s in zip(grads, shard_states):
+                momentum_pass(g, s, group, write_buffer=True, want_input=False)
+            return
+        buffers = [s[BUFFER] for s in shard_states]
         momentum_steps(grads, buffers, group["momentum"], False, write_buffer=True, want_input=False)
+
+
+def momentum_pass(
+    grad: Tensor, shard_state: dict[str, Tensor], group: Group, *, write_buffer: bool, want_input: bool = True
+) -> Tensor | None:
+    """One momentum pass on a shard in the group's ``momentum_dtype``: B' written when ``write_buffer``, U
+    returned when ``want_input``. Raises ValueError when the held state is in another format than the group's
+    ``momentum_dtype`` says (it was changed after the state was created)."""
+    momentum_dtype = group["momentum_dtype"]
+    problem = held_format_problem(shard_state, momentum_dtype, grad.dtype)
+    if problem is not None:
+        raise ValueError(problem)
+    momentum, nesterov = group["momentum"], group["nesterov"] and want_input
+    if momentum_dtype == "float32":
+        return momentum_step(
+            grad, shard_state[BUFFER], momentum, nesterov, write_buffer=write_buffer, want_input=want_input
+        )
+    return stored_momentum_step(
+        grad,
+        shard_state[BUFFER],
+        shard_state.get(SCALE),
+        momentum,
+        nesterov,
+        write_buffer=write_buffer,
+        want_input=want_input,
+    )
 
 
 class MuonRule(MomentumRule):

@@ -219,7 +219,7 @@ class SOAPRule(MatrixRule):
     shard_state_keys = ("step",)
     has_owner_state = True
 
-    def init_shard_state(self, param: Tensor) -> dict[str, Tensor]:
+    def init_shard_state(self, param: Tensor, group: Group, name: str) -> dict[str, Tensor]:
         return {"step": torch.tensor(0.0, dtype=torch.float32)}
 
     def init_owner_state(self, shape: tuple[int, int], group: Group, device: torch.device) -> dict[str, Tensor]:
