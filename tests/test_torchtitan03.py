@@ -9,6 +9,7 @@ FLOPs lines, TensorBoard scalars), and each run has a deadline.
 """
 
 import glob
+import logging
 import math
 import os
 import re
@@ -314,3 +315,58 @@ def test_ready_config_with_a_low_qk_clip_tau_clips_the_fused_qkv_heads_and_train
     peak, clipped = [float(f[0]) for f in fields], [int(f[2]) for f in fields]
     assert clipped[0] > 0 and peak[0] > 0.1 and peak[1] < peak[0] / 2, (peak, clipped)
     assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
+
+
+def _tiny_lm() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict(
+        {"tok_embeddings": torch.nn.Embedding(16, 8), "w1": torch.nn.Linear(8, 12), "lm_head": torch.nn.Linear(12, 16)}
+    )
+
+
+@pytest.mark.parametrize(
+    "options, ns_dtype, wire_dtype",
+    [
+        ({}, torch.float32, torch.float32),
+        ({"ns_dtype": "bfloat16", "wire_dtype": "bfloat16"}, torch.bfloat16, torch.bfloat16),
+        ({"ns_dtype": "bfloat16"}, torch.bfloat16, torch.float32),
+    ],
+)
+def test_a_cpu_job_takes_float32_newton_schulz_and_wire_unless_they_are_set(options, ns_dtype, wire_dtype, caplog):
+    """CPUs without AVX-512 BF16 run bfloat16 matrix products many times slower: the container builds unset dtypes
+    as float32 on CPU parameters and logs it; a value given is kept; on GPUs the unset ones stay bfloat16."""
+    config = matrix_optimizer_config(default_adamw(lr=0.01), "Muon", options)
+    with caplog.at_level(logging.INFO, logger="torchtitan_ext"):
+        (opt,) = config.build(model_parts=[_tiny_lm()]).optimizers
+    assert next(g for g in opt.param_groups if g["use_muon"])["ns_dtype"] is ns_dtype
+    assert opt._engine_options["wire_dtype"] is wire_dtype
+    notes = [r.getMessage() for r in caplog.records if "not set, and this job runs on CPU" in r.getMessage()]
+    moved = [key for key in ("ns_dtype", "wire_dtype") if key not in options]
+    why = "this job runs on CPU, where bfloat16 matrix products run many times slower (CPUs without AVX-512 BF16)"
+    settings = ", ".join(f"{key} = 'float32'" for key in moved)
+    assert notes == ([f"[optimizer.muon] {settings}: not set, and {why}; setting {' and '.join(moved)} keeps your "
+                      "choice"] if moved else [])  # fmt: skip
+    if not options:
+        gpu = config.optimizer_kwargs(on_cpu=False)
+        assert (gpu["ns_dtype"], gpu["wire_dtype"]) == (torch.bfloat16, torch.bfloat16)
+
+
+def test_ready_configs_and_overrides_leave_the_dtypes_to_the_device_unless_given():
+    from torchtitan.config.override import apply_overrides
+
+    manager = ConfigManager()
+    override = "torchtitan_ext.titan03.overrides.muon="
+    for args, expected in (
+        ([*READY, "--config", "llama3_muon"], torch.float32),
+        ([*READY, "--config", "llama3_muon", "--optimizer.muon.wire-dtype", "bfloat16"], torch.bfloat16),
+        (["--module", "llama3", "--config", "llama3_debugmodel", "--override.imports", override + "{}"], torch.float32),
+        (
+            ["--module", "llama3", "--config", "llama3_debugmodel", "--override.imports",
+             override + '{"ns_dtype": "bfloat16", "wire_dtype": "bfloat16"}'],
+            torch.bfloat16,
+        ),
+    ):  # fmt: skip
+        config = manager.parse_args(args)
+        apply_overrides(config.override, config)  # as the trainer does first
+        kwargs = config.optimizer.optimizer_kwargs(on_cpu=True)
+        assert kwargs["ns_dtype"] is expected and kwargs["wire_dtype"] is expected, args

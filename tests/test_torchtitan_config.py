@@ -61,10 +61,51 @@ def test_bad_value_lists_the_valid_choices(field, value, needle):
     assert f"[muon] {field}" in str(info.value) and needle in str(info.value)
 
 
-def test_bf16_wire_with_fp32_newton_schulz_is_refused():
+def test_bf16_wire_with_fp32_newton_schulz_is_refused_and_an_unset_wire_follows_it():
     with pytest.raises(ValueError, match="wire_dtype"):
-        MuonConfig(ns_dtype="float32")
+        MuonConfig(ns_dtype="float32", wire_dtype="bfloat16")
     assert MuonConfig(ns_dtype="float32", wire_dtype="float32").ns_dtype == "float32"
+    assert sections.device_dtypes(MuonConfig(ns_dtype="float32"), on_cpu=False) == {"wire_dtype": "float32"}
+    assert sections.device_dtypes(MuonConfig(), on_cpu=False) == {"ns_dtype": "bfloat16", "wire_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize(
+    "name, cli, toml, ns_dtype, wire_dtype",
+    [
+        ("Muon", [], "", torch.float32, torch.float32),
+        ("NorMuon", [], "", torch.float32, torch.float32),
+        ("Muon", ["--muon.ns_dtype", "bfloat16", "--muon.wire_dtype", "bfloat16"], "", torch.bfloat16, torch.bfloat16),
+        ("Muon", [], '[muon]\nns_dtype = "bfloat16"\nwire_dtype = "bfloat16"\n', torch.bfloat16, torch.bfloat16),
+        ("Muon", ["--muon.ns_dtype", "bfloat16"], "", torch.bfloat16, torch.float32),
+        ("Muon", ["--muon.wire_dtype", "bfloat16"], "", torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_a_cpu_job_takes_float32_newton_schulz_and_wire_unless_they_are_set(
+    name, cli, toml, ns_dtype, wire_dtype, tmp_path, caplog
+):
+    """CPUs without AVX-512 BF16 run bfloat16 matrix products many times slower: unset dtypes are float32 there
+    (logged); a value from the command line or TOML is kept; on GPUs the unset ones stay bfloat16."""
+    config_file = tmp_path / "job.toml"
+    config_file.write_text('[job]\ncustom_config_module = "torchtitan_ext.job_config"\n' + toml)
+    config = ConfigManager().parse_args(["--job.config_file", str(config_file), "--optimizer.name", name, *cli])
+    registry.attach_sections(config)
+    with caplog.at_level("INFO"):
+        container = optimizer.build_optimizers([_tiny_model(0)], config.optimizer, parallel_dims=None)
+    (opt,) = container.optimizers
+    assert next(g for g in opt.param_groups if g["use_muon"])["ns_dtype"] is ns_dtype
+    assert opt._engine_options["wire_dtype"] is wire_dtype
+    section = registry.REGISTRY[name].section
+    notes = [r.getMessage() for r in caplog.records if "not set, and this job runs on CPU" in r.getMessage()]
+    if not cli and not toml:
+        assert notes == [
+            f"[{section}] ns_dtype = 'float32', wire_dtype = 'float32': not set, and this job runs on "
+            "CPU, where bfloat16 matrix products run many times slower (CPUs without AVX-512 BF16); setting ns_dtype "
+            "and wire_dtype keeps your choice"
+        ]
+        gpu = optimizer.optimizer_kwargs(config.optimizer, on_cpu=False)
+        assert (gpu["ns_dtype"], gpu["wire_dtype"]) == (torch.bfloat16, torch.bfloat16)
+    elif ns_dtype is wire_dtype:
+        assert notes == []
 
 
 def test_unknown_optimizer_name_lists_the_choices():

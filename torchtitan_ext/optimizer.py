@@ -9,7 +9,8 @@ batches of matrices) take the matrix update; embeddings, the output head, norms 
 name and ndim inside the optimizer) take AdamW. Both read lr / betas / eps / weight_decay from
 ``[optimizer]``, the rest from the optimizer's own section (``[muon]``, ``[mop]``, ``[normuon]``); the
 matrices' lr is scaled to AdamW's update RMS by default (``adjust_lr_fn = "match_rms_adamw"``; for MOP
-with ``scale = "shape"``), so one lr serves both.
+with ``scale = "shape"``), so one lr serves both. ``[muon]``/``[normuon]`` ``ns_dtype`` and ``wire_dtype`` left
+unset are float32 in a job on CPU, which is logged (:func:`torchtitan_ext.sections.device_dtypes`).
 """
 
 import dataclasses
@@ -32,7 +33,10 @@ from torchtitan_ext.registry import (
     check_optimizer_name,
     optimizer_kwargs,
     optimizer_section_kwargs,
+    runs_on_cpu,
+    section_of,
 )
+from torchtitan_ext.sections import device_dtypes_note
 
 
 class MatrixOptimizersContainer(OptimizersContainer):
@@ -82,7 +86,8 @@ def build_optimizers(
         raise NotImplementedError(f"[optimizer] early_step_in_backward is not supported with {name}")
     if ft_manager is not None and ft_manager.enabled:
         raise NotImplementedError(f"torchft fault tolerance is not supported with {name}")
-    kwargs = optimizer_kwargs(optimizer_config)
+    on_cpu = runs_on_cpu(model_parts)
+    kwargs = optimizer_kwargs(optimizer_config, on_cpu=on_cpu)
     if kwargs.get("qk_clip_tau") and parallel_dims is not None:
         unsupported = [k for k in ("tp", "pp", "cp") if getattr(parallel_dims, f"{k}_enabled")]
         if unsupported:
@@ -90,8 +95,13 @@ def build_optimizers(
                 f"[{REGISTRY[name].section}] qk_clip_tau with {', '.join(unsupported)} parallelism is not supported "
                 "yet: the plug-in records each attention's maxima from its whole local heads and sequence"
             )
+    first_rank = not dist.is_initialized() or dist.get_rank() == 0
+    section = section_of(optimizer_config, REGISTRY[name])
+    note = device_dtypes_note(section, on_cpu, f"[{section.SECTION}]")
+    if note is not None and first_rank:
+        logger.info(note)
     hint = setting_hint(name, kwargs)
-    if hint is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+    if hint is not None and first_rank:
         logger.warning(hint)
     return MatrixOptimizersContainer(model_parts, REGISTRY[name].optimizer_cls, kwargs)
 

@@ -29,18 +29,32 @@ TORCHTITAN_OPTIMIZERS = ("Adam", "AdamW")
 """``[optimizer] name`` values left to torchtitan's own builders."""
 
 
-def optimizer_section_kwargs(name: str, optimizer_config: "OptimizerConfig", section: Any) -> dict[str, Any]:
+def optimizer_section_kwargs(
+    name: str, optimizer_config: "OptimizerConfig", section: Any, *, on_cpu: bool = False
+) -> dict[str, Any]:
     """Keyword arguments of ``dtensor_muon.<name>`` from the ``[optimizer]`` section and the optimizer's own, as
     its options table (:data:`dtensor_muon.optim.options.OPTIONS`) says: each option from the ``[optimizer]``
-    keys it names (two keys make a pair: AdamW's and SOAP's betas), or from the section (a dtype by its name)."""
+    keys it names (two keys make a pair: AdamW's and SOAP's betas), or from the section (a dtype by its name).
+    Unset dtype options take :func:`torchtitan_ext.sections.device_dtypes` for a job on CPU (``on_cpu``) or on
+    GPUs."""
+    picked = sections.device_dtypes(section, on_cpu)
     kwargs = {}
     for option in OPTIONS[name]:
         if option.from_optimizer:
             values = tuple(getattr(optimizer_config, key) for key in option.from_optimizer)
             kwargs[option.name] = values if len(values) > 1 else values[0]
         elif option.in_section:
-            kwargs[option.name] = option.keyword_value(getattr(section, option.name))
+            kwargs[option.name] = option.keyword_value(picked.get(option.name, getattr(section, option.name)))
     return kwargs
+
+
+def runs_on_cpu(model_parts: list[torch.nn.Module]) -> bool:
+    """Whether the job's parameters live on the CPU (the first parameter's device; without parameters, whether no
+    GPU is present)."""
+    for model in model_parts:
+        for p in model.parameters():
+            return p.device.type == "cpu"
+    return not torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -56,9 +70,10 @@ class MatrixOptimizerEntry:
     optimizer_cls: type[torch.optim.Optimizer]
     """The :mod:`dtensor_muon` class constructed once per model part, over its named parameters."""
 
-    def kwargs(self, optimizer_config: "OptimizerConfig", section: Any) -> dict[str, Any]:
-        """Keyword arguments of :attr:`optimizer_cls` from ``[optimizer]`` and this entry's section."""
-        return optimizer_section_kwargs(self.name, optimizer_config, section)
+    def kwargs(self, optimizer_config: "OptimizerConfig", section: Any, *, on_cpu: bool = False) -> dict[str, Any]:
+        """Keyword arguments of :attr:`optimizer_cls` from ``[optimizer]`` and this entry's section, for a job on
+        CPU (``on_cpu``) or on GPUs (:func:`optimizer_section_kwargs`)."""
+        return optimizer_section_kwargs(self.name, optimizer_config, section, on_cpu=on_cpu)
 
     @property
     def section(self) -> str:
@@ -105,7 +120,8 @@ def section_of(optimizer_config: "OptimizerConfig", entry: MatrixOptimizerEntry)
     return getattr(optimizer_config, entry.section, None) or entry.section_cls()
 
 
-def optimizer_kwargs(optimizer_config: "OptimizerConfig") -> dict[str, Any]:
-    """Keyword arguments of the matrix optimizer that ``optimizer_config.name`` selects."""
+def optimizer_kwargs(optimizer_config: "OptimizerConfig", *, on_cpu: bool = False) -> dict[str, Any]:
+    """Keyword arguments of the matrix optimizer that ``optimizer_config.name`` selects, for a job on CPU
+    (``on_cpu``) or on GPUs."""
     entry = REGISTRY[optimizer_config.name]
-    return entry.kwargs(optimizer_config, section_of(optimizer_config, entry))
+    return entry.kwargs(optimizer_config, section_of(optimizer_config, entry), on_cpu=on_cpu)

@@ -9,6 +9,13 @@ Values are checked in ``__post_init__``, i.e. when torchtitan builds the config 
 against the table's choices and bounds and the section's cross-option rules: a bad value raises ``ValueError``
 naming ``[section] key = value`` and the valid choices, before any process group exists.
 
+Muon's and NorMuon's ``ns_dtype`` and ``wire_dtype`` default to the table's ``"bfloat16"`` held as a
+:class:`DeviceDefault`, which tells "not set" from a ``"bfloat16"`` the user wrote: when the optimizer is built,
+:func:`device_dtypes` gives an unset one float32 in a job on CPU (CPUs without AVX-512 BF16 run bfloat16 matrix
+products many times slower), and an unset wire never rounds a Newton–Schulz input wider than bfloat16; the
+plug-ins log what was picked (:func:`device_dtypes_note`). A value set in TOML, on the command line or in an
+override is kept.
+
 No ``from __future__ import annotations`` here: torchtitan's config manager and tyro read the fields' types as
 classes.
 """
@@ -67,9 +74,71 @@ def section_options(optimizer: str) -> tuple[Option, ...]:
     return tuple(o for o in OPTIONS[optimizer] if o.in_section)
 
 
+class DeviceDefault(str):
+    """The section default of a dtype option that depends on where the job runs: equal to the table's dtype name
+    (``"bfloat16"``), but a value the user did not set (a TOML, command-line or override value is a plain
+    ``str``), so :func:`device_dtypes` may pick another."""
+
+
+DEVICE_DTYPE_OPTIONS = ("ns_dtype", "wire_dtype")
+"""Options whose section default is a :class:`DeviceDefault` where bfloat16 is one of their choices (Muon's and
+NorMuon's; MOP's and SOAP's wires are float32 only)."""
+
+
+def _has_device_default(option: Option) -> bool:
+    return option.name in DEVICE_DTYPE_OPTIONS and "bfloat16" in option.choices
+
+
+def is_set(value: object) -> bool:
+    """Whether a section value was given by the user (not a :class:`DeviceDefault`)."""
+    return not isinstance(value, DeviceDefault)
+
+
+def device_dtypes(section: Any, on_cpu: bool) -> dict[str, str]:
+    """The dtype names the unset :data:`DEVICE_DTYPE_OPTIONS` of ``section`` take, by option name (empty when
+    all are set or the section has none):
+
+    - ``ns_dtype``: ``"float32"`` in a job on CPU (``on_cpu``), unless ``wire_dtype`` is set to ``"bfloat16"``
+      (the Newton–Schulz input is then bfloat16); the table's ``"bfloat16"`` otherwise;
+    - ``wire_dtype``: ``"bfloat16"`` on GPUs with a bfloat16 Newton–Schulz; ``"float32"`` in a job on CPU or
+      with a wider Newton–Schulz dtype (a bfloat16 wire would round its input).
+    """
+    ns, wire = getattr(section, "ns_dtype", None), getattr(section, "wire_dtype", None)
+    picked = {}
+    if isinstance(ns, DeviceDefault):
+        ns = picked["ns_dtype"] = "float32" if on_cpu and not (is_set(wire) and wire == "bfloat16") else str(ns)
+    if isinstance(wire, DeviceDefault):
+        picked["wire_dtype"] = "bfloat16" if not on_cpu and ns == "bfloat16" else "float32"
+    return picked
+
+
+def device_dtypes_note(section: Any, on_cpu: bool, where: str) -> str | None:
+    """A log line naming the unset dtype options of ``section`` that :func:`device_dtypes` moved off the table's
+    default, and why; None when it moved none. ``where`` names the section as the user sets it (``"[muon]"``
+    in torchtitan 0.2's TOML, ``"[optimizer.muon]"`` in torchtitan 0.3's config)."""
+    moved = {k: v for k, v in device_dtypes(section, on_cpu).items() if v != getattr(section, k)}
+    if not moved:
+        return None
+    settings = ", ".join(f"{k} = {v!r}" for k, v in moved.items())
+    why = (
+        "this job runs on CPU, where bfloat16 matrix products run many times slower (CPUs without AVX-512 BF16)"
+        if on_cpu
+        else f"a bfloat16 wire would round the {section.ns_dtype} Newton–Schulz input"
+    )
+    return f"{where} {settings}: not set, and {why}; setting {' and '.join(moved)} keeps your choice"
+
+
 def _field_type(option: Option) -> Any:
     kind = Literal[option.choices] if option.choices else type(option.section_default)
-    return Annotated[kind, tyro.conf.arg(help=option.doc)]
+    doc = option.doc
+    if _has_device_default(option):
+        doc += " (not set: float32 in a job on CPU)"
+    return Annotated[kind, tyro.conf.arg(help=doc)]
+
+
+def _field_default(option: Option) -> Any:
+    default = option.section_default
+    return DeviceDefault(default) if _has_device_default(option) else default
 
 
 def _section_class(
@@ -85,7 +154,7 @@ def _section_class(
         for option in options:
             check_option(section, option, getattr(self, option.name))
 
-    fields = [(o.name, _field_type(o), dataclasses.field(default=o.section_default)) for o in options]
+    fields = [(o.name, _field_type(o), dataclasses.field(default=_field_default(o))) for o in options]
     namespace = {"SECTION": section, "__post_init__": __post_init__, "__doc__": doc, "__module__": __name__}
     cls = dataclasses.make_dataclass(optimizer, fields, bases=(base,) if base else (), namespace=namespace)
     cls.__annotations__["SECTION"] = ClassVar[str]
@@ -93,7 +162,7 @@ def _section_class(
 
 
 def _wire_within_ns_dtype(config: Any) -> None:
-    if config.wire_dtype == "bfloat16" and config.ns_dtype != "bfloat16":
+    if is_set(config.wire_dtype) and config.wire_dtype == "bfloat16" and config.ns_dtype != "bfloat16":
         raise ValueError(
             f"[{config.SECTION}] wire_dtype = 'bfloat16' would round the {config.ns_dtype} Newton–Schulz input; "
             "choose wire_dtype = 'float32' or ns_dtype = 'bfloat16'"

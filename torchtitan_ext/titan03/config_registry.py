@@ -14,8 +14,8 @@ torchtitan (its model, loss and parallelism) with:
 - small CPU-friendly batches (4 × 256 tokens), 300 steps, warm-up 20 and cosine decay; no activation
   checkpointing; ``spmd_backend = "partial_dtensor"`` (FSDP2 ``Shard(0)`` and TP/EP DTensors, the layouts the
   library plans for); seed 0;
-- where no GPU is present, float32 parameters and a float32 Newton–Schulz (CPUs without AVX-512 BF16 run
-  bfloat16 matrix products many times slower).
+- where no GPU is present, float32 parameters (the container picks a float32 Newton–Schulz and wire by itself
+  in a job on CPU: CPUs without AVX-512 BF16 run bfloat16 matrix products many times slower).
 
 ``llama3_muon`` (Llama3 debug model), ``qwen3_muon`` (Qwen3 debug), ``deepseek_v3_muon`` (DeepSeek-V3 debug:
 MLA and 8 routed experts), ``qwen3_moe_muon`` (Qwen3 MoE debug: 64 experts). The MoE configs keep the model
@@ -40,11 +40,8 @@ LR = 1e-2
 
 def with_matrix_optimizer(config: Trainer.Config, run_name: str, name: str = "Muon") -> Trainer.Config:
     """``config`` (a stock config) changed as the module docstring says; outputs under ``outputs/<run_name>``."""
-    on_cpu = not torch.cuda.is_available()
     config.optimizer = matrix_optimizer_config(config.optimizer, name, {"lr": LR})
-    if on_cpu:
-        for section in (config.optimizer.muon, config.optimizer.normuon):
-            section.ns_dtype, section.wire_dtype = "float32", "float32"
+    if not torch.cuda.is_available():
         config.training.mixed_precision_param = "float32"
     config.metrics = OptimizerMetricsProcessor.Config(log_freq=10, enable_tensorboard=True, save_tb_folder="tb")
     config.hf_assets_path = str(data.tokenizer_dir(data.DEFAULT_OUT))

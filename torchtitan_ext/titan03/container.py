@@ -20,7 +20,10 @@ and checkpointing are the base class's: ``state_dict()`` is torchtitan's flat, n
 combines the optimizers' diagnostics for :mod:`torchtitan_ext.titan03.metrics`.
 
 On the command line (tyro): ``--optimizer.name SOAP --optimizer.lr 0.01 --optimizer.soap.precondition-frequency
-10``; every option of every registry entry is listed by ``--help`` under ``--optimizer.<section>.``.
+10``; every option of every registry entry is listed by ``--help`` under ``--optimizer.<section>.``. Muon's and
+NorMuon's ``ns_dtype`` and ``wire_dtype`` left unset are float32 in a job on CPU (bfloat16 on GPUs), which the
+container logs (:func:`torchtitan_ext.sections.device_dtypes`); a value set on the command line, in an override
+or in a config is kept.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from dtensor_muon import MatrixSplit
 from torchtitan_ext import sections
 from torchtitan_ext.metrics import combine
 from torchtitan_ext.qk_clip import build_with_qk_clip
-from torchtitan_ext.registry import REGISTRY, MatrixOptimizerEntry
+from torchtitan_ext.registry import REGISTRY, MatrixOptimizerEntry, runs_on_cpu
 
 logger = logging.getLogger("torchtitan_ext")
 
@@ -160,12 +163,17 @@ class MatrixOptimizersContainer(OptimizersContainer):
             """The option section of :attr:`name` (e.g. :attr:`muon` for ``"Muon"``)."""
             return getattr(self, self.entry.section)
 
-        def optimizer_kwargs(self) -> dict[str, Any]:
-            """Keyword arguments of the entry's optimizer class (the registry's mapping of this config)."""
-            return self.entry.kwargs(self, self.section)
+        def optimizer_kwargs(self, *, on_cpu: bool = False) -> dict[str, Any]:
+            """Keyword arguments of the entry's optimizer class (the registry's mapping of this config) for a job
+            on CPU (``on_cpu``: unset dtype options are float32) or on GPUs."""
+            return self.entry.kwargs(self, self.section, on_cpu=on_cpu)
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        entry, kwargs = config.entry, config.optimizer_kwargs()
+        on_cpu = runs_on_cpu(model_parts)
+        entry, kwargs = config.entry, config.optimizer_kwargs(on_cpu=on_cpu)
+        note = sections.device_dtypes_note(config.section, on_cpu, f"[optimizer.{entry.section}]")
+        if note is not None:
+            logger.info(note)
         if kwargs.get("qk_clip_tau") and (len(model_parts) > 1 or _tensor_parallel(model_parts)):
             raise NotImplementedError(
                 f"[{entry.section}] qk_clip_tau with pipeline or tensor parallelism is not supported yet: the "
