@@ -65,8 +65,9 @@ ParamShapes = list[tuple[str, tuple[int, ...], bool]]
 """(name, shape, routed to the matrix rule) of each parameter of a model."""
 
 
-def model_parameters(model: str) -> ParamShapes:
-    """(name, shape, uses the matrix rule) of every parameter of a torchtitan model named ``family:flavor``."""
+def model_parameters(model: str, layers: int | None = None) -> ParamShapes:
+    """(name, shape, uses the matrix rule) of every parameter of a torchtitan model named ``family:flavor``;
+    ``layers``: only its first that many layers (a cut-down model)."""
     import importlib
 
     family, _, flavor = model.partition(":")
@@ -78,6 +79,10 @@ def model_parameters(model: str) -> ParamShapes:
     if flavor not in flavors:
         raise ValueError(f"--model: unknown {family} flavor {flavor!r}; expected one of {sorted(flavors)}")
     args = copy.deepcopy(flavors[flavor])
+    if layers is not None:
+        if not 1 <= layers <= args.n_layers:
+            raise ValueError(f"layers: expected 1 to {args.n_layers} for {model}, got {layers}")
+        args.n_layers = layers
     if family == "deepseek_v3" and not hasattr(args, "moe_impl"):
         args.moe_impl = "standard"  # what update_from_config sets from torchtitan's default job config
     with torch.device("meta"):

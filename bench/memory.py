@@ -1,0 +1,166 @@
+"""The optimizer's memory model (dtensor_muon.plan.memory) against what a step really holds, per rank.
+
+    python bench/memory.py --device cuda --world-size 2 --model llama3:8B --layers 2   # NCCL, one GPU per rank
+    python bench/memory.py --device cuda --world-size 1 --model qwen3:30B-A3B --layers 1
+    python bench/memory.py --quick                                                     # 2 gloo ranks on CPU
+
+A cut-down torchtitan model (its first ``--layers`` layers, the simulator's shapes and routing) laid out as
+FSDP2 lays it (``Shard(0)`` over the ranks, float32 shards built from local pieces, no whole tensor), random
+gradients, ``--optimizer`` with its defaults. Per rank it prints the model's terms next to the measurement:
+
+- state: the bytes of the optimizer's state (``nbytes`` of each local tensor: the rule's shard state, AdamW's
+  and the owner state), on any device;
+- on CUDA, from ``torch.cuda.memory_allocated``/``max_memory_allocated``: the growth over the first step that
+  stays after it (the model's ``cuda_graphs``: the graphs' buffers, and whatever else a first step keeps), and
+  the peak of a later step over what was allocated when it began (the model's ``exchange`` + ``ns_workspace``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from common import benchmark_parser, markdown_table, write_result
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+import dtensor_muon
+from dtensor_muon import exit_without_finalization
+from dtensor_muon.distributed.layout import box_shape
+from dtensor_muon.plan.memory import MOMENTUM_DTYPES, OptimizerMemory, memory_per_rank
+from dtensor_muon.plan.simulate import OPTIMIZERS, fsdp_layout, model_parameters, optimizer_rule, plan_model
+
+GIB = 2**30
+
+
+def local_dtensor(shape: tuple[int, ...], world: int, rank: int, mesh, device: torch.device) -> DTensor:
+    """A ``Shard(0)`` DTensor of ``shape`` over ``mesh`` built from this rank's random piece alone."""
+    piece = torch.randn(box_shape(fsdp_layout("", shape, world).boxes[rank]), device=device) * 0.02
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the optimizer's state on this rank: the rule's shard state, AdamW's, the owner state."""
+    held = {"shard_state": 0, "adamw_state": 0, "owner_state": 0}
+
+    def nbytes(t: torch.Tensor) -> int:
+        return (t.to_local() if isinstance(t, DTensor) else t).nbytes
+
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for key, value in opt.state[p].items():
+                if key == "owner_state":
+                    held["owner_state"] += sum(nbytes(t) for matrix in value.values() for t in matrix.values())
+                else:
+                    held["shard_state" if group["use_muon"] else "adamw_state"] += nbytes(value)
+    return held
+
+
+def modelled(args, world: int) -> list[dict[str, int]]:
+    """The memory model's terms of every rank for this run."""
+    rule, group, wire = optimizer_rule(args.optimizer)
+    meshes, adamw = plan_model(
+        model_parameters(args.model, args.layers),
+        world,
+        bucket_bytes=int(64.0 * 2**20),
+        wire_itemsize=wire,
+        cost_fn=lambda k, shape: rule.cost(group, shape).plan_entry(),
+        batchable=rule.can_batch(group),
+    )
+    spec = OptimizerMemory.from_rule(
+        rule, group, wire, momentum_dtype=args.momentum_dtype, cuda_graphs=args.device == "cuda"
+    )
+    return [vars(r) | {"optimizer": r.optimizer} for r in memory_per_rank(meshes, adamw, spec, world)]
+
+
+def worker(rank: int, world: int, init_file: str, out_dir: str, args) -> None:
+    torch.set_num_threads(1)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
+    )
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    mesh = init_device_mesh(args.device, (world,))
+    shapes = model_parameters(args.model, args.layers)
+    params = [(name, nn.Parameter(local_dtensor(shape, world, rank, mesh, device))) for name, shape, _ in shapes]
+    options = {} if args.momentum_dtype == "float32" else {"momentum_dtype": args.momentum_dtype}
+    opt = getattr(dtensor_muon, OPTIMIZERS[args.optimizer])(params, lr=1e-3, **options)
+    allocated = []  # before the first step, after it, before the second
+    peaks = []
+    for _ in range(2):
+        for _, p in params:
+            p.grad = local_dtensor(tuple(p.shape), world, rank, mesh, device)
+        if cuda:
+            torch.cuda.synchronize()
+            allocated.append(torch.cuda.memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+            allocated.append(torch.cuda.memory_allocated())
+        for _, p in params:
+            p.grad = None
+    row = {"rank": rank, **state_bytes(opt)}
+    if cuda:
+        row["first_step_kept"] = allocated[1] - allocated[0]
+        row["step_peak"] = peaks[1] - allocated[2]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(row, f)
+    dist.destroy_process_group()
+    exit_without_finalization()  # a spawned child finalizes CPython; gloo can abort it there (docs/limits.md)
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, "memory")
+    parser.add_argument("--model", default=None, help="family:flavor (default llama3:8B; quick: llama3:debugmodel)")
+    parser.add_argument("--layers", type=int, default=None, help="the model's first layers only (default 2)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--optimizer", default="muon", choices=sorted(OPTIMIZERS))
+    parser.add_argument("--momentum-dtype", default="float32", choices=MOMENTUM_DTYPES)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = parser.parse_args()
+    if args.model is None:
+        args.model = "llama3:debugmodel" if args.quick else "llama3:8B"
+    if args.layers is None:
+        args.layers = 2
+    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
+        parser.error(f"NCCL takes one GPU per rank: {args.world_size} ranks, {torch.cuda.device_count()} GPUs")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(args.world_size, os.path.join(tmp, "init"), tmp, args), nprocs=args.world_size)
+        measured = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world_size)]
+    rows = []
+    for rank, (got, model) in enumerate(zip(measured, modelled(args, args.world_size))):
+        row = {"rank": rank, **{f"model_{k}": v for k, v in model.items()}, **{f"held_{k}": v for k, v in got.items()}}
+        row["model_step"] = model["exchange"] + model["ns_workspace"]
+        rows.append({k: (v / GIB if k != "rank" and isinstance(v, int) else v) for k, v in row.items()})
+    print(f"{args.model}, {args.layers} layers, {args.world_size} ranks, {args.optimizer}, {args.device} (GiB)")
+    columns = [("rank", "rank", "{}")]
+    for term in ("shard_state", "adamw_state", "owner_state"):
+        columns += [(f"model_{term}", f"{term} model", "{:.4f}"), (f"held_{term}", "held", "{:.4f}")]
+    columns += [
+        ("model_cuda_graphs", "graphs model", "{:.4f}"),
+        ("held_first_step_kept", "first step kept", "{:.4f}"),
+        ("model_step", "exchange+NS model", "{:.4f}"),
+        ("held_step_peak", "step peak", "{:.4f}"),
+    ]
+    print(markdown_table(rows, columns))
+    write_result(args, rows)
+
+
+if __name__ == "__main__":
+    main()
