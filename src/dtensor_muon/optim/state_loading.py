@@ -104,8 +104,8 @@ def load_problem(opt: Loadable, state_dict: dict[str, Any]) -> str | None:
                 f"({rule if expected else 'adamw'}): it was saved with another routing (other param groups, "
                 f"names or use_muon). Nothing was loaded. {switch}"
             )
-        mode, saved_mode = group.get("momentum_dtype"), saved.get("momentum_dtype", "float32")
-        if expected and mode is not None and saved_mode != mode:
+        mode, saved_mode = group.get("momentum_dtype"), saved.get("momentum_dtype")  # None: saved before it existed
+        if expected and mode is not None and saved_mode is not None and saved_mode != mode:
             first = rows[k][0] if group["params"] else "no parameters"
             return (
                 f"{me}.load_state_dict: loaded param group {gi} (first parameter {first!r}) was saved with "
