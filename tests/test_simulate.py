@@ -37,6 +37,8 @@ def test_tensor_and_expert_parallel_layouts_follow_torchtitan():
     assert dense_placements("layers.0.attention.wq.weight", (8, 4), 2) == (_StridedShard(0, split_factor=2), Shard(0))
     assert dense_placements("layers.0.feed_forward.w2.weight", (4, 8), 2) == (Shard(0), Shard(1))
     assert dense_placements("layers.0.attention.wkv_a.weight", (6, 4), 2) == (Shard(0), Replicate())
+    assert dense_placements("layers.1.moe.experts.w1", (8, 6, 4), 2) == (Shard(0), Shard(1))
+    assert dense_placements("layers.1.moe.experts.w2", (8, 4, 6), 2) == (Shard(0), Shard(2))
     assert expert_placements((8, 4, 4), 4, 2) == (_StridedShard(0, split_factor=2), Shard(0))
     assert expert_placements((8, 4, 4), 16, 2) == (Shard(1), Shard(0))
     # FSDP 2 over TP 2 of a column-parallel 10-row weight: mesh rank (d, t) holds chunk d of TP chunk t

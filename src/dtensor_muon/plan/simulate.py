@@ -13,7 +13,8 @@ the simulator runs; plan/ itself imports no rule):
 - dense parameters on the mesh (dp = W/tp, tp): FSDP ``Shard(0)`` over dp, and with ``--tp`` torchtitan's
   tensor-parallel plan (:func:`tensor_parallel_dim`: column-parallel ``Shard(0)``, row-parallel ``wo``/``w2``
   ``Shard(1)``, the MLA down-projections and the router replicated; the AdamW parameters: embedding and
-  output ``Shard(0)``, norms replicated), FSDP's shard then strided over TP's;
+  output ``Shard(0)``, norms replicated; 3-D experts ``Shard(1)``, w2 ``Shard(2)``), FSDP's shard then strided
+  over TP's;
 - with ``--ep``, 3-D experts on their own mesh (W/ep, ep): ``Shard(0)`` over ep, FSDP over the rest on dim 0
   (strided) or, when W exceeds the expert count, on dim 1, as torchtitan chooses (experts stay replicated
   over tp: the simulator models no expert tensor parallelism).
@@ -139,9 +140,13 @@ def tensor_parallel_dim(name: str, shape: tuple[int, ...]) -> int | None:
 
 
 def dense_placements(name: str, shape: tuple[int, ...], tp: int) -> tuple[Placement, ...]:
-    """FSDP over dp, then (with tp > 1) TP, as torchtitan lays out a dense parameter on (dp, tp)."""
+    """FSDP over dp, then (with tp > 1) TP, as torchtitan lays out a dense parameter on (dp, tp); 3-D experts
+    without expert parallelism take torchtitan's expert ``TensorParallel`` (w1, w3 ``Shard(1)``, w2
+    ``Shard(2)``) under FSDP's ``Shard(0)``."""
     if tp == 1:
         return (Shard(0),)
+    if len(shape) == 3:
+        return (Shard(0), Shard(2 if name.endswith("w2") else 1))
     dim = tensor_parallel_dim(name, shape)
     if dim is None:
         return (Shard(0), Replicate())
