@@ -87,14 +87,20 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def gathered_over_a_cpu_mesh(tensor: Any) -> torch.Tensor:
     """A DTensor's whole value, gathered from its local pieces copied to the CPU, over a CPU mesh of the
-    same ranks (made once per mesh and call)."""
+    same ranks (made once per mesh and call). The CPU mesh reuses the mesh's own gloo groups
+    (``DeviceMesh.from_group``): building it anew would call ``new_group``, which every rank of the world must
+    enter with the same ranks, and the ranks of a sub-mesh (experts on {0, 1} and on {2, 3}) do not."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
     mesh = tensor.device_mesh
     cached = _CPU_MESHES.get(id(mesh))
     if cached is None or cached[0] is not mesh:
-        cached = _CPU_MESHES[id(mesh)] = (mesh, DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names))
+        groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+        on_cpu_mesh = DeviceMesh.from_group(
+            groups[0] if mesh.ndim == 1 else groups, "cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names
+        )
+        cached = _CPU_MESHES[id(mesh)] = (mesh, on_cpu_mesh)
     local = tensor.to_local().detach().cpu()
     on_cpu = DTensor.from_local(local, cached[1], tensor.placements, shape=tensor.shape, stride=tensor.stride())
     return on_cpu.full_tensor()
