@@ -309,3 +309,10 @@ def test_a_bad_momentum_dtype_and_a_change_after_the_state_exists_raise_naming_i
     opt.param_groups[0]["params"][0].grad = torch.randn(300, 32)
     with pytest.raises(ValueError, match="momentum_dtype is 'bfloat16', but its momentum state was created as 'int8'"):
         opt.step()
+
+
+@pytest.mark.parametrize("shape", [(0, 12), (0, 10, 260), (3, 0)])
+def test_int8_of_an_empty_shard_is_empty(shape):
+    codes, scales = encode_int8(torch.zeros(shape))
+    assert codes.shape == shape and scales.shape == (*shape[:-1], -(-shape[-1] // INT8_BLOCK))
+    assert decode_int8(codes, scales).shape == shape

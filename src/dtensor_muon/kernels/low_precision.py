@@ -102,11 +102,11 @@ def encode_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     quotient = blocks / scales.unsqueeze(-1)
     codes = torch.where(torch.isfinite(quotient), torch.round(quotient), 0.0).clamp(-_INT8_MAX, _INT8_MAX)
     n = x.shape[-1]
-    return codes.reshape(*x.shape[:-1], -1)[..., :n].to(torch.int8), scales
+    return codes.reshape(*x.shape[:-1], blocks.shape[-2] * INT8_BLOCK)[..., :n].to(torch.int8), scales
 
 
 def decode_int8(codes: Tensor, scales: Tensor) -> Tensor:
     """q·s in float32: each code times its block's scale."""
     n = codes.shape[-1]
     blocks = _blocked(codes.to(torch.float32)) * scales.unsqueeze(-1)
-    return blocks.reshape(*codes.shape[:-1], -1)[..., :n]
+    return blocks.reshape(*codes.shape[:-1], blocks.shape[-2] * INT8_BLOCK)[..., :n]
