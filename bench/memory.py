@@ -34,7 +34,8 @@ from torch.distributed.tensor import DTensor, Shard
 import dtensor_muon
 from dtensor_muon import exit_without_finalization
 from dtensor_muon.distributed.layout import box_shape
-from dtensor_muon.plan.memory import MOMENTUM_DTYPES, OptimizerMemory, memory_per_rank
+from dtensor_muon.kernels.low_precision import MOMENTUM_DTYPES
+from dtensor_muon.plan.memory import OptimizerMemory, memory_per_rank
 from dtensor_muon.plan.simulate import OPTIMIZERS, fsdp_layout, model_parameters, optimizer_rule, plan_model
 
 GIB = 2**30

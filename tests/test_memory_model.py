@@ -29,6 +29,7 @@ from dtensor_muon.plan.memory import (
 from dtensor_muon.plan.placement import Owned
 from dtensor_muon.plan.routing import uses_muon
 from dtensor_muon.plan.simulate import (
+    OPTIMIZERS,
     fsdp_layout,
     main,
     optimizer_rule,
@@ -37,18 +38,24 @@ from dtensor_muon.plan.simulate import (
 )
 
 WORLD = 4
-OPTIMIZERS = {"muon": "Muon", "normuon": "NorMuon", "mop": "MOP", "soap": "SOAP"}
+CASES = {  # name: (optimizer, momentum_dtype)
+    "muon": ("muon", "float32"),
+    "muon_bfloat16": ("muon", "bfloat16"),
+    "normuon_int8": ("normuon", "int8"),
+    "mop": ("mop", "float32"),
+    "soap": ("soap", "float32"),
+}
 
 
 def nbytes(t: torch.Tensor) -> int:
     return (t.to_local() if isinstance(t, DTensor) else t).nbytes
 
 
-def held_state(rank: int, world_size: int, optimizer: str) -> dict[str, int]:
+def held_state(rank: int, world_size: int, optimizer: str, momentum_dtype: str) -> dict[str, int]:
     """One step of ``optimizer`` on the scenarios' Shard(0) parameters; the bytes of its state on this rank."""
     params = scenarios.distributed_params("shard0", world_size)
     front = getattr(dtensor_muon, OPTIMIZERS[optimizer])
-    opt = front(params, lr=0.01)
+    opt = front(params, lr=0.01, **({} if optimizer == "soap" else {"momentum_dtype": momentum_dtype}))
     scenarios.set_gradients(params, 0)
     opt.step()
     held = {"shard_state": 0, "adamw_state": 0, "owner_state": 0}
@@ -64,7 +71,7 @@ def held_state(rank: int, world_size: int, optimizer: str) -> dict[str, int]:
     return held
 
 
-def modelled_state(optimizer: str, world_size: int) -> list[dict[str, int]]:
+def modelled_state(optimizer: str, momentum_dtype: str, world_size: int) -> list[dict[str, int]]:
     """The model's state terms per rank for the same parameters, planned as the simulator plans."""
     rule, group, wire = optimizer_rule(optimizer)
     params = [
@@ -78,21 +85,22 @@ def modelled_state(optimizer: str, world_size: int) -> list[dict[str, int]]:
         cost_fn=lambda k, shape: rule.cost(group, shape).plan_entry(),
         batchable=rule.can_batch(group),
     )
-    ranks = memory_per_rank(meshes, adamw, OptimizerMemory.from_rule(rule, group, wire), world_size)
+    spec = OptimizerMemory.from_rule(rule, group, wire, momentum_dtype=momentum_dtype)
+    ranks = memory_per_rank(meshes, adamw, spec, world_size)
     return [{"shard_state": r.shard_state, "adamw_state": r.adamw_state, "owner_state": r.owner_state} for r in ranks]
 
 
-def measure_every_optimizer(rank: int, world_size: int) -> dict[str, dict[str, int]]:
-    return {name: held_state(rank, world_size, name) for name in OPTIMIZERS}
+def measure_every_case(rank: int, world_size: int) -> dict[str, dict[str, int]]:
+    return {name: held_state(rank, world_size, *case) for name, case in CASES.items()}
 
 
 def test_state_terms_equal_the_bytes_the_optimizers_hold():
-    measured = run_distributed(measure_every_optimizer, WORLD)
-    for name in OPTIMIZERS:
+    measured = run_distributed(measure_every_case, WORLD)
+    for name, case in CASES.items():
         got = [measured[rank][name] for rank in range(WORLD)]
-        assert modelled_state(name, WORLD) == got, name
+        assert modelled_state(*case, WORLD) == got, name
     assert any(m["soap"]["owner_state"] > 0 for m in measured)  # the owner terms are not vacuous
-    assert any(m["normuon"]["owner_state"] > 0 for m in measured)
+    assert any(m["normuon_int8"]["owner_state"] > 0 for m in measured)
 
 
 # ---------------------------------------------------------------- by hand
@@ -144,16 +152,22 @@ def test_every_term_by_hand():
     assert top.with_params_grads == max(r.optimizer + r.params_grads for r in ranks)
 
 
-@pytest.mark.parametrize(
-    "dtype, block, expected",
-    [("float32", 256, 4 * 28), ("bfloat16", 256, 2 * 28), ("int8", 256, 16 + 4 + 12 + 4), ("int8", 8, 16 + 8 + 12 + 8)],
-)
-def test_momentum_dtypes_by_hand(dtype, block, expected):
-    """int8: one byte per element and a float32 scale per started block of each shard (⌈16/8⌉ = 2, ⌈12/8⌉ = 2)."""
+@pytest.mark.parametrize("dtype, expected", [("float32", 4 * 28), ("bfloat16", 2 * 28), ("int8", 28 + 4 * (2 + 3))])
+def test_momentum_dtypes_by_hand(dtype, expected):
+    """int8: one byte per element and a float32 scale per row's block of 128 columns (A's 2 rows of 8
+    columns: 2 scales, B's 3 rows of 4: 3)."""
     meshes, adamw = two_matrices()
-    spec = OptimizerMemory(True, 0, 4, 2, 2, 2, momentum_dtype=dtype, int8_block=block)
+    spec = OptimizerMemory(True, 0, 4, 2, 2, 2, momentum_dtype=dtype)
     assert [r.shard_state for r in memory_per_rank(meshes, adamw, spec, 2)] == [expected, expected]
-    assert momentum_bytes(0, "int8") == 0
+
+
+def test_int8_blocks_count_from_global_column_zero():
+    """A shard of 2 rows × columns [128, 400): blocks 1, 2 and 3 (the last partial) of each row; columns
+    [100, 372) touch blocks 0 to 2; a 3-D box's rows are its leading dims; an empty shard holds nothing."""
+    assert momentum_bytes(((0, 2), (128, 400)), "int8") == 2 * 272 + 4 * 2 * 3
+    assert momentum_bytes(((0, 1), (100, 372)), "int8") == 272 + 4 * 3
+    assert momentum_bytes(((0, 1), (3, 4), (0, 10)), "int8") == 10 + 4
+    assert momentum_bytes(((2, 2), (0, 400)), "int8") == 0
 
 
 def test_whole_experts_are_local_and_their_input_is_the_exchange_term():
@@ -185,11 +199,9 @@ def test_what_each_rule_declares():
 
 def test_bad_settings_raise():
     with pytest.raises(ValueError, match="momentum_dtype"):
-        momentum_bytes(4, "float8")
+        momentum_bytes(((0, 4),), "float8")
     with pytest.raises(ValueError, match="momentum_dtype"):
         OptimizerMemory(True, 0, 4, 2, 2, 2, momentum_dtype="fp8")
-    with pytest.raises(ValueError, match="int8_block"):
-        OptimizerMemory(True, 0, 4, 2, 2, 2, int8_block=0)
     meshes, adamw = two_matrices()
     with pytest.raises(ValueError, match="ranks"):
         memory_per_rank(meshes, adamw, MUON, 3)
@@ -212,4 +224,4 @@ def test_simulator_memory_table_and_json(capsys, tmp_path):
     (int8,) = simulate("llama3:debugmodel", [4], momentum_dtype="int8")
     assert f32.memory.owner_state == 0
     assert bf16.memory.shard_state * 2 == f32.memory.shard_state
-    assert f32.memory.shard_state / 4 < int8.memory.shard_state < f32.memory.shard_state / 3.9
+    assert f32.memory.shard_state / 4 < int8.memory.shard_state < f32.memory.shard_state / 3.8

@@ -9,12 +9,13 @@ elements. Per rank r:
 
 - ``params_grads`` (reference, not the optimizer's) = 2·p·Σ_P numel(P, r) over every parameter: the model's
   parameters and gradients as FSDP keeps them (p = 4, float32 shards).
-- ``shard_state`` = Σ_P [momentum(numel(P, r)) + s] over the matrix-rule parameters: the rule's shard state,
-  kept in the parameter's layout (:meth:`~..rules.base.MatrixRule.init_shard_state`). momentum(n) is the
-  momentum buffer of Muon, NorMuon and MOP: 4n (float32), 2n (bfloat16), n + 4·⌈n/block⌉ (int8, one float32
-  scale per ``block`` elements of the flattened shard: :data:`INT8_BLOCK` must match the optimizer's storage
-  format); 0 for a rule without one (SOAP). s: the rule's 0-d entries per parameter (SOAP's step count: 4),
-  kept on the host as torch keeps AdamW's.
+- ``shard_state`` = Σ_P [momentum(P, r) + s] over the matrix-rule parameters: the rule's shard state, kept in
+  the parameter's layout (:meth:`~..rules.base.MatrixRule.init_shard_state`). momentum(P, r) is the momentum
+  buffer of Muon, NorMuon and MOP in ``momentum_dtype``'s format (:mod:`..kernels.low_precision`): 4n
+  (float32, the parameter's dtype), 2n (bfloat16), or n + 4·R·(⌈c₁/b⌉ − ⌊c₀/b⌋) (int8: one float32 scale per
+  block of b = :data:`INT8_BLOCK` entries of the last dimension, blocks counted from global column 0, for the
+  R rows of r's box and its last-dimension range [c₀, c₁)), n = numel(P, r); 0 for a rule without one (SOAP).
+  s: the rule's 0-d entries per parameter (SOAP's step count: 4), kept on the host as torch keeps AdamW's.
 - ``adamw_state`` = Σ_P [2·p·numel(P, r) + 4] over the AdamW parameters (embeddings, norms, output head):
   ``exp_avg`` and ``exp_avg_sq`` in the parameter's dtype (float32), and the 0-d ``step`` on the host.
 - ``owner_state`` = Σ over the matrices r computes (owned, local, a tensor-parallel group's member) of the
@@ -48,14 +49,14 @@ over the ranks and the largest total of one rank.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..distributed.layout import ParamLayout, box_numel
+from ..distributed.layout import Box, ParamLayout, box_numel
+from ..kernels.low_precision import INT8_BLOCK, MOMENTUM_DTYPES, int8_blocks
 from ..linalg.newton_schulz import resolve_ns_dtype
 from ..linalg.ns_graphs import MAX_GRAPH_WORK
 from .model import Plan
@@ -65,12 +66,6 @@ from .views import matrix_shape_of_box
 if TYPE_CHECKING:
     from ..rules.base import MatrixRule
 
-MOMENTUM_DTYPES = ("float32", "bfloat16", "int8")
-"""The momentum buffer's storage: float32, bfloat16, or int8 blockwise with one float32 scale per block."""
-
-INT8_BLOCK = 256
-"""Elements per float32 scale of an int8 momentum buffer: must equal the optimizer's storage format."""
-
 PARAM_ITEMSIZE = 4
 """Bytes per element of the parameters, their gradients and AdamW's moments: float32 FSDP shards."""
 
@@ -78,14 +73,19 @@ ADAMW_STEP_BYTES = 4
 """AdamW's 0-d float32 ``step`` per parameter (on the host, as torch.optim.AdamW keeps it)."""
 
 
-def momentum_bytes(numel: int, momentum_dtype: str = "float32", block: int = INT8_BLOCK) -> int:
-    """Bytes of a momentum buffer of ``numel`` elements: 4n, 2n, or n + 4·⌈n/block⌉ (int8 with float32 scales)."""
+def momentum_bytes(box: Box, momentum_dtype: str = "float32") -> int:
+    """Bytes of the momentum state of a shard holding ``box`` of its parameter (see the module docstring):
+    4n, 2n, or n + 4·R·(⌈c₁/b⌉ − ⌊c₀/b⌋) for int8 (codes and float32 scales)."""
+    numel = box_numel(box)
     if momentum_dtype == "float32":
-        return 4 * numel
+        return PARAM_ITEMSIZE * numel
     if momentum_dtype == "bfloat16":
         return 2 * numel
     if momentum_dtype == "int8":
-        return numel + 4 * math.ceil(numel / block)
+        if numel == 0:
+            return 0
+        (first, stop), rows = box[-1], numel // (box[-1][1] - box[-1][0])
+        return numel + 4 * rows * (int8_blocks(stop) - first // INT8_BLOCK)
     raise ValueError(f"momentum_dtype: expected one of {MOMENTUM_DTYPES}, got {momentum_dtype!r}")
 
 
@@ -106,15 +106,12 @@ class OptimizerMemory:
     ns_itemsize: int
     """ω: bytes per element of Newton–Schulz's working dtype; 0 for a rule that runs none."""
     momentum_dtype: str = "float32"
-    int8_block: int = INT8_BLOCK
     cuda_graphs: bool = True
     """Whether owners replay Newton–Schulz from CUDA graphs (the optimizer's ``ns_cuda_graphs`` on CUDA)."""
 
     def __post_init__(self) -> None:
         if self.momentum_dtype not in MOMENTUM_DTYPES:
             raise ValueError(f"momentum_dtype: expected one of {MOMENTUM_DTYPES}, got {self.momentum_dtype!r}")
-        if self.int8_block < 1:
-            raise ValueError(f"int8_block must be >= 1, got {self.int8_block}")
 
     @classmethod
     def from_rule(
@@ -124,7 +121,6 @@ class OptimizerMemory:
         wire_itemsize: int,
         *,
         momentum_dtype: str = "float32",
-        int8_block: int = INT8_BLOCK,
         cuda_graphs: bool = True,
     ) -> OptimizerMemory:
         """Read from the rule under ``group``'s settings: its shard state (``init_shard_state`` of a float32
@@ -142,7 +138,6 @@ class OptimizerMemory:
             wire_itemsize=wire_itemsize,
             ns_itemsize=resolve_ns_dtype(group["ns_dtype"]).itemsize if "ns_dtype" in group else 0,
             momentum_dtype=momentum_dtype,
-            int8_block=int8_block,
             cuda_graphs=cuda_graphs,
         )
 
@@ -246,7 +241,7 @@ def memory_per_rank(
         adamw_numels = [box_numel(layout.boxes[rank]) for layout in adamw]
         shard = optimizer.shard_scalar_bytes * len(matrix_numels)
         if optimizer.momentum:
-            shard += sum(momentum_bytes(n, optimizer.momentum_dtype, optimizer.int8_block) for n in matrix_numels)
+            shard += sum(momentum_bytes(layout.boxes[rank], optimizer.momentum_dtype) for layout in matrix_layouts)
         out.append(
             RankMemory(
                 params_grads=2 * PARAM_ITEMSIZE * (sum(matrix_numels) + sum(adamw_numels)),

@@ -44,8 +44,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..distributed.layout import ParamLayout, TensorParallelLayout, chunk_range, layout_boxes, tensor_parallel_layout
+from ..kernels.low_precision import MOMENTUM_DTYPES
 from .builder import build_plan
-from .memory import INT8_BLOCK, MOMENTUM_DTYPES, MemoryPeak, MeshPlan, OptimizerMemory, memory_per_rank, peak
+from .memory import MemoryPeak, MeshPlan, OptimizerMemory, memory_per_rank, peak
 from .model import Plan
 from .placement import TensorParallelGroup
 from .routing import uses_muon
@@ -323,7 +324,6 @@ def simulate(
     *,
     optimizer: str = "muon",
     momentum_dtype: str = "float32",
-    int8_block: int = INT8_BLOCK,
     cuda_graphs: bool = True,
 ) -> list[Summary]:
     """Plan ``model`` for ``optimizer`` at each world size with tensor-parallel degree ``tp``, expert-parallel
@@ -332,9 +332,7 @@ def simulate(
     dtype. See the module docstring."""
     rule, group, default_wire = optimizer_rule(optimizer, ns_steps)
     wire = default_wire if wire_bytes is None else wire_bytes
-    spec = OptimizerMemory.from_rule(
-        rule, group, wire, momentum_dtype=momentum_dtype, int8_block=int8_block, cuda_graphs=cuda_graphs
-    )
+    spec = OptimizerMemory.from_rule(rule, group, wire, momentum_dtype=momentum_dtype, cuda_graphs=cuda_graphs)
     params = model_parameters(model)
     out = []
     for world in world_sizes:
@@ -418,7 +416,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--momentum-dtype", default="float32", choices=MOMENTUM_DTYPES, help="storage of Muon/NorMuon/MOP's momentum"
     )
-    parser.add_argument("--int8-block", type=int, default=INT8_BLOCK, help="elements per scale of an int8 momentum")
     parser.add_argument(
         "--no-cuda-graphs", action="store_true", help="owners run Newton–Schulz eagerly (ns_cuda_graphs=False)"
     )
@@ -444,8 +441,6 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--world-size must be >= 1, got {size}")
         if size % args.tp or size % args.ep:
             parser.error(f"--world-size {size} must be a multiple of --tp {args.tp} and --ep {args.ep}")
-    if args.int8_block < 1:
-        parser.error(f"--int8-block must be >= 1, got {args.int8_block}")
     rows = [
         row
         for model in args.model
@@ -462,7 +457,6 @@ def main(argv: list[str] | None = None) -> None:
             args.tp_mode,
             optimizer=args.optimizer,
             momentum_dtype=args.momentum_dtype,
-            int8_block=args.int8_block,
             cuda_graphs=not args.no_cuda_graphs,
         )
     ]
