@@ -7,8 +7,7 @@ train_configs/llama3_tiny.toml trained by torchtitan with each, for the same ste
     python bench/momentum_dtype.py --quick     # 1 seed, 3 steps: a CPU smoke run
 
 Without overrides the runs are shortened for a CPU (:data:`SHORT`: sequences of 128 tokens, 5 warm-up steps):
-nine runs of 40 steps then take about 15 minutes on 2 cores, mostly torchtitan's start and the steps' host
-work. Any override given replaces them all (e.g. ``-- --training.seq_len 256`` for the config's own).
+nine runs of 40 steps then take about 7 minutes on 2 cores. Any override given replaces them all (e.g. ``-- --training.seq_len 256`` for the config's own).
 
 Per momentum_dtype the table has the final loss of each seed (the mean training loss of the last ``--tail``
 steps), their mean, their spread (largest minus smallest), the mean difference from float32 momentum (paired
