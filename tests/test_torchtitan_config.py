@@ -156,7 +156,8 @@ def test_normuon_and_mop_sections_defaults():
     assert {f.name: getattr(normuon, f.name) for f in dataclasses.fields(muon)} == dataclasses.asdict(muon)
     assert (normuon.beta2, normuon.normuon_eps, normuon.adjust_lr_fn) == (0.95, 1e-8, "match_rms_adamw")
     assert dataclasses.asdict(mop) == {
-        "momentum": 0.95, "nesterov": False, "scale": "nuclear", "adjust_lr_fn": "match_rms_adamw",
+        "momentum": 0.95, "nesterov": False, "momentum_dtype": "float32", "scale": "nuclear",
+        "adjust_lr_fn": "match_rms_adamw",
         "wire_dtype": "float32", "bucket_size_mb": 64.0, "exchange": "owner", "skip_nonfinite": False,
         "diagnostics_interval": 0, "overlap": False, "tp_mode": "owned", "qk_clip_tau": 0.0, "qk_clip_alpha": 0.5,
     }  # fmt: skip
@@ -230,9 +231,10 @@ def _backward(model: torch.nn.Module, seed: int) -> None:
     [
         (
             "MOP",
-            ["--mop.scale", "shape", "--mop.adjust_lr_fn", "original", "--mop.momentum", "0.9", "--mop.nesterov"],
-            {"momentum": 0.9, "nesterov": True, "scale": "shape", "adjust_lr_fn": "original",
-             "wire_dtype": torch.float32},
+            ["--mop.scale", "shape", "--mop.adjust_lr_fn", "original", "--mop.momentum", "0.9", "--mop.nesterov",
+             "--mop.momentum_dtype", "bfloat16"],
+            {"momentum": 0.9, "nesterov": True, "momentum_dtype": "bfloat16", "scale": "shape",
+             "adjust_lr_fn": "original", "wire_dtype": torch.float32},
         ),
         (
             "NorMuon",
@@ -240,7 +242,8 @@ def _backward(model: torch.nn.Module, seed: int) -> None:
              "--normuon.ns_dtype", "float32", "--normuon.wire_dtype", "float32"],
             {"momentum": 0.95, "nesterov": True, "ns_coefficients": "simple", "ns_steps": 4,
              "adjust_lr_fn": "match_rms_adamw", "ns_dtype": torch.float32, "ns_algorithm": "auto",
-             "wire_dtype": torch.float32, "ns_cuda_graphs": True, "beta2": 0.9, "normuon_eps": 1e-6},
+             "wire_dtype": torch.float32, "ns_cuda_graphs": True, "momentum_dtype": "float32", "beta2": 0.9,
+             "normuon_eps": 1e-6},
         ),
         (
             "SOAP",
