@@ -122,6 +122,25 @@ def test_metrics_report_the_largest_logit_and_the_heads_clipped():
     assert opt.metrics["muon/qk_clip/max_logit"] == 9.0 and opt.metrics["muon/qk_clip/heads_clipped"] == 1.0
 
 
+@pytest.mark.parametrize("kind", ["GQA", "MHA", "MLA", "fused"])
+def test_factors_are_made_on_the_device_of_the_maxima(kind):
+    """The factors never leave the maxima's device (a GPU step does not wait for the device to read them):
+    on the meta device, which holds no values, every factor tensor stays there, and on the CPU they equal the
+    formula, all 1 for heads at or below τ."""
+    from dtensor_muon.rules.qk_clip import row_factors
+
+    heads = {"GQA": GQA, "MHA": MHA, "MLA": MLA, "fused": AttentionHeads.grouped_qkv("attn.wqkv.weight", 4, 2, 3)}[kind]
+    maxima = MAXIMA.get(kind, MAXIMA["GQA"])
+    on_meta = row_factors(heads, torch.tensor(maxima, device="meta"), TAU, ALPHA)
+    assert {f.device.type for f in on_meta.values()} == {"meta"}
+    below = row_factors(heads, torch.full((heads.n_heads,), TAU), TAU, ALPHA)
+    assert all(torch.equal(f, torch.ones_like(f)) for f in below.values())
+    if kind != "fused":
+        on_cpu = row_factors(heads, torch.tensor(maxima), TAU, ALPHA)
+        for name, factors in reference_factors(heads, maxima).items():
+            torch.testing.assert_close(on_cpu[name], torch.tensor(factors, dtype=torch.float64), rtol=1e-15, atol=0)
+
+
 def test_bad_settings_raise_naming_the_option():
     params = [(n, torch.nn.Parameter(w)) for n, w in weights(GQA).items()]
     with pytest.raises(ValueError, match="qk_clip_heads"):

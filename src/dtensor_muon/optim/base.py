@@ -571,6 +571,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self.flush()
             self._engine = self._build_engine()
         skipped = self.skipped_steps
+        if self._qk_clip is not None:
+            self._qk_clip.reduce(local(next(iter(self._named_parameters().values()))).device)
         self._engine.step()
         if self._qk_clip is not None:
             self._clip_qk(skipped=self.skipped_steps > skipped)
@@ -581,9 +583,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         in flight (overlap), as soon as it lands (:meth:`_finish`, :meth:`flush`)."""
         assert self._qk_clip is not None and self._engine is not None
         params = self._named_parameters()
-        device = local(next(iter(params.values()))).device
         pending = self._engine.pending.remaining if self._engine.pending is not None else {}
-        for name, factors in self._qk_clip.row_factors(params, device, skipped).items():
+        for name, factors in self._qk_clip.row_factors(params, skipped).items():
             p = params[name]
             if self._index_of_param.get(id(p)) in pending:
                 self._clip_after_update[id(p)] = (name, p, factors)

@@ -6,10 +6,15 @@ largest softmax input this rank saw, the attention's scale included) any number 
 accumulation, pipeline micro-batches and recomputation all keep the maximum. At ``step()``, after the update,
 every configured layer's maxima (−inf where this rank recorded none, e.g. a pipeline stage without that layer:
 give every rank the same ``qk_clip_heads``, the whole model's layers, which construction checks) go into one
-tensor, all-reduced with MAX over every rank: one collective per step whatever the number of layers.
-Each rank then multiplies the rows it holds of each query and key weight by their factors, wherever the layout
+tensor, all-reduced with MAX over every rank: one collective per step whatever the number of layers, issued before
+the update so that it runs beside it. After the update each rank multiplies the rows it holds of each query and
+key weight by their factors (1 for a head at or below τ, which leaves its rows bit for bit as they are), wherever
+the layout
 puts them (the global rows of a shard come from its box: FSDP's uneven shards, tensor parallelism, FSDP over
-tensor parallelism), so every rank's pieces together equal the whole weight clipped in one process. With
+tensor parallelism), so every rank's pieces together equal the whole weight clipped in one process. The factors
+are computed on the weights' device and every layer's weights are scaled, clipped or not: nothing waits for the
+device to tell which heads exceeded τ, so ``step()`` returns as soon as its work is queued. The metrics (largest
+logit, heads clipped) are read from the device only when asked for. With
 ``overlap=True`` a weight whose update is still in flight is scaled right after that update lands (in the hook
 before its module's forward, or at a flush), so no forward sees it unclipped. A skipped step (a non-finite gradient
 with ``skip_nonfinite``) clips nothing; the recorded maxima are dropped either way.
@@ -35,7 +40,9 @@ class QKClip:
         self.alpha = float(alpha)
         self.layers = dict(sorted(heads.items()))  # one order on every rank: the packed tensor's
         self._recorded: dict[str, Tensor] = {}
-        self.metrics: dict[str, float] = {}
+        self._maxima: Tensor | None = None  # this step's global maxima, between reduce() and row_factors()
+        self._last: Tensor | None = None  # the last clipped step's global maxima, for the metrics
+        self._metrics: dict[str, float] = {}
 
     def check_same_everywhere(self, device: torch.device, what: str) -> None:
         """Raise on every rank, naming the first difference, unless all ranks hold the same τ, α and layers (the
@@ -86,8 +93,11 @@ class QKClip:
         before = self._recorded.get(layer)
         self._recorded[layer] = values if before is None else torch.maximum(before, values.to(before.device))
 
-    def _global_maxima(self, device: torch.device) -> Tensor:
-        """Every layer's maxima in one float32 tensor, the MAX over all ranks (one all-reduce)."""
+    @torch.no_grad()
+    def reduce(self, device: torch.device) -> None:
+        """Before the step's update: every layer's maxima in one float32 tensor on ``device``, the MAX over all
+        ranks (the one all-reduce). The recorded maxima are kept until :meth:`row_factors` uses them, so a step
+        that raises before it reduces them again."""
         parts = [
             self._recorded[layer].to(device)
             if layer in self._recorded
@@ -97,28 +107,37 @@ class QKClip:
         packed = torch.cat(parts)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-        return packed
+        self._maxima = packed
 
     @torch.no_grad()
-    def row_factors(self, params: dict[str, Tensor], device: torch.device, skipped: bool) -> dict[str, Tensor]:
-        """After the step's update: the all-reduce, then the factors of every row of each weight of ``params``
-        that a clipped head touches (none when ``skipped``, which every rank decides alike)."""
+    def row_factors(self, params: dict[str, Tensor], skipped: bool) -> dict[str, Tensor]:
+        """After the step's update: the factors of every row of each layer's weights among ``params``, on the
+        device of :meth:`reduce` (none when ``skipped``, which every rank decides alike)."""
+        maxima, self._maxima, self._recorded = self._maxima, None, {}
+        if maxima is None:
+            raise RuntimeError("QK-clip: row_factors() before reduce() in this step")
         if skipped:
-            self._recorded, self.metrics = {}, {}
+            self._last, self._metrics = None, {}
             return {}
-        maxima = self._global_maxima(device).cpu()
-        self._recorded = {}
+        self._last, self._metrics = maxima, {}
         factors: dict[str, Tensor] = {}
-        clipped, offset = 0, 0
+        offset = 0
         for heads in self.layers.values():
-            s = maxima[offset : offset + heads.n_heads]
+            if heads.q in params:
+                factors.update(row_factors(heads, maxima[offset : offset + heads.n_heads], self.tau, self.alpha))
             offset += heads.n_heads
-            over = int((s > self.tau).sum())
-            clipped += over
-            if over and heads.q in params:
-                factors.update(row_factors(heads, s, self.tau, self.alpha))
-        self.metrics = {"muon/qk_clip/max_logit": float(maxima.max()), "muon/qk_clip/heads_clipped": float(clipped)}
         return factors
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The last step's largest logit over all heads and its number of heads above τ (read from the device
+        the first time they are asked for; empty after a skipped step)."""
+        if self._last is not None and not self._metrics:
+            self._metrics = {
+                "muon/qk_clip/max_logit": float(self._last.max()),
+                "muon/qk_clip/heads_clipped": float((self._last > self.tau).sum()),
+            }
+        return self._metrics
 
 
 @torch.no_grad()

@@ -101,7 +101,8 @@ def head_factors(max_logits: Tensor, tau: float) -> Tensor:
 
 
 def row_factors(heads: AttentionHeads, max_logits: Tensor, tau: float, alpha: float) -> dict[str, Tensor]:
-    """The float64 factor of every row of the query and key weights (module docstring), by weight name."""
+    """The float64 factor of every row of the query and key weights (module docstring), by weight name, on
+    ``max_logits``' device."""
     if max_logits.shape != (heads.n_heads,):
         raise ValueError(
             f"QK-clip {heads.q!r}: expected {heads.n_heads} per-head maxima, got shape {tuple(max_logits.shape)}"
@@ -110,9 +111,7 @@ def row_factors(heads: AttentionHeads, max_logits: Tensor, tau: float, alpha: fl
         gamma = head_factors(max_logits, tau)
         nope, rope, v = heads.qk_nope_head_dim, heads.qk_rope_head_dim, heads.v_head_dim
         q = torch.cat([gamma[:, None].pow(alpha).expand(-1, nope), gamma[:, None].expand(-1, rope)], dim=1)
-        k = torch.cat(
-            [gamma[:, None].pow(1 - alpha).expand(-1, nope), torch.ones(heads.n_heads, v, dtype=gamma.dtype)], 1
-        )
+        k = torch.cat([gamma[:, None].pow(1 - alpha).expand(-1, nope), gamma.new_ones(heads.n_heads, v)], 1)
         return {heads.q: q.reshape(-1), heads.k: k.reshape(-1)}
     group = heads.n_heads // heads.kv_heads
     gamma = head_factors(max_logits.reshape(heads.kv_heads, group).amax(dim=1), tau)  # per key head
@@ -120,7 +119,7 @@ def row_factors(heads: AttentionHeads, max_logits: Tensor, tau: float, alpha: fl
     k = gamma.pow(1 - alpha).repeat_interleave(heads.head_dim)
     if heads.fused:  # per key group: its query rows, its key rows, its value rows (1)
         d = heads.head_dim
-        v = torch.ones(heads.kv_heads, d, dtype=gamma.dtype)
+        v = gamma.new_ones(heads.kv_heads, d)
         rows = torch.cat([q.reshape(heads.kv_heads, group * d), k.reshape(heads.kv_heads, d), v], dim=1)
         return {heads.q: rows.reshape(-1)}
     return {heads.q: q, heads.k: k}
