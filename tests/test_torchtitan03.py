@@ -315,6 +315,49 @@ def test_ready_config_with_a_low_qk_clip_tau_clips_the_fused_qkv_heads_and_train
     peak, clipped = [float(f[0]) for f in fields], [int(f[2]) for f in fields]
     assert clipped[0] > 0 and peak[0] > 0.1 and peak[1] < peak[0] / 2, (peak, clipped)
     assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
+    # FlexAttention on the CPU path: its kernel returns no max_scores there, the maxima come from the fallback
+    source = re.search(r"QK-clip: logit maxima of \d+ attention layers: \d+ by the exact fallback", output)
+    assert source, output[-3000:]
+
+
+def test_qk_clip_kernel_path_hands_over_flex_attentions_row_maxima_and_its_own_result(monkeypatch):
+    """torchtitan 0.3's FlexAttention (its compiled function replaced by a CPU stand-in with the kernel's results,
+    which torch 2.13 returns on CUDA only): hooked by the kernel path, each forward hands over the per-head max of
+    the row maxima and returns what it returns unhooked, with and without ``out_transform`` (the lse)."""
+    from torch.nn.attention.flex_attention import AuxOutput
+    from torchtitan.models.common.attention import FlexAttention
+
+    from torchtitan_ext import qk_clip
+
+    def stand_in(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
+        out, lse = cpu.dense_attention(q, k, v, block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
+        keys = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        mask = qk_clip.dense_mask(block_mask, q.device)
+        rows = ((q @ keys.transpose(-2, -1)) * scale).masked_fill(~mask, -math.inf).amax(dim=-1)
+        return out, AuxOutput(lse if return_aux.lse else None, rows if return_aux.max_scores else None)
+
+    monkeypatch.setattr(FlexAttention, "compiled_flex_attn", staticmethod(stand_in))
+    inner, length = FlexAttention.Config().build(), 32
+    positions = torch.cat([torch.arange(12), torch.arange(20)]).repeat(2, 1)
+    mask_mod = and_masks(get_causal_mask_mod(), get_document_mask_mod(positions))
+    block_mask = create_block_mask(mask_mod, 2, None, length, length, device="cpu", BLOCK_SIZE=16)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, length, h, 8, generator=g) for h in (4, 2, 2))  # [batch, seq, heads, dim]
+    call = {"attention_masks": block_mask, "scale": 0.3, "enable_gqa": True}
+    keep_lse = {"out_transform": lambda out, lse: (out, lse)}
+    plain, (plain_out, plain_lse) = inner(q, k, v, **call), inner(q, k, v, **call, **keep_lse)
+    recorded = []
+    heads = qk_clip.AttentionHeads(q="wq", k="wk", n_heads=4, head_dim=8, n_kv_heads=2)
+    handles, paths = qk_clip.record_maxima({"a": (inner, heads)}, lambda *r: recorded.append(r), torch.device("cuda"))
+    assert paths == {"a": None}
+    assert torch.equal(inner(q, k, v, **call), plain)
+    out, lse = inner(q, k, v, **call, **keep_lse)
+    assert torch.equal(out, plain_out) and torch.equal(lse, plain_lse)
+    want = qk_clip.max_logits(q.transpose(1, 2), k.transpose(1, 2), 0.3, qk_clip.dense_mask(block_mask, q.device))
+    assert [layer for layer, _ in recorded] == ["a", "a"]
+    assert all(torch.allclose(maxima, want, rtol=1e-6, atol=0) for _, maxima in recorded)
+    for handle in handles:
+        handle.remove()
 
 
 def _tiny_lm() -> torch.nn.Module:

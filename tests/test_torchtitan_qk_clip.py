@@ -1,11 +1,19 @@
-"""QK-clip in torchtitan 0.2 (:mod:`torchtitan_ext.qk_clip`): the heads read from the real models, the causal
-logit maxima against a float64 reference, the maxima the hooks hand over against the attention's own inputs, and
-a CPU training with τ low enough to clip."""
+"""QK-clip in torchtitan 0.2 (:mod:`torchtitan_ext.qk_clip`, :mod:`torchtitan_ext.qk_clip_kernel`): the heads
+read from the real models, the causal logit maxima against a float64 reference, the maxima the hooks hand over
+against the attention's own inputs, FlexAttention's kernel path (on CPU through a stand-in with the kernel's
+results: torch 2.13 returns ``max_scores`` from the Triton kernel only), and a CPU training with τ low enough to
+clip.
+
+GPU tests (skipped with "needs a CUDA GPU" where CUDA is unavailable): the kernel's maxima against the exact
+fallback's within the float32 rounding of both, the attention's output with the statistic asked for bitwise the
+output without, and a DeepSeek-V3 training with FlexAttention whose maxima come from the kernel."""
 
 import copy
+import math
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import AuxOutput, and_masks, create_block_mask
 
 pytest.importorskip("torchtitan")
 from torchtitan_ext.version import LINE
@@ -15,7 +23,9 @@ if LINE != "0.2":
 
 from titan_runs import torchrun
 
-from torchtitan_ext import qk_clip
+from torchtitan_ext import qk_clip, qk_clip_kernel
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def model(name: str, device: str = "meta") -> torch.nn.Module:
@@ -86,7 +96,10 @@ def test_hooks_hand_over_the_maxima_of_the_attentions_own_inputs():
 
     for layer, (inner, _) in layers.items():
         inner.register_forward_pre_hook(keep_inputs(layer), with_kwargs=True)
-    handles = qk_clip.record_maxima(layers, lambda layer, maxima: recorded.__setitem__(layer, maxima))
+    handles, paths = qk_clip.record_maxima(
+        layers, lambda layer, maxima: recorded.__setitem__(layer, maxima), torch.device("cpu")
+    )
+    assert set(paths.values()) == {"ScaledDotProductAttentionWrapper is not FlexAttention and returns no row maxima"}
     torch.manual_seed(0)
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.2)
@@ -114,6 +127,8 @@ def test_a_low_tau_clips_heads_and_trains(tmp_path, config):
     # the next step's forward (new batch, weights updated and clipped) sees logits back near τ
     assert clipped[0] > 0 and peak[0] > 0.1 and peak[1] < peak[0] / 2, lines
     assert sorted(losses) == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(list(losses.values()))))
+    source = next(line for line in output.splitlines() if "QK-clip: logit maxima of" in line)
+    assert "by the exact fallback" in source and "kernel" not in source, source  # SDPA: the fallback
 
 
 def test_flex_attention_masks_are_reproduced_from_their_mask_mod():
@@ -141,3 +156,175 @@ def test_flex_attention_masks_are_reproduced_from_their_mask_mod():
     reference = scores.masked_fill(~want[:, None], float("-inf")).amax(dim=(0, 2, 3))
     assert torch.allclose(got.double(), reference, rtol=1e-5)
     assert not torch.allclose(got, qk_clip.max_logits(q, k, 0.25))  # the plain causal mask would see more
+
+
+def stand_in_kernel(q, k, v, *, block_mask, scale=None, enable_gqa=False, return_lse=False, return_aux=None):
+    """torchtitan's compiled ``flex_attention`` on CPU, with the kernel's documented results: the output, the lse
+    and max_scores[b, h, i] = max over allowed j of q_i·k_j·scale (−inf for a row the mask leaves empty)."""
+    scale = scale or q.shape[-1] ** -0.5
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = ((q @ k.transpose(-2, -1)) * scale).masked_fill(~qk_clip.dense_mask(block_mask, q.device), -math.inf)
+    out = torch.nan_to_num(torch.softmax(scores, dim=-1)) @ v
+    lse = scores.logsumexp(dim=-1)
+    if return_aux is not None:
+        return out, AuxOutput(lse if return_aux.lse else None, scores.amax(dim=-1) if return_aux.max_scores else None)
+    return (out, lse) if return_lse else out
+
+
+def padded_causal(valid: int):
+    """Causal attention over the first ``valid`` positions; the queries after them see nothing (empty rows)."""
+    return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx < valid)
+
+
+def test_the_kernel_path_serves_flex_attention_on_cuda_only():
+    from torchtitan.models.attention import FlexAttentionWrapper, ScaledDotProductAttentionWrapper
+
+    flex, cuda = FlexAttentionWrapper(), torch.device("cuda")
+    assert qk_clip_kernel.unavailable(flex, cuda) is None
+    assert "not on cpu" in qk_clip_kernel.unavailable(flex, torch.device("cpu"))
+    assert "not FlexAttention" in qk_clip_kernel.unavailable(ScaledDotProductAttentionWrapper(), cuda)
+    paths = {"layers.0.attention": None, "layers.1.attention": "SDPA returns no row maxima"}
+    assert qk_clip.describe(paths) == (
+        "QK-clip: logit maxima of 2 attention layers: 1 from FlexAttention's kernel (max_scores), 1 by the exact "
+        "fallback, one more Q·Kᵀ each (SDPA returns no row maxima)"
+    )
+
+
+def test_the_kernel_path_hands_over_the_row_maxima_per_head_and_returns_what_the_call_returns(monkeypatch):
+    """torchtitan 0.2's FlexAttentionWrapper with its compiled function replaced by :func:`stand_in_kernel`: once
+    hooked, each forward hands over max over batch and non-empty rows of the kernel's row maxima, and returns
+    the call's own output (and lse), bit for bit."""
+    from torchtitan.models.attention import FlexAttentionWrapper
+
+    monkeypatch.setattr(FlexAttentionWrapper, "_compiled_flex_attn", stand_in_kernel)
+    seq, inner = 16, FlexAttentionWrapper()
+    block_mask = create_block_mask(padded_causal(12), 2, None, seq, seq, device="cpu")
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, seq, 8, generator=g) for h in (4, 2, 2))
+    call = {"block_mask": block_mask, "scale": 0.3, "enable_gqa": True}
+    plain, (plain_lse_out, plain_lse) = inner(q, k, v, **call), inner(q, k, v, **call, return_lse=True)
+    recorded = []
+    heads = qk_clip.AttentionHeads(q="wq", k="wk", n_heads=4, head_dim=8, n_kv_heads=2)
+    handles, paths = qk_clip.record_maxima(
+        {"layers.0.attention": (inner, heads)}, lambda layer, m: recorded.append((layer, m)), torch.device("cuda")
+    )
+    assert paths == {"layers.0.attention": None}
+    assert torch.equal(inner(q, k, v, **call), plain)
+    out, lse = inner(q, k, v, **call, return_lse=True)
+    assert torch.equal(out, plain_lse_out) and torch.equal(lse, plain_lse)
+    want = qk_clip.max_logits(q, k, 0.3, qk_clip.dense_mask(block_mask, q.device))  # rows 12..15 are empty
+    assert [layer for layer, _ in recorded] == ["layers.0.attention"] * 2
+    for _, maxima in recorded:
+        assert maxima.shape == (4,) and torch.allclose(maxima, want, rtol=1e-6, atol=0)
+    assert torch.equal(
+        qk_clip_kernel.per_head(torch.tensor([[[1.0, -math.inf]], [[-math.inf, 3.0]]])), torch.tensor([3.0])
+    )
+    with pytest.raises(NotImplementedError, match="score_mod"):
+        inner(q, k, v, **call, score_mod=lambda score, b, h, i, j: score)
+    with monkeypatch.context() as patch:
+        patch.setattr(inner, "forward", lambda q, k, v, **kwargs: q)  # a forward that bypasses the kernel
+        with pytest.raises(RuntimeError, match=r"'layers\.0\.attention' made 0 calls"):
+            inner(q, k, v, **call)
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(inner(q, k, v, **call), plain) and len(recorded) == 2  # unhooked: passed through
+
+
+def rounding_bound(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor) -> float:
+    """Largest |kernel − fallback| of a head's maximum. Both compute s = q·k·scale from a float32 dot product of d
+    terms (products exact in bf16, rounded in float32; sums in any order): each within γ_d·P·scale of the exact
+    value, γ_d = d·u/(1 − d·u), u = 2⁻²⁴, P = Σ_c |q_c||k_c|; the scale costs each one more rounding, the kernel's
+    log2 units (×1/ln 2 in float32, then ×ln 2 in float32) at most four more, each ≤ u·|s| ≤ u·P·scale. The max
+    over positions moves no more than its entries, so |Δ| ≤ (2γ_d + 6u)·scale·max P over allowed pairs."""
+    d, u = q.shape[-1], 2.0**-24
+    repeat = q.shape[1] // k.shape[1]
+    spans = q.double().abs() @ k.double().abs().repeat_interleave(repeat, dim=1).transpose(-2, -1)
+    largest = spans.masked_fill(~mask, 0).max().item()
+    return (2 * d * u / (1 - d * u) + 6 * u) * scale * largest
+
+
+def document_causal(tokens: torch.Tensor, eos: int):
+    """torchtitan's block_causal mask of ``tokens``: causal within each document (its own mask_mods)."""
+    from torchtitan.models.attention import get_causal_mask_mod, get_document_mask_mod
+
+    return and_masks(get_causal_mask_mod(), get_document_mask_mod(tokens, eos))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mask", ["causal", "documents", "padded"])
+def test_the_kernels_maxima_equal_the_exact_fallbacks_within_their_rounding(dtype, mask):
+    """Query and key from one generator, GQA (8 query heads over 2 key heads), 2 × 384 positions (three 128-blocks
+    each way, full and partial); torchtitan's compiled flex_attention asked for max_scores through the kernel
+    path against :func:`qk_clip.max_logits` on the block mask made dense."""
+    from torchtitan.models.attention import FlexAttentionWrapper, get_causal_mask_mod
+
+    batch, seq, dev = 2, 384, torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    q, k, v = (torch.randn(batch, h, seq, 64, generator=g, device=dev).to(dtype) for h in (8, 2, 2))
+    tokens = torch.randint(1, 50, (batch, seq), generator=g, device=dev)
+    tokens[0, [40, 200]], tokens[1, 300] = 0, 0  # document ends (eos id 0)
+    mask_mod = {"causal": get_causal_mask_mod(), "documents": document_causal(tokens, 0), "padded": padded_causal(300)}
+    block_mask = create_block_mask(mask_mod[mask], batch, None, seq, seq, device=dev)
+    inner, recorded = FlexAttentionWrapper(), {}
+    qk_clip_kernel.record_from_kernel("layer", inner, recorded.__setitem__)
+    inner(q, k, v, block_mask=block_mask, scale=0.125, enable_gqa=True)
+    dense = qk_clip.dense_mask(block_mask, dev)
+    want = qk_clip.max_logits(q, k, 0.125, dense)
+    bound = rounding_bound(q, k, 0.125, dense)
+    assert (recorded["layer"].double() - want.double()).abs().max().item() <= bound, (recorded["layer"], want, bound)
+
+
+@needs_gpu
+def test_the_attention_output_with_the_kernel_statistic_is_bitwise_the_output_without(monkeypatch):
+    """torchtitan's FlexAttentionWrapper on the same inputs, before and after the kernel path's hooks: output, lse
+    and the gradients of q, k and v bit for bit. Its compiled flex_attention is compiled here without
+    max-autotune: the kernel with ``max_scores`` is the same Triton template with one more store, and with one
+    configuration per (head_dim, dtype) both variants run the same tiles. (torchtitan's own compile autotunes each
+    variant by timing, so the two may pick different tiles, as two autotuned processes may.)"""
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.attention import FlexAttentionWrapper
+
+    monkeypatch.setattr(FlexAttentionWrapper, "_compiled_flex_attn", torch.compile(flex_attention))
+    batch, seq, dev = 2, 256, torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(4)
+    q, k, v = (torch.randn(batch, 16, seq, 64, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    tokens = torch.randint(1, 50, (batch, seq), generator=g, device=dev)
+    tokens[:, 100] = 0
+    block_mask = create_block_mask(document_causal(tokens, 0), batch, None, seq, seq, device=dev)
+    inner = FlexAttentionWrapper()
+
+    def run() -> list[torch.Tensor]:
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = inner(*leaves, block_mask=block_mask, scale=0.125, return_lse=True)
+        out.float().square().sum().backward()
+        return [out.detach(), lse.detach(), *(t.grad for t in leaves)]
+
+    without, recorded = run(), []
+    handles = qk_clip_kernel.record_from_kernel("layer", inner, lambda layer, m: recorded.append(m))
+    with_statistic = run()
+    assert len(recorded) == 1 and recorded[0].shape == (16,) and torch.isfinite(recorded[0]).all()
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], without, with_statistic, strict=True):
+        assert torch.equal(a, b), name
+    for handle in handles:
+        handle.remove()
+
+
+@needs_gpu
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_low_tau_clips_flex_attention_heads_from_the_kernel_on_a_gpu(tmp_path):
+    """torchtitan's DeepSeek-V3 debug model with FlexAttention (flavor ``debugmodel_flex_attn``, block-causal
+    document masks) on one GPU: every layer's maxima come from the kernel, and τ = 0.1 clips as on CPU."""
+    args = ["--model.flavor", "debugmodel_flex_attn", "--training.local_batch_size", "2", "--training.seq_len", "256",
+            "--metrics.log_freq", "1", "--training.steps", "4", "--lr_scheduler.warmup_steps", "2",
+            "--muon.qk_clip_tau", "0.1"]  # fmt: skip
+    code, output, losses = torchrun("moe_tiny.toml", tmp_path, *args, nproc=1, timeout=900, env={}, tail=3000)
+    assert code == 0, output[-3000:]
+    assert "QK-clip: logit maxima of 6 attention layers: 6 from FlexAttention's kernel (max_scores)\n" in output + "\n"
+    lines = [line for line in output.splitlines() if "optimizer: " in line]
+    fields = [line.split("qk_clip max ")[1].split() for line in lines]
+    peak, clipped = [float(f[0]) for f in fields], [int(f[2]) for f in fields]
+    assert len(lines) == 4 and clipped[0] > 0 and peak[0] > 0.1 and peak[1] < peak[0] / 2, lines
+    assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())

@@ -8,19 +8,28 @@ torchtitan 0.3, a ``qkv_linear`` with ``wq``/``wk`` or a fused ``wqkv`` interlea
 (:meth:`dtensor_muon.AttentionHeads.grouped_qkv`). Parameter names are the model part's own (``named_parameters``,
 passed through ``name_of``: torchtitan 0.3 names them canonically), activation-checkpoint wrappers included.
 
-:func:`record_maxima` registers a forward pre-hook on each ``inner_attention``: from the query and key it is
-called with (after RoPE and QK-norm; [batch, heads, seq, head_dim] in torchtitan 0.2, [batch, seq, heads,
-head_dim] in 0.3) and its ``scale`` (default head_dim^-½) it computes the causal softmax inputs q_i·k_j·scale
-(j ≤ i, or FlexAttention's mask) in float32, a few query heads at a time, and hands each head's maximum to the
-optimizer. This is the exact fallback: one more Q·Kᵀ product per layer and forward (and, with FlexAttention, its
-mask made dense from the block mask's ``mask_mod``: [batch, seq, seq] booleans). SDPA (causal) and FlexAttention of both lines are supported;
-varlen attention is refused.
+:func:`record_maxima` takes each layer's maxima by one of two paths and registers its hooks:
+
+- the kernel path (:mod:`torchtitan_ext.qk_clip_kernel`), for torchtitan's FlexAttention on CUDA: the
+  attention's own kernel returns its row maxima (``AuxRequest(max_scores=True)``), reduced per head; no extra
+  product, no extra memory beyond [batch, heads, seq] float32 row maxima;
+- the exact fallback (:func:`fallback_hook`), for SDPA and wherever the kernel cannot serve (FlexAttention on
+  the CPU, its FLASH backend): a forward pre-hook on each ``inner_attention`` computes, from the query and key it
+  is called with (after RoPE and QK-norm; [batch, heads, seq, head_dim] in torchtitan 0.2, [batch, seq, heads,
+  head_dim] in 0.3) and its ``scale`` (default head_dim^-½), the softmax inputs q_i·k_j·scale at the allowed
+  positions (j ≤ i, or FlexAttention's mask) in float32, a few query heads at a time (:func:`max_logits`): one
+  more Q·Kᵀ product per layer and forward, and, with FlexAttention, its mask made dense from the block mask's
+  ``mask_mod`` ([batch, seq, seq] booleans, :func:`dense_mask`).
+
+Both hand each head's maximum to the optimizer. SDPA (causal) and FlexAttention of both lines are supported;
+varlen attention and a ``score_mod`` are refused.
 
 :func:`build_with_qk_clip` puts both together for the optimizers' containers of both torchtitan lines.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +38,9 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from dtensor_muon import AttentionHeads
+from torchtitan_ext import qk_clip_kernel
+
+logger = logging.getLogger("torchtitan_ext")
 
 SCORES_BYTES = 256 * 2**20
 """At most this many bytes of float32 scores at a time (query heads are taken in groups that fit)."""
@@ -123,36 +135,57 @@ def dense_mask(block_mask: BlockMask, device: torch.device) -> torch.Tensor:
     return create_mask(block_mask.mask_mod, batch, None, q_len, kv_len, device=device)
 
 
+def fallback_hook(layer: str, seq_first: bool, record: Callable[[str, torch.Tensor], None]) -> Callable[..., None]:
+    """The exact fallback's forward pre-hook on ``layer``'s inner attention: ``record(layer, max_logits(q, k,
+    scale, mask))`` from the call's own arguments (``seq_first``: torchtitan 0.3's [batch, seq, heads, d])."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("score_mod") is not None:
+            raise NotImplementedError(
+                f"QK-clip: attention {layer!r} has a score_mod: its softmax inputs are not q·k·scale"
+            )
+        masks = kwargs.get("block_mask", kwargs.get("attention_masks"))
+        if len(args) > 3 or not (masks is None or isinstance(masks, BlockMask)) or not kwargs.get("is_causal", 1):
+            raise NotImplementedError(
+                f"QK-clip: attention {layer!r} runs with a mask this plug-in does not reproduce (varlen); use SDPA "
+                "or FlexAttention"
+            )
+        q, k = (args[0].transpose(1, 2), args[1].transpose(1, 2)) if seq_first else (args[0], args[1])
+        scale = kwargs.get("scale") or q.shape[-1] ** -0.5
+        mask = dense_mask(masks, q.device) if masks is not None else None
+        record(layer, max_logits(q, k, scale, mask))
+
+    return hook
+
+
 def record_maxima(
-    layers: dict[str, tuple[nn.Module, AttentionHeads]], record: Callable[[str, torch.Tensor], None]
-) -> list:
-    """Register the hooks that hand each layer's per-head maxima to ``record(layer, maxima)``; return their
-    handles."""
-    handles = []
+    layers: dict[str, tuple[nn.Module, AttentionHeads]],
+    record: Callable[[str, torch.Tensor], None],
+    device: torch.device,
+) -> tuple[list, dict[str, str | None]]:
+    """Register the hooks that hand each layer's per-head maxima to ``record(layer, maxima)``, from FlexAttention's
+    kernel where it can give them on ``device`` (the model's), else by the exact fallback. Return the hooks'
+    handles and ``{layer: None on the kernel path, else why the fallback}``."""
+    handles, paths = [], {}
     for layer, (inner, _) in layers.items():
+        paths[layer] = qk_clip_kernel.unavailable(inner, device)
+        if paths[layer] is None:
+            handles += qk_clip_kernel.record_from_kernel(layer, inner, record)
+            continue
         # torchtitan 0.3's inner attentions take [batch, seq, heads, d]; 0.2's wrappers [batch, heads, seq, d]
         seq_first = type(inner).__name__ in ("ScaledDotProductAttention", "FlexAttention")
+        handles.append(inner.register_forward_pre_hook(fallback_hook(layer, seq_first, record), with_kwargs=True))
+    return handles, paths
 
-        def hook(
-            module: nn.Module, args: tuple, kwargs: dict[str, Any], layer: str = layer, seq_first: bool = seq_first
-        ) -> None:
-            if kwargs.get("score_mod") is not None:
-                raise NotImplementedError(
-                    f"QK-clip: attention {layer!r} has a score_mod: its softmax inputs are not q·k·scale"
-                )
-            masks = kwargs.get("block_mask", kwargs.get("attention_masks"))
-            if len(args) > 3 or not (masks is None or isinstance(masks, BlockMask)) or not kwargs.get("is_causal", 1):
-                raise NotImplementedError(
-                    f"QK-clip: attention {layer!r} runs with a mask this plug-in does not reproduce (varlen); use SDPA "
-                    "or FlexAttention"
-                )
-            q, k = (args[0].transpose(1, 2), args[1].transpose(1, 2)) if seq_first else (args[0], args[1])
-            scale = kwargs.get("scale") or q.shape[-1] ** -0.5
-            mask = dense_mask(masks, q.device) if masks is not None else None
-            record(layer, max_logits(q, k, scale, mask))
 
-        handles.append(inner.register_forward_pre_hook(hook, with_kwargs=True))
-    return handles
+def describe(paths: dict[str, str | None]) -> str:
+    """One line saying where the maxima of the layers in ``paths`` come from (:func:`record_maxima`'s)."""
+    kernel = sum(reason is None for reason in paths.values())
+    reasons = sorted({reason for reason in paths.values() if reason is not None})
+    parts = [f"{kernel} from FlexAttention's kernel (max_scores)"] if kernel else []
+    if reasons:
+        parts.append(f"{len(paths) - kernel} by the exact fallback, one more Q·Kᵀ each ({'; '.join(reasons)})")
+    return f"QK-clip: logit maxima of {len(paths)} attention layers: " + ", ".join(parts)
 
 
 def build_with_qk_clip(
@@ -164,5 +197,6 @@ def build_with_qk_clip(
         return build(**kwargs)
     layers = attention_heads(model, name_of)
     optimizer = build(**kwargs, qk_clip_heads={name: heads for name, (_, heads) in layers.items()})
-    record_maxima(layers, optimizer.record_max_logits)
+    _, paths = record_maxima(layers, optimizer.record_max_logits, next(model.parameters()).device)
+    logger.info(describe(paths))
     return optimizer
