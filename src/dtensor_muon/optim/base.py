@@ -69,6 +69,20 @@ TORCH_GROUP_KEYS = ("params", "param_names", "differentiable")
 """Group keys torch.optim.Optimizer itself handles: ``params``, ``param_names`` (from ``(name, tensor)``
 pairs) and ``differentiable`` (``Optimizer.__setstate__`` puts it in ``defaults``; False only here)."""
 
+GROUP_KEYS_SINCE_CHECKPOINTS = {"momentum_dtype": "float32"}
+"""Group keys newer than checkpoints that exist, each with the value a group had before the key existed: a group
+holds such a key only while it has another value (readers take that value where the key is absent). DCP's load
+refuses a template key its checkpoint lacks, and torch's flattened optimizer state dict reads every key of the
+live groups, so a group that always held the key could not load those checkpoints."""
+
+
+def leave_out_old_values(group: dict[str, Any]) -> None:
+    """Remove from ``group`` each key of :data:`GROUP_KEYS_SINCE_CHECKPOINTS` that holds its old value."""
+    for key, old_value in GROUP_KEYS_SINCE_CHECKPOINTS.items():
+        if key in group and group[key] == old_value:
+            del group[key]
+
+
 SCHEDULER_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
 """Keys torch's learning-rate schedulers (and SWALR) write into param groups for their own bookkeeping."""
 
@@ -281,6 +295,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 lr = lr.clone()
             sub["lr"], sub["weight_decay"] = lr, weight_decay
             super().add_param_group(sub)
+            leave_out_old_values(self.param_groups[-1])
             for name, p in part:
                 self._given_index[id(p)] = position[id(p)]
                 if p.requires_grad:
@@ -529,8 +544,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
             # one never does: without it, defaults (and groups added later) stay as constructed
             self.defaults.pop("differentiable", None)
         for group in self.param_groups:
+            leave_out_old_values(group)
             for key in self._option_keys:  # checkpoints from before one of this library's options existed
-                group.setdefault(key, self.defaults[key])
+                if key not in GROUP_KEYS_SINCE_CHECKPOINTS:  # absent: the old value, see there
+                    group.setdefault(key, self.defaults[key])
             if group.get("use_muon") is False:
                 for p in group["params"]:
                     s = self.state.get(p)

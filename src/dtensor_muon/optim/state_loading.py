@@ -24,7 +24,7 @@ from ..engine.step import Engine
 from ..plan.routing import name_patterns
 from ..rules import adamw as adamw_rule
 from ..rules.base import MatrixRule
-from ..rules.momentum_storage import BUFFER, same_format, stored_format
+from ..rules.momentum_storage import BUFFER, group_momentum_dtype, same_format, stored_format
 
 logger = logging.getLogger("dtensor_muon")
 
@@ -93,6 +93,7 @@ def load_problem(opt: Loadable, state_dict: dict[str, Any]) -> str | None:
         "(get_optimizer_state_dict, dcp.load, set_optimizer_state_dict), which reshards it."
     )
     rows = list(opt._labelled())
+    has_momentum = BUFFER in opt.rule.shard_state_keys  # the rule keeps a momentum buffer (momentum_dtype)
     k = 0
     for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
         found, expected = saved.get("use_muon"), group["use_muon"]
@@ -104,7 +105,8 @@ def load_problem(opt: Loadable, state_dict: dict[str, Any]) -> str | None:
                 f"({rule if expected else 'adamw'}): it was saved with another routing (other param groups, "
                 f"names or use_muon). Nothing was loaded. {switch}"
             )
-        mode, saved_mode = group.get("momentum_dtype"), saved.get("momentum_dtype")  # None: saved before it existed
+        saved_mode = saved.get("momentum_dtype")  # None: saved as float32, or before it existed
+        mode = group_momentum_dtype(group) if has_momentum else None
         if expected and mode is not None and saved_mode is not None and saved_mode != mode:
             first = rows[k][0] if group["params"] else "no parameters"
             return (
@@ -122,8 +124,8 @@ def load_problem(opt: Loadable, state_dict: dict[str, Any]) -> str | None:
         where = f"{me}.load_state_dict: parameter {label!r} ({rule if use_muon else 'adamw'})"
         if not isinstance(saved, dict):
             return f"{where}: its loaded state is a {type(saved).__name__}, expected a dict. Nothing was loaded."
-        if use_muon and "momentum_dtype" in group and BUFFER in saved:
-            found, mode = stored_format(saved, p.dtype), group["momentum_dtype"]
+        if use_muon and has_momentum and BUFFER in saved:
+            found, mode = stored_format(saved, p.dtype), group_momentum_dtype(group)
             if not same_format(found, mode, p.dtype):
                 return (
                     f"{where}: the loaded momentum was saved with momentum_dtype={found!r}, this optimizer has "

@@ -35,6 +35,12 @@ MOMENTUM_KEYS = (BUFFER, SCALE)
 """Every key a momentum rule's shard state may hold; a group's are :func:`momentum_state_keys`."""
 
 
+def group_momentum_dtype(group: dict[str, Any]) -> str:
+    """A param group's ``momentum_dtype``: "float32" where the group has no such key (an optimizer's groups hold
+    it only when it is not "float32", so that checkpoints from before it existed still load through DCP)."""
+    return group.get("momentum_dtype", "float32")
+
+
 def check_momentum_dtype(value: Any) -> None:
     """Raise ValueError unless ``value`` is one of :data:`MOMENTUM_DTYPES`."""
     if not isinstance(value, str) or value not in MOMENTUM_DTYPES:

@@ -31,6 +31,7 @@ from .momentum_storage import (
     BUFFER,
     MOMENTUM_KEYS,
     SCALE,
+    group_momentum_dtype,
     held_format_problem,
     init_momentum_state,
     momentum_state_keys,
@@ -75,10 +76,10 @@ class MomentumRule(MatrixRule):
     shard_state_keys = MOMENTUM_KEYS
 
     def state_keys(self, group: Group) -> tuple[str, ...]:
-        return momentum_state_keys(group["momentum_dtype"])
+        return momentum_state_keys(group_momentum_dtype(group))
 
     def init_shard_state(self, param: Tensor, group: Group, name: str) -> dict[str, Tensor]:
-        return init_momentum_state(param, group["momentum_dtype"], name)
+        return init_momentum_state(param, group_momentum_dtype(group), name)
 
     def prepare(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
         return momentum_pass(grad, shard_state, group, write_buffer=False)  # type: ignore[return-value]
@@ -92,7 +93,7 @@ class MomentumRule(MatrixRule):
     def prepare_many(
         self, grads: list[Tensor], shard_states: list[dict[str, Tensor]], group: Group, *, advance: bool
     ) -> list[Tensor]:
-        if group["momentum_dtype"] != "float32":
+        if group_momentum_dtype(group) != "float32":
             return [momentum_pass(g, s, group, write_buffer=advance) for g, s in zip(grads, shard_states)]  # type: ignore[misc]
         buffers = [s[BUFFER] for s in shard_states]
         return momentum_steps(  # type: ignore[return-value]  (want_input: every entry is a tensor)
@@ -100,7 +101,7 @@ class MomentumRule(MatrixRule):
         )
 
     def advance_many(self, grads: list[Tensor], shard_states: list[dict[str, Tensor]], group: Group) -> None:
-        if group["momentum_dtype"] != "float32":
+        if group_momentum_dtype(group) != "float32":
             for g, s in zip(grads, shard_states):
                 momentum_pass(g, s, group, write_buffer=True, want_input=False)
             return
@@ -114,7 +115,7 @@ def momentum_pass(
     """One momentum pass on a shard in the group's ``momentum_dtype``: B' written when ``write_buffer``, U
     returned when ``want_input``. Raises ValueError when the held state is in another format than the group's
     ``momentum_dtype`` says (it was changed after the state was created)."""
-    momentum_dtype = group["momentum_dtype"]
+    momentum_dtype = group_momentum_dtype(group)
     problem = held_format_problem(shard_state, momentum_dtype, grad.dtype)
     if problem is not None:
         raise ValueError(problem)
