@@ -31,12 +31,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-import dtensor_muon
 from dtensor_muon import exit_without_finalization
 from dtensor_muon.distributed.layout import box_shape
 from dtensor_muon.kernels.low_precision import MOMENTUM_DTYPES
 from dtensor_muon.plan.memory import OptimizerMemory, memory_per_rank
-from dtensor_muon.plan.simulate import OPTIMIZERS, fsdp_layout, model_parameters, optimizer_rule, plan_model
+from dtensor_muon.plan.simulate import FRONT_ENDS, fsdp_layout, model_parameters, optimizer_rule, plan_model
 
 GIB = 2**30
 
@@ -99,7 +98,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, args) -> None:
     shapes = model_parameters(args.model, args.layers)
     params = [(name, nn.Parameter(local_dtensor(shape, world, rank, mesh, device))) for name, shape, _ in shapes]
     options = {} if args.momentum_dtype == "float32" else {"momentum_dtype": args.momentum_dtype}
-    opt = getattr(dtensor_muon, OPTIMIZERS[args.optimizer])(params, lr=1e-3, **options)
+    opt = FRONT_ENDS[args.optimizer][0](params, lr=1e-3, **options)
     allocated = []  # before the first step, after it, before the second
     peaks = []
     for _ in range(2):
@@ -131,7 +130,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="family:flavor (default llama3:8B; quick: llama3:debugmodel)")
     parser.add_argument("--layers", type=int, default=None, help="the model's first layers only (default 2)")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--optimizer", default="muon", choices=sorted(OPTIMIZERS))
+    parser.add_argument("--optimizer", default="muon", choices=sorted(FRONT_ENDS))
     parser.add_argument("--momentum-dtype", default="float32", choices=MOMENTUM_DTYPES)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()

@@ -17,7 +17,6 @@ import torch
 from dist_harness import run_distributed
 from torch.distributed.tensor import DTensor
 
-import dtensor_muon
 from dtensor_muon.plan import build_plan
 from dtensor_muon.plan.memory import (
     MeshPlan,
@@ -29,7 +28,7 @@ from dtensor_muon.plan.memory import (
 from dtensor_muon.plan.placement import Owned
 from dtensor_muon.plan.routing import uses_muon
 from dtensor_muon.plan.simulate import (
-    OPTIMIZERS,
+    FRONT_ENDS,
     fsdp_layout,
     main,
     optimizer_rule,
@@ -54,7 +53,7 @@ def nbytes(t: torch.Tensor) -> int:
 def held_state(rank: int, world_size: int, optimizer: str, momentum_dtype: str) -> dict[str, int]:
     """One step of ``optimizer`` on the scenarios' Shard(0) parameters; the bytes of its state on this rank."""
     params = scenarios.distributed_params("shard0", world_size)
-    front = getattr(dtensor_muon, OPTIMIZERS[optimizer])
+    front = FRONT_ENDS[optimizer][0]
     opt = front(params, lr=0.01, **({} if optimizer == "soap" else {"momentum_dtype": momentum_dtype}))
     scenarios.set_gradients(params, 0)
     opt.step()

@@ -60,8 +60,17 @@ MODEL_FAMILIES = {
     "qwen3": ("torchtitan.models.qwen3", "Qwen3Model", "qwen3_args"),
 }
 
-OPTIMIZERS = {"muon": "Muon", "normuon": "NorMuon", "mop": "MOP", "soap": "SOAP", "klsoap": "KLSOAP", "rekls": "REKLS"}
-"""``--optimizer`` names and the front-end classes (``dtensor_muon.<class>``) whose rule and defaults they take."""
+FRONT_ENDS: dict[str, tuple[type, dict[str, Any], int]] = {}
+"""``--optimizer`` name → the front-end class (its ``rule``), a param group of its option defaults and its default
+wire dtype's bytes. The front ends sit above plan/, which imports none of them: :mod:`dtensor_muon.optim`
+registers each (:func:`register_front_end`) when the package is imported, as ``python -m dtensor_muon.plan`` does
+first."""
+
+
+def register_front_end(front_end: type, defaults: dict[str, Any], wire_bytes: int) -> None:
+    """Make a front-end class known to the simulator as ``--optimizer`` its lower-case name: :data:`FRONT_ENDS`."""
+    FRONT_ENDS[front_end.__name__.lower()] = (front_end, dict(defaults), wire_bytes)
+
 
 ParamShapes = list[tuple[str, tuple[int, ...], bool]]
 """(name, shape, routed to the matrix rule) of each parameter of a model."""
@@ -98,20 +107,15 @@ def model_matrix_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def optimizer_rule(name: str, ns_steps: int = 5) -> tuple[MatrixRule, dict[str, Any], int]:
-    """The rule of optimizer ``name`` (:data:`OPTIONS`), a param group of its defaults (``ns_steps`` for
-    Newton–Schulz's) and its default wire dtype's bytes. The front ends are imported here, when the simulator
-    runs: plan/ imports no rule."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"--optimizer: expected one of {sorted(OPTIMIZERS)}, got {name!r}")
-    import dtensor_muon
-    from dtensor_muon.optim.options import OPTIONS
-
-    options = OPTIONS[OPTIMIZERS[name]]
-    group = {o.name: o.default for o in options if not o.engine}
+    """The rule of front end ``name`` (:data:`FRONT_ENDS`), a param group of its defaults (``ns_steps`` for
+    Newton–Schulz's) and its default wire dtype's bytes."""
+    if name not in FRONT_ENDS:
+        raise ValueError(f"--optimizer: expected one of {sorted(FRONT_ENDS)}, got {name!r}")
+    front_end, defaults, wire_bytes = FRONT_ENDS[name]
+    group = dict(defaults)
     if "ns_steps" in group:
         group["ns_steps"] = ns_steps
-    wire = next(o.default for o in options if o.name == "wire_dtype")
-    return getattr(dtensor_muon, OPTIMIZERS[name]).rule, group, wire.itemsize
+    return front_end.rule, group, wire_bytes
 
 
 def fsdp_layout(name: str, shape: tuple[int, ...], world_size: int) -> ParamLayout:
@@ -412,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
         help="family:flavor, e.g. llama3:8B, llama3:70B, llama3:405B, deepseek_v3:16B (repeatable)",
     )
     parser.add_argument("--world-size", type=int, nargs="+", required=True)
-    parser.add_argument("--optimizer", default="muon", choices=sorted(OPTIMIZERS), help="the matrix optimizer")
+    parser.add_argument("--optimizer", default="muon", choices=sorted(FRONT_ENDS), help="the matrix optimizer")
     parser.add_argument(
         "--momentum-dtype", default="float32", choices=MOMENTUM_DTYPES, help="storage of Muon/NorMuon/MOP's momentum"
     )
