@@ -1,6 +1,11 @@
 """Tensor and expert parallelism as torchtitan lays them out (``parallelize_module`` styles, FSDP2 over TP
 giving ``_StridedShard``, experts over an ``ep`` mesh dim): the optimizer equals one process fed the same
-gathered gradients, bit for bit, in the default owned mode."""
+gathered gradients, bit for bit, in the default owned mode.
+
+The exactness tests run on CPU workers and, parametrized with ``device``, on CUDA workers (ranks sharing
+``cuda:0`` over gloo) against one process on the same GPU; there the gradients are synthetic (the models'
+forward passes gather CUDA DTensors with DTensor's all-gather, which crashes over gloo in torch 2.11):
+``python3 -m pytest -q tests/test_tensor_parallel.py -k cuda`` on a GPU machine."""
 
 import functools
 import os
@@ -9,7 +14,7 @@ import tempfile
 import pytest
 import torch
 import tp_scenarios
-from dist_harness import run_distributed
+from dist_harness import DEVICES, run_distributed
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -20,9 +25,10 @@ STEPS = 3
 
 
 @functools.cache
-def dense_run(kind: str, world_size: int, tp_mode: str) -> list[dict]:
-    """``tp_scenarios.dense_training`` for STEPS steps without options, run once and shared by the tests."""
-    return run_distributed(tp_scenarios.dense_training, world_size, kind, STEPS, {}, tp_mode)
+def dense_run(kind: str, world_size: int, tp_mode: str, device: str) -> list[dict]:
+    """``tp_scenarios.dense_training`` for STEPS steps without options on ``device`` workers, run once and
+    shared by the tests."""
+    return run_distributed(tp_scenarios.dense_training, world_size, kind, STEPS, {}, tp_mode, device=device)
 
 
 def assert_bitwise(results: list[dict]) -> None:
@@ -32,12 +38,13 @@ def assert_bitwise(results: list[dict]) -> None:
             assert not bad, f"rank {rank}, step {step}: differs from one process: {bad}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "kind, world_size, strided",
     [("tp", 2, False), ("fsdp_tp", 4, True), ("fsdp_tp", 8, True), ("hsdp_tp", 8, True)],
 )
-def test_dense_tensor_parallel_equals_one_process(kind, world_size, strided):
-    results = dense_run(kind, world_size, "owned")
+def test_dense_tensor_parallel_equals_one_process(kind, world_size, strided, device):
+    results = dense_run(kind, world_size, "owned", device)
     assert_bitwise(results)
     placements = results[0]["placements"]
     # the layouts the test means to cover: TP's Replicate norms (Partial gradients), FSDP over TP's strided rows
@@ -45,15 +52,17 @@ def test_dense_tensor_parallel_equals_one_process(kind, world_size, strided):
     assert ("_StridedShard(dim=0" in placements["layers.0.w1.weight"]) == strided
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "expert_shard_dim, expected", [(0, "_StridedShard(dim=0, sf=2), Shard(dim=0)"), (1, "Shard(dim=1), Shard(dim=0)")]
 )
-def test_experts_over_ep_and_fsdp_equal_one_process(expert_shard_dim, expected):
-    results = run_distributed(tp_scenarios.expert_training, 4, expert_shard_dim, STEPS, {})
+def test_experts_over_ep_and_fsdp_equal_one_process(expert_shard_dim, expected, device):
+    results = run_distributed(tp_scenarios.expert_training, 4, expert_shard_dim, STEPS, {}, device=device)
     assert_bitwise(results)
     assert results[0]["placements"]["layers.0.moe.experts.w"] == f"({expected})"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "world_size, tp_mode, fsdp, w1_placements",
     [
@@ -62,29 +71,33 @@ def test_experts_over_ep_and_fsdp_equal_one_process(expert_shard_dim, expected):
         (8, "owned", True, "(_StridedShard(dim=0, sf=2), Shard(dim=0), Shard(dim=1))"),
     ],
 )
-def test_experts_over_ep_and_tp_equal_one_process(world_size, tp_mode, fsdp, w1_placements):
-    results = run_distributed(tp_scenarios.expert_tensor_parallel_training, world_size, STEPS, tp_mode, fsdp)
+def test_experts_over_ep_and_tp_equal_one_process(world_size, tp_mode, fsdp, w1_placements, device):
+    results = run_distributed(
+        tp_scenarios.expert_tensor_parallel_training, world_size, STEPS, tp_mode, fsdp, device=device
+    )
     assert_bitwise(results)
     assert results[0]["placements"]["layers.0.moe.experts.w1"] == w1_placements
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind, world_size", [("tp", 2), ("fsdp_tp", 4)])
-def test_blockwise_equals_one_process_per_tp_block(kind, world_size):
-    results = dense_run(kind, world_size, "blockwise")
+def test_blockwise_equals_one_process_per_tp_block(kind, world_size, device):
+    results = dense_run(kind, world_size, "blockwise", device)
     assert_bitwise(results)
 
 
 def test_blockwise_differs_from_the_whole_matrix_polar_factor():
     """The approximation is real: per-block updates are not the owned (whole-matrix) ones (after the first step
     of the runs the tests above check against one process)."""
-    owned = dense_run("tp", 2, "owned")[0]["first_step_params"]["layers.0.w1.weight"]
-    blockwise = dense_run("tp", 2, "blockwise")[0]["first_step_params"]["layers.0.w1.weight"]
+    owned = dense_run("tp", 2, "owned", "cpu")[0]["first_step_params"]["layers.0.w1.weight"]
+    blockwise = dense_run("tp", 2, "blockwise", "cpu")[0]["first_step_params"]["layers.0.w1.weight"]
     assert owned.ne(blockwise).any()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind, world_size", [("tp", 2), ("fsdp_tp", 4), ("hsdp_tp", 8)])
-def test_duplicated_equals_one_process(kind, world_size):
-    results = dense_run(kind, world_size, "duplicated")
+def test_duplicated_equals_one_process(kind, world_size, device):
+    results = dense_run(kind, world_size, "duplicated", device)
     assert_bitwise(results)
 
 
@@ -125,15 +138,16 @@ def test_strided_shard_order_and_refusals():
         _shard_order("w", (Shard(0), _StridedShard(0, split_factor=1)), (2, 4), 2)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("optimizer, tp_mode", [("Muon", "owned"), ("NorMuon", "duplicated")])
-def test_dcp_saved_under_fsdp_x_tp_on_4_loaded_under_fsdp_on_2_continues_exactly(optimizer, tp_mode):
+def test_dcp_saved_under_fsdp_x_tp_on_4_loaded_under_fsdp_on_2_continues_exactly(optimizer, tp_mode, device):
     """NorMuon in duplicated mode: each matrix's owner state sits on every member of its TP group and is saved
-    once; the load under FSDP gives it to the matrix's new owner."""
-    want = tp_scenarios.synthetic_reference(4, optimizer)
+    once; the load under FSDP gives it to the matrix's new owner. Against one process on the same device."""
+    want = tp_scenarios.synthetic_reference(4, optimizer, device)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ckpt")
-        run_distributed(tp_scenarios.dense_dcp_save, 4, "fsdp_tp", path, 2, optimizer, tp_mode)
-        results = run_distributed(tp_scenarios.dense_dcp_resume, 2, "fsdp", path, 2, 2, optimizer)
+        run_distributed(tp_scenarios.dense_dcp_save, 4, "fsdp_tp", path, 2, optimizer, tp_mode, device=device)
+        results = run_distributed(tp_scenarios.dense_dcp_resume, 2, "fsdp", path, 2, 2, optimizer, device=device)
     for got in results:
         for name, value in want.items():
             assert torch.equal(got[name], value), f"{name}: max diff {(got[name] - value).abs().max().item()}"
