@@ -303,17 +303,21 @@ def test_container_runs_step_pre_hooks_and_round_trips_torchtitans_flat_state():
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_ready_config_with_a_low_qk_clip_tau_clips_the_fused_qkv_heads_and_trains(tmp_path):
+@pytest.mark.parametrize("parallelism", [[], ["--parallelism.tensor_parallel_degree", "2"]], ids=["fsdp2", "tp2"])
+def test_ready_config_with_a_low_qk_clip_tau_clips_the_fused_qkv_heads_and_trains(tmp_path, parallelism):
     """The Llama3 debug model's fused, interleaved wqkv: the plug-in reads its heads (AttentionHeads.grouped_qkv)
     and its SDPA inputs; with τ = 0.1, below the first step's logits, heads are clipped and the next step's
-    forward sees logits back near τ."""
-    args = [*READY, "--config", "llama3_muon", *SMALL, "--training.steps", "4", "--optimizer.muon.qk-clip-tau", "0.1"]
+    forward sees logits back near τ. Under TP 2 each rank sees 8 of a layer's 16 heads: all 96 heads of the
+    first step are clipped, their maxima assembled over both ranks."""
+    args = [*READY, "--config", "llama3_muon", *SMALL, "--training.steps", "4", "--optimizer.muon.qk-clip-tau", "0.1",
+            *parallelism]  # fmt: skip
     code, output, losses = torchrun(tmp_path, *args)
     assert code == 0, output[-4000:]
     fields = [line.split("qk_clip max ")[1].split() for line in optimizer_lines(output, "muon")]
     assert len(fields) == 4, output[-3000:]
     peak, clipped = [float(f[0]) for f in fields], [int(f[2]) for f in fields]
     assert clipped[0] > 0 and peak[0] > 0.1 and peak[1] < peak[0] / 2, (peak, clipped)
+    assert clipped[0] == 96 or not parallelism, clipped
     assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
     # FlexAttention on the CPU path: its kernel returns no max_scores there, the maxima come from the fallback
     source = re.search(r"QK-clip: logit maxima of \d+ attention layers: \d+ by the exact fallback", output)

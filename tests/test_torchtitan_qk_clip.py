@@ -2,7 +2,9 @@
 read from the real models, the causal logit maxima against a float64 reference, the maxima the hooks hand over
 against the attention's own inputs, FlexAttention's kernel path (on CPU through a stand-in with the kernel's
 results: torch 2.13 returns ``max_scores`` from the Triton kernel only), and a CPU training with τ low enough to
-clip.
+clip; under tensor parallelism (the maxima of each rank's heads at their global positions, assembled by the
+MAX all-reduce, against one process's) and pipeline parallelism (every stage configures the whole model's layers)
+on gloo processes, and CPU trainings with TP 2, PP 2 and FSDP 2 × TP 2 that clip.
 
 GPU tests (skipped with "needs a CUDA GPU" where CUDA is unavailable): the kernel's maxima against the exact
 fallback's within the float32 rounding of both, the attention's output with the statistic asked for bitwise the
@@ -28,13 +30,15 @@ from torchtitan_ext import qk_clip, qk_clip_kernel
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def model(name: str, device: str = "meta") -> torch.nn.Module:
+def model(name: str, device: str = "meta", **changes: int) -> torch.nn.Module:
     from torchtitan.config import ConfigManager
     from torchtitan.protocols.train_spec import get_train_spec
 
     spec = get_train_spec(name)
     args = copy.deepcopy(spec.model_args["debugmodel"])
     args.update_from_config(ConfigManager().parse_args([]))
+    for key, value in changes.items():
+        setattr(args, key, value)
     with torch.device(device):
         return spec.model_cls(args)
 
@@ -129,6 +133,155 @@ def test_a_low_tau_clips_heads_and_trains(tmp_path, config):
     assert sorted(losses) == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(list(losses.values()))))
     source = next(line for line in output.splitlines() if "QK-clip: logit maxima of" in line)
     assert "by the exact fallback" in source and "kernel" not in source, source  # SDPA: the fallback
+
+
+TP_RUNS = {
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
+}
+"""Processes and parallelism of each run; every data-parallel rank takes llama3_tiny.toml's 4 sequences a step."""
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.parametrize("run", list(TP_RUNS))
+def test_a_low_tau_clips_heads_under_tensor_and_pipeline_parallelism(tmp_path, run):
+    """Llama3's debug model (16 heads × 6 layers) with τ = 0.1: the first step's logits exceed τ in every head,
+    so all 96 are clipped, which needs every head's maximum, assembled over the TP ranks (each sees 8 heads of
+    a layer) or the PP stages (each holds 3 layers); the next step's maximum falls as in one process."""
+    nproc, parallelism = TP_RUNS[run]
+    args = ["--training.seq_len", "128", "--metrics.log_freq", "1", "--training.steps", "4",
+            "--lr_scheduler.warmup_steps", "2", "--muon.qk_clip_tau", "0.1", *parallelism]  # fmt: skip
+    code, output, losses = torchrun("llama3_tiny.toml", tmp_path, *args, nproc=nproc, timeout=400)
+    assert code == 0, output[-3000:]
+    lines = [line for line in output.splitlines() if "optimizer: " in line]
+    assert len(lines) == 4 and all("qk_clip max " in line for line in lines), lines
+    fields = [line.split("qk_clip max ")[1].split() for line in lines]
+    peak, clipped = [float(f[0]) for f in fields], [int(f[2]) for f in fields]
+    assert clipped[0] == 96 and peak[0] > 0.1 and peak[1] < peak[0] / 2, lines
+    assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
+    source = next(line for line in output.splitlines() if "QK-clip: logit maxima of" in line)
+    if run == "pp2":
+        assert "logit maxima of 3 attention layers" in source and "(of the 6 this part's optimizer clips" in source, (
+            source
+        )
+    else:
+        assert "each rank's 1/2 of the heads" in source, source
+
+
+class Recorder:
+    """A stand-in for the optimizer :func:`qk_clip.build_with_qk_clip` builds: it keeps the heads it is given
+    and each layer's recorded maxima (their elementwise max, as the optimizer does)."""
+
+    def __init__(self, qk_clip_heads, **kwargs):
+        self.heads, self.maxima = qk_clip_heads, {}
+
+    def record_max_logits(self, layer, maxima):
+        assert maxima.shape == (self.heads[layer].n_heads,), (layer, maxima.shape)
+        before = self.maxima.get(layer)
+        self.maxima[layer] = maxima.clone() if before is None else torch.maximum(before, maxima)
+
+
+def tensor_parallel_maxima(rank: int, world_size: int) -> dict:
+    """On every rank: Llama3's debug model with GQA (16 query heads over 4 key heads), seeded alike; the maxima
+    one process records for a batch, then the maxima this rank records for the same batch under torchtitan's
+    tensor-parallel plan over all ranks (before and after the MAX all-reduce); and the heads a pipeline-like
+    split (each rank keeps its share of the layers) configures."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.models.llama3.infra.parallelize import apply_tp
+
+    torch.manual_seed(0)
+    m = model("llama3", device="cpu", n_kv_heads=4)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    m.init_weights = None
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(1))
+    whole = copy.deepcopy(m)
+    one = qk_clip.build_with_qk_clip(Recorder, whole, {"qk_clip_tau": 1.0})
+    whole(tokens)
+    apply_tp(m, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)), False, False)
+    tp = qk_clip.build_with_qk_clip(Recorder, m, {"qk_clip_tau": 1.0})
+    m(tokens)
+    local = {layer: maxima.clone() for layer, maxima in tp.maxima.items()}
+    for maxima in tp.maxima.values():
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    stage = copy.deepcopy(whole)
+    for i in list(stage.layers):
+        if int(i) % world_size != rank:
+            del stage.layers[i]
+    split = qk_clip.build_with_qk_clip(Recorder, stage, {"qk_clip_tau": 1.0})
+    return {"one": one.maxima, "local": local, "reduced": tp.maxima, "heads": (one.heads, tp.heads, split.heads)}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_maxima_after_the_all_reduce_equal_one_processs():
+    from dist_harness import run_distributed
+
+    results = run_distributed(tensor_parallel_maxima, 2)
+    for rank, result in enumerate(results):
+        one_heads, tp_heads, split_heads = result["heads"]
+        assert len(one_heads) == 6 and tp_heads == one_heads and split_heads == one_heads  # every rank: all 6
+        for layer, want in result["one"].items():
+            local = result["local"][layer]  # this rank's 8 query heads at their places, −inf elsewhere
+            mine = torch.zeros(16, dtype=torch.bool)
+            mine[8 * rank : 8 * (rank + 1)] = True
+            assert torch.isinf(local[~mine]).all() and torch.isfinite(local[mine]).all(), (rank, layer, local)
+            assert torch.allclose(local[mine], want[mine], rtol=1e-5, atol=1e-6), (rank, layer)
+            assert torch.allclose(result["reduced"][layer], want, rtol=1e-5, atol=1e-6), (rank, layer)
+
+
+def test_a_tensor_parallel_rank_hands_over_its_heads_at_their_global_positions():
+    recorded = []
+    record = qk_clip.on_all_heads("layer", 8, (1, 2), lambda layer, m: recorded.append(m))
+    record("layer", torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert torch.equal(recorded[0], torch.tensor([-math.inf] * 4 + [1.0, 2.0, 3.0, 4.0]))
+    with pytest.raises(ValueError, match=r"'layer' saw 8 query heads; with its 8 split over tensor parallelism"):
+        record("layer", torch.zeros(8))
+
+    def keep(layer, maxima):
+        recorded.append(maxima)
+
+    assert qk_clip.on_all_heads("layer", 8, (0, 1), keep) is keep  # no tensor parallelism: handed over as they are
+
+
+def test_no_maxima_are_recorded_from_a_pipeline_stages_metadata_inference_forward(monkeypatch):
+    """torch's PipelineStage runs a stage once on uninitialized tensors to learn its shapes: a hook called inside
+    that forward records nothing, nor one handed maxima on the meta device; real forwards record."""
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    recorded = []
+    record = None
+
+    def metadata_inference(stage):
+        record("layer", torch.full((2,), math.nan))  # what attention over uninitialized memory may give
+
+    monkeypatch.setattr(PipelineStage, "_forward_metadata_inference", metadata_inference)
+    record = qk_clip.real_forwards_only(lambda layer, maxima: recorded.append(maxima))
+    PipelineStage._forward_metadata_inference(None)
+    record("layer", torch.zeros(2, device="meta"))
+    assert recorded == [] and qk_clip._metadata_forwards == 0
+    record("layer", torch.ones(2))
+    assert len(recorded) == 1
+
+
+def test_context_parallel_wrapping_of_the_inner_attention_is_refused():
+    m = model("llama3")
+    inner = m.layers["2"].attention.inner_attention
+    original = inner.forward
+
+    def cp_forward(*args, **kwargs):  # as torchtitan 0.3's apply_cp_to_forward wraps it
+        return original(*args, **kwargs)
+
+    def forward_with_redistribution(*args, **kwargs):  # and its tensor parallelism wraps that in turn
+        return cp_forward(*args, **kwargs)
+
+    inner.forward = forward_with_redistribution
+    assert qk_clip.context_parallel(inner)
+    assert not qk_clip.context_parallel(m.layers["1"].attention.inner_attention)
+    with pytest.raises(NotImplementedError, match=r"'layers\.2\.attention'.*context parallelism"):
+        qk_clip.attention_heads(m)
 
 
 def test_flex_attention_masks_are_reproduced_from_their_mask_mod():

@@ -88,13 +88,11 @@ def build_optimizers(
         raise NotImplementedError(f"torchft fault tolerance is not supported with {name}")
     on_cpu = runs_on_cpu(model_parts)
     kwargs = optimizer_kwargs(optimizer_config, on_cpu=on_cpu)
-    if kwargs.get("qk_clip_tau") and parallel_dims is not None:
-        unsupported = [k for k in ("tp", "pp", "cp") if getattr(parallel_dims, f"{k}_enabled")]
-        if unsupported:
-            raise NotImplementedError(
-                f"[{REGISTRY[name].section}] qk_clip_tau with {', '.join(unsupported)} parallelism is not supported "
-                "yet: the plug-in records each attention's maxima from its whole local heads and sequence"
-            )
+    if kwargs.get("qk_clip_tau") and parallel_dims is not None and parallel_dims.cp_enabled:
+        raise NotImplementedError(
+            f"[{REGISTRY[name].section}] qk_clip_tau with context parallelism is not supported: each rank's "
+            "attention sees a shard of the sequence, whose logit maxima the plug-in does not reproduce"
+        )
     first_rank = not dist.is_initialized() or dist.get_rank() == 0
     section = section_of(optimizer_config, REGISTRY[name])
     note = device_dtypes_note(section, on_cpu, f"[{section.SECTION}]")

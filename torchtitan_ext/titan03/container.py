@@ -174,11 +174,6 @@ class MatrixOptimizersContainer(OptimizersContainer):
         note = sections.device_dtypes_note(config.section, on_cpu, f"[optimizer.{entry.section}]")
         if note is not None:
             logger.info(note)
-        if kwargs.get("qk_clip_tau") and (len(model_parts) > 1 or _tensor_parallel(model_parts)):
-            raise NotImplementedError(
-                f"[{entry.section}] qk_clip_tau with pipeline or tensor parallelism is not supported yet: the "
-                "plug-in records each attention's maxima from its whole local heads"
-            )
         self.model_parts = model_parts
         self.optimizers = []
         all_params: list[nn.Parameter] = []
@@ -200,12 +195,6 @@ class MatrixOptimizersContainer(OptimizersContainer):
         """The latest ``opt.metrics`` of every part's optimizer, combined over the parts of this rank (times,
         bytes and FLOPs add up; see :data:`torchtitan_ext.metrics.REDUCTIONS`)."""
         return combine((opt.metrics for opt in self.optimizers), over="parts")
-
-
-def _tensor_parallel(model_parts: list[nn.Module]) -> bool:
-    """Whether any parameter is a DTensor over a mesh with a dim named "tp"."""
-    meshes = (getattr(p, "device_mesh", None) for m in model_parts for p in m.parameters())
-    return any(mesh is not None and "tp" in (mesh.mesh_dim_names or ()) for mesh in meshes)
 
 
 def option_keys(name: str) -> tuple[str, ...]:
