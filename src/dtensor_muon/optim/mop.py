@@ -19,12 +19,19 @@ from .muon import validate_adjust_lr_fn
 class MOP(MatrixOptimizer):
     """MOP for matrices, AdamW for the rest; exact on DTensor (FSDP2) parameters.
 
+    Defaults that train: ``MOP(model.named_parameters())`` steps by Muon's shape-scaled lr (``scale="shape"``,
+    lr 0.02, as :class:`dtensor_muon.Muon`), since the nuclear scale of Emerging-Optimizers' MOP (lr 3e-4)
+    made a small MLP's and a tiny language model's loss fall far slower than AdamW's at its defaults, and its
+    step follows the gradient's size (docs/optimizers.md, "Recommended settings": small CPU models; a GPU study
+    at scale may revise them). ``scale="nuclear", lr=3e-4`` gives Emerging-Optimizers' MOP; torchtitan's
+    ``[mop]`` section keeps ``scale = "nuclear"``.
+
     Per matrix (see :mod:`dtensor_muon.rules.mop`): B ← B + (1 − μ)(g − B); U = g + μ(B − g) if nesterov
     else B; U = P·diag(S)·Qᵀ (float32 SVD); O = P·Qᵀ; θ ← θ·(1 − γλ) − γ·(ΣS)·O (``scale="nuclear"``) or
     θ ← θ·(1 − γλ) − γ'·O with Muon's shape-scaled γ' (``scale="shape"``).
 
-    Defaults follow Emerging-Optimizers' MOP (lr 3e-4, momentum 0.95, weight_decay 0.01, no Nesterov), the
-    nuclear-norm scale included (its ``scale_mode="nuclear_norm"`` in 0.2.0 to 0.4.0,
+    The other defaults follow Emerging-Optimizers' MOP (momentum 0.95, weight_decay 0.01, no Nesterov); its
+    lr is 3e-4 and its scale the nuclear norm (``scale_mode="nuclear_norm"`` in 0.2.0 to 0.4.0,
     ``orthogonalized_optimizers/mop.py``).
 
     Args:
@@ -33,7 +40,7 @@ class MOP(MatrixOptimizer):
         weight_decay: decoupled weight decay λ.
         momentum: μ in [0, 1).
         nesterov: use g + μ·(B − g) instead of B.
-        scale: "nuclear" (ΣS, the default) or "shape" (Muon's γ', see ``adjust_lr_fn``).
+        scale: "shape" (Muon's γ', see ``adjust_lr_fn``; the default) or "nuclear" (ΣS).
     Keyword-only:
         adjust_lr_fn: with ``scale="shape"``: None/"original", "match_rms_adamw", "spectral_unclamped" or a
             callable, as in Muon.
@@ -52,11 +59,11 @@ class MOP(MatrixOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 3e-4,
+        lr: float = 0.02,
         weight_decay: float = 0.01,
         momentum: float = 0.95,
         nesterov: bool = False,
-        scale: str = "nuclear",
+        scale: str = "shape",
         *,
         adjust_lr_fn: AdjustLrFn = None,
         adamw_betas: tuple[float, float] = (0.9, 0.95),

@@ -54,9 +54,19 @@ def validate_adjust_lr_fn(group: dict[str, Any]) -> None:
 class Muon(MatrixOptimizer):
     """Muon for matrices, AdamW for the rest; exact on DTensor (FSDP2) parameters.
 
-    Args (shared with torch.optim.Muon, same meaning and defaults):
+    Defaults that train: ``Muon(model.named_parameters())`` uses lr 0.02 (Keller Jordan's Muon lr) with torch's
+    "original" per-matrix scale, for the matrices and for AdamW's parameters alike; every other positional
+    default is torch.optim.Muon's, so torch's defaults are one keyword away (``lr=1e-3``) and
+    ``Muon(params, lr=..., ...)`` with torch's arguments equals ``torch.optim.Muon`` bit for bit. Why a default
+    and not a preset: a preset helps only users who know of it, while torch's lr 1e-3 leaves a small model far
+    behind AdamW at its own defaults (docs/optimizers.md, "Recommended settings": measured on small CPU models;
+    a GPU study at scale may revise it). For one lr shared by both rules at AdamW's scale, pass
+    ``adjust_lr_fn="match_rms_adamw"`` with an AdamW-like lr (torchtitan's configs do).
+
+    Args (shared with torch.optim.Muon, same meaning and defaults except lr):
         params: tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``) or param groups.
-        lr: learning rate γ, a float or a 1-element Tensor (AdamW's too unless ``adamw_lr`` is given).
+        lr: learning rate γ, a float or a 1-element Tensor (AdamW's too unless ``adamw_lr`` is given); 0.02
+            by default (torch.optim.Muon's is 1e-3).
         weight_decay: decoupled weight decay λ: θ ← θ·(1 − γλ).
         momentum: μ in [0, 1).
         nesterov: use g + μ·(B − g) instead of B.
@@ -111,7 +121,7 @@ class Muon(MatrixOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float = 0.02,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,

@@ -20,6 +20,10 @@ from .muon import validate_newton_schulz
 class NorMuon(MatrixOptimizer):
     """NorMuon for matrices, AdamW for the rest; exact on DTensor (FSDP2) parameters.
 
+    Defaults that train, as :class:`dtensor_muon.Muon`'s: ``NorMuon(model.named_parameters())`` uses lr 0.02
+    with the "original" per-matrix scale (the normalized update keeps Muon's size, so Muon's lr carries over);
+    the values come from small CPU models (docs/optimizers.md, "Recommended settings").
+
     Per matrix (see :mod:`dtensor_muon.rules.normuon`): Muon's O = NS(U); v ← β₂·v + (1 − β₂)·mean_cols(O²)
     (kept on the matrix's owner); Ô = O / (√v + ε), rescaled to ‖O‖_F; θ ← θ·(1 − γλ) − γ'·Ô.
 
@@ -33,7 +37,7 @@ class NorMuon(MatrixOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float = 0.02,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,

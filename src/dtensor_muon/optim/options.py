@@ -149,8 +149,8 @@ _MOMENTUM_DTYPE = Option("momentum_dtype", "float32", "storage of the matrices' 
                          "entries of a row, 1.03 bytes)", choices=MOMENTUM_DTYPES)  # fmt: skip
 
 MUON = (
-    Option("lr", 1e-3, "learning rate γ (AdamW's too unless adamw_lr is given)", bounds=">= 0",
-           from_optimizer=("lr",)),
+    Option("lr", 0.02, "learning rate γ (AdamW's too unless adamw_lr is given); 0.02 trains as it comes, "
+           "torch.optim.Muon's default is lr=1e-3", bounds=">= 0", from_optimizer=("lr",)),
     Option("weight_decay", 0.1, "decoupled weight decay λ: θ ← θ·(1 − γλ)", bounds=">= 0",
            from_optimizer=("weight_decay",)),
     _MOMENTUM,
@@ -183,13 +183,14 @@ NORMUON = (
 )
 
 MOP = (
-    Option("lr", 3e-4, "learning rate γ (AdamW's too unless adamw_lr is given)", bounds=">= 0",
-           from_optimizer=("lr",)),
+    Option("lr", 0.02, "learning rate γ (AdamW's too unless adamw_lr is given); 0.02 with scale=\"shape\" "
+           "trains as it comes", bounds=">= 0", from_optimizer=("lr",)),
     Option("weight_decay", 0.01, "decoupled weight decay λ", bounds=">= 0", from_optimizer=("weight_decay",)),
     _MOMENTUM,
     Option("nesterov", False, "take the polar factor of g + μ·(B − g) instead of the buffer B"),
-    Option("scale", "nuclear", 'step size of the polar factor: "nuclear" (lr·ΣS) or "shape" (Muon\'s, '
-           "adjust_lr_fn)", choices=MOP_SCALES),
+    Option("scale", "shape", 'step size of the polar factor: "shape" (Muon\'s, adjust_lr_fn) or "nuclear" (lr·ΣS, '
+           "Emerging-Optimizers')", choices=MOP_SCALES, config_default="nuclear",
+           config_why="torchtitan configs keep the nuclear scale the [mop] section has always had"),
     Option("adjust_lr_fn", None, 'with scale="shape": as Muon\'s', choices=ADJUST_LR_NAMES,
            config_default="match_rms_adamw", config_why=ADJUST_LR_CONFIG_WHY),
     *ADAMW,
@@ -199,8 +200,8 @@ MOP = (
 )  # fmt: skip
 
 SOAP = (
-    Option("lr", 3e-3, "learning rate γ, an Adam learning rate (AdamW's too unless adamw_lr is given)",
-           bounds=">= 0", from_optimizer=("lr",)),
+    Option("lr", 1e-2, "learning rate γ, an Adam learning rate (AdamW's too unless adamw_lr is given); 1e-2 "
+           "trains as it comes", bounds=">= 0", from_optimizer=("lr",)),
     Option("betas", (0.9, 0.95), "Adam's (β₁, β₂) in the eigenbasis", bounds="[0, 1)",
            from_optimizer=("beta1", "beta2")),
     Option("shampoo_beta", 0.95, "decay β of the Kronecker factors L and R", bounds="[0, 1)"),
