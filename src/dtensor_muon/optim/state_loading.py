@@ -24,7 +24,7 @@ from ..engine.step import Engine
 from ..plan.routing import name_patterns
 from ..rules import adamw as adamw_rule
 from ..rules.base import MatrixRule
-from ..rules.momentum_storage import BUFFER, group_momentum_dtype, same_format, stored_format
+from ..rules.momentum_storage import BUFFER, CODES, group_momentum_dtype, same_format, stored_format
 
 logger = logging.getLogger("dtensor_muon")
 
@@ -124,7 +124,7 @@ def load_problem(opt: Loadable, state_dict: dict[str, Any]) -> str | None:
         where = f"{me}.load_state_dict: parameter {label!r} ({rule if use_muon else 'adamw'})"
         if not isinstance(saved, dict):
             return f"{where}: its loaded state is a {type(saved).__name__}, expected a dict. Nothing was loaded."
-        if use_muon and has_momentum and BUFFER in saved:
+        if use_muon and has_momentum and (BUFFER in saved or CODES in saved):
             found, mode = stored_format(saved, p.dtype), group_momentum_dtype(group)
             if not same_format(found, mode, p.dtype):
                 return (

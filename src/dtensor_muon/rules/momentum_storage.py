@@ -30,8 +30,12 @@ from ..distributed.layout import layout_boxes, read_layout
 from ..kernels.low_precision import INT8_BLOCK, MOMENTUM_DTYPES, int8_blocks
 
 BUFFER = "momentum_buffer"
+"""The float32 and bfloat16 buffer (torch.optim.Muon's key)."""
+CODES = "momentum_codes"
+"""int8's codes: a key of their own, so that a checkpoint template of another format (DCP's load fills the
+template's keys) never takes int8 codes for a buffer: it misses this key, or the template's buffer, and raises."""
 SCALE = "momentum_scale"
-MOMENTUM_KEYS = (BUFFER, SCALE)
+MOMENTUM_KEYS = (BUFFER, CODES, SCALE)
 """Every key a momentum rule's shard state may hold; a group's are :func:`momentum_state_keys`."""
 
 
@@ -49,7 +53,7 @@ def check_momentum_dtype(value: Any) -> None:
 
 def momentum_state_keys(momentum_dtype: str) -> tuple[str, ...]:
     """The shard-state keys of ``momentum_dtype``: the buffer, and int8's scales."""
-    return MOMENTUM_KEYS if momentum_dtype == "int8" else (BUFFER,)
+    return (CODES, SCALE) if momentum_dtype == "int8" else (BUFFER,)
 
 
 def init_momentum_state(param: Tensor, momentum_dtype: str, name: str) -> dict[str, Tensor]:
@@ -59,7 +63,7 @@ def init_momentum_state(param: Tensor, momentum_dtype: str, name: str) -> dict[s
         return {BUFFER: torch.zeros_like(param)}
     if momentum_dtype == "bfloat16":
         return {BUFFER: torch.zeros_like(param, dtype=torch.bfloat16)}
-    return {BUFFER: torch.zeros_like(param, dtype=torch.int8), SCALE: _zero_scales(param, name)}
+    return {CODES: torch.zeros_like(param, dtype=torch.int8), SCALE: _zero_scales(param, name)}
 
 
 def _zero_scales(param: Tensor, name: str) -> Tensor:
@@ -100,7 +104,7 @@ def stored_format(state: dict[str, Any], param_dtype: torch.dtype) -> str:
     """The ``momentum_dtype`` a momentum state was written in: "int8" with scales, "float32" for a buffer in
     the parameter's dtype, "bfloat16" for a bf16 one; else the buffer's dtype, named."""
     buffer = state.get(BUFFER)
-    if SCALE in state:
+    if CODES in state or SCALE in state:
         return "int8"
     dtype = getattr(buffer, "dtype", None)
     if dtype == param_dtype:

@@ -29,6 +29,7 @@ from ..linalg.newton_schulz import ns_iteration_flops, resolve_coefficients, res
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
 from .momentum_storage import (
     BUFFER,
+    CODES,
     MOMENTUM_KEYS,
     SCALE,
     group_momentum_dtype,
@@ -126,7 +127,7 @@ def momentum_pass(
         )
     return stored_momentum_step(
         grad,
-        shard_state[BUFFER],
+        shard_state[CODES if momentum_dtype == "int8" else BUFFER],
         shard_state.get(SCALE),
         momentum,
         nesterov,
