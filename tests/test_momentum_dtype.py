@@ -20,9 +20,9 @@ import struct
 
 import pytest
 import torch
+from dtensor_muon.kernels.stored_momentum import stored_momentum_step
 
 import dtensor_muon
-from dtensor_muon.kernels.elementwise import stored_momentum_step
 from dtensor_muon.kernels.low_precision import (
     INT8_BLOCK,
     decode_int8,

@@ -17,7 +17,7 @@ Each format stores a float32 value x (the advanced buffer B') in fewer bytes and
   int8 codes and float32 scales; decoding gives q·s. Every code is within s/2 of x.
 
 The momentum step (:mod:`.elementwise`) decodes, advances and encodes in float32; its Triton kernels use the
-same formulas (``_stochastic_bf16_bits``, ``_int8_encode`` there).
+same formulas (:mod:`.stored_momentum`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
 from ..kernels import resolve_ns_algorithm
-from ..kernels.elementwise import momentum_step, momentum_steps, stored_momentum_step
+from ..kernels.elementwise import momentum_step, momentum_steps
+from ..kernels.stored_momentum import stored_momentum_step
 from ..linalg.distributed_ns import distributed_newton_schulz
 from ..linalg.newton_schulz import ns_iteration_flops, resolve_coefficients, resolve_ns_dtype
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
