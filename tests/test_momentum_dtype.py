@@ -20,7 +20,6 @@ import struct
 
 import pytest
 import torch
-from dtensor_muon.kernels.stored_momentum import stored_momentum_step
 
 import dtensor_muon
 from dtensor_muon.kernels.low_precision import (
@@ -30,6 +29,7 @@ from dtensor_muon.kernels.low_precision import (
     momentum_bytes_per_element,
     round_bf16_stochastic,
 )
+from dtensor_muon.kernels.stored_momentum import stored_momentum_step
 
 MASK = 0xFFFFFFFF
 

@@ -17,11 +17,11 @@ from importlib.metadata import version
 
 import pytest
 import torch
-from dtensor_muon.kernels.stored_momentum import stored_momentum_step
 from test_kernels import OLD_INTERPRETER_ERROR, _triton_version
 
 from dtensor_muon.kernels.elementwise import MIN_KERNEL_NUMEL
 from dtensor_muon.kernels.low_precision import INT8_BLOCK, decode_int8, encode_int8
+from dtensor_muon.kernels.stored_momentum import stored_momentum_step
 
 CASES = [(0.95, True), (0.95, False), (0.3, True)]  # 0.3: the large-weight branch of the first lerp
 SHAPES = [(37, 300), (5, 128), (3, 1000)]
@@ -38,8 +38,9 @@ def decoded(buffer: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
 def _interpreter_checks() -> dict[str, float]:
     """Per case: U's largest difference from torch's in float32 roundings of its size, and the stored
     buffer's largest difference from torch's in units of its format's step (bf16 spacing, int8 scale)."""
-    from dtensor_muon.kernels.stored_momentum import _launch_stored_momentum, _stored_momentum_step_torch
     from test_kernels import _patch_interpreter_bf16
+
+    from dtensor_muon.kernels.stored_momentum import _launch_stored_momentum, _stored_momentum_step_torch
 
     _patch_interpreter_bf16()
     gen = torch.Generator().manual_seed(0)
