@@ -282,13 +282,26 @@ def _interpreter_checks() -> Numbers:
 
 @pytest.fixture(scope="module")
 def interp() -> Numbers:
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    return interpreted(__file__, timeout=600)
+
+
+OLD_INTERPRETER_ERROR = "only 0-dimensional arrays can be converted to Python scalars"
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = version("triton").split(".")[:2]
+    return int(major), int(minor)
+
+
+def interpreted(path: str, timeout: float) -> dict[str, float]:
+    """The JSON numbers the test file at ``path`` prints when run as a script under the Triton interpreter
+    (``TRITON_INTERPRET=1``); skips where the installed Triton's interpreter cannot run under NumPy ≥ 2.4."""
     proc = subprocess.run(
-        [sys.executable, __file__],
-        env=env,
+        [sys.executable, path],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
         check=False,
     )
     if proc.returncode != 0 and OLD_INTERPRETER_ERROR in proc.stderr and _triton_version() < (3, 7):
@@ -298,14 +311,6 @@ def interp() -> Numbers:
         )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-OLD_INTERPRETER_ERROR = "only 0-dimensional arrays can be converted to Python scalars"
-
-
-def _triton_version() -> tuple[int, int]:
-    major, minor = version("triton").split(".")[:2]
-    return int(major), int(minor)
 
 
 PATHS = ("off", "device", "host", "host_ratio2")

@@ -10,14 +10,10 @@ scale's own rounding; the kernels' integer and rounding logic is what the interp
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from importlib.metadata import version
 
 import pytest
 import torch
-from test_kernels import OLD_INTERPRETER_ERROR, _triton_version
+from test_kernels import interpreted
 
 from dtensor_muon.kernels.elementwise import MIN_KERNEL_NUMEL
 from dtensor_muon.kernels.low_precision import INT8_BLOCK, decode_int8, encode_int8
@@ -71,21 +67,7 @@ def _interpreter_checks() -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def interp() -> dict[str, float]:
-    proc = subprocess.run(
-        [sys.executable, __file__],
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    if proc.returncode != 0 and OLD_INTERPRETER_ERROR in proc.stderr and _triton_version() < (3, 7):
-        pytest.skip(
-            f"Triton {version('triton')}'s interpreter takes int() of 1-element arrays for scalar arguments, which "
-            "NumPy >= 2.4 refuses; Triton 3.9 (the CI's) runs these checks"
-        )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted(__file__, timeout=300)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
