@@ -2,9 +2,13 @@
 
 On a GPU they must give the torch operations' bits exactly (so a shard's step does not depend on whether its
 size took the kernel). Under the Triton interpreter (a child process with ``TRITON_INTERPRET=1``, as in
-test_elementwise_kernels.py), which rounds a fused multiply-add twice, U may differ from torch's by two float32
-roundings per entry, and the stored buffer by what that moves: one bf16 step, or one int8 code (s) plus the
-scale's own rounding; the kernels' integer and rounding logic is what the interpreter checks.
+test_elementwise_kernels.py), which rounds a fused multiply-add twice, U may differ from torch's by what those
+roundings move. A lerp(a, b, w) with the weight |w| ≤ 1/2 it multiplies by (ATen's two branches) rounds
+d = b − a, d·w and the sum: at most ε/2·(|d|·|w| + |d·w| + |result|) ≤ 1.5 ε·M, M = max(|a|, |b|). B' is one
+lerp of B and g; U = lerp(g, B', μ) adds its own 1.5 ε·M and μ ≤ 1 times B''s, so each side is within 3 ε·M of
+the exact U, M = max(|B|, |g|), and the two sides within 6 ε·M. The stored buffer may differ by what that moves:
+one bf16 step, or one int8 code (s) plus the scale's own rounding; the kernels' integer and rounding logic is
+what the interpreter checks.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def decoded(buffer: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
 
 
 def _interpreter_checks() -> dict[str, float]:
-    """Per case: U's largest difference from torch's in float32 roundings of its size, and the stored
+    """Per case: U's largest difference from torch's in units of ε·max(|B|, |g|), and the stored
     buffer's largest difference from torch's in units of its format's step (bf16 spacing, int8 scale)."""
     from test_kernels import _patch_interpreter_bf16
 
@@ -48,10 +52,10 @@ def _interpreter_checks() -> dict[str, float]:
                 key = f"{mode}_{shape}_{momentum}_{nesterov}"
                 buffer, scales = stored(mode, b)
                 ref_buffer, ref_scales = buffer.clone(), None if scales is None else scales.clone()
+                size = torch.maximum(decoded(buffer, scales).abs(), g.abs()).clamp_min(1e-30)  # M = max(|B|, |g|)
                 ref_u = _stored_momentum_step_torch(g, ref_buffer, ref_scales, momentum, nesterov, True, True)
                 u = torch.empty_like(g)
                 _launch_stored_momentum(g, buffer, scales, u, momentum, nesterov, True, True)
-                size = torch.maximum(ref_u.abs(), g.abs()).clamp_min(1e-30)
                 out[f"u_{key}"] = float(((u - ref_u).abs() / size).max() / torch.finfo(torch.float32).eps)
                 got, want = decoded(buffer, scales), decoded(ref_buffer, ref_scales)
                 if mode == "bfloat16":
@@ -75,7 +79,7 @@ def interp() -> dict[str, float]:
 @pytest.mark.parametrize("momentum,nesterov", CASES)
 def test_interpreted_kernels_match_torch_within_the_interpreters_roundings(interp, shape, mode, momentum, nesterov):
     key = f"{mode}_{shape}_{momentum}_{nesterov}"
-    assert interp[f"u_{key}"] <= 2
+    assert interp[f"u_{key}"] <= 6  # 3 ε·M a side (module docstring)
     assert interp[f"buffer_{key}"] <= 1 + 2**-10  # one format step, and the scale's rounding when it moved
     assert interp[f"kept_{key}"] == 0  # U alone leaves the buffer as it was
 

@@ -98,7 +98,9 @@ def encode_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     """(codes int8 [..., n], scales float32 [..., ⌈n/B⌉]) of float32 ``x`` [..., n]: s = max|x|/127 per block,
     q = round_half_even(x / s), 0 where s is 0 (or x/s is not finite: a non-finite block decodes to NaN)."""
     blocks = _blocked(x)
-    scales = blocks.abs().amax(-1) / _INT8_MAX
+    absmax = blocks.abs().amax(-1)
+    # a tensor divisor: CUDA divides by a Python number as a product with its rounded reciprocal, not IEEE x/127
+    scales = absmax / torch.full_like(absmax, _INT8_MAX)
     quotient = blocks / scales.unsqueeze(-1)
     codes = torch.where(torch.isfinite(quotient), torch.round(quotient), 0.0).clamp(-_INT8_MAX, _INT8_MAX)
     n = x.shape[-1]
