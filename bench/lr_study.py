@@ -206,7 +206,8 @@ class MoE(nn.Module):
         c, shape = self.c, x.shape
         x = x.reshape(-1, c.dim)
         tokens = x.shape[0]
-        probs = self.router(x).float().softmax(-1)
+        logits = self.router(x)
+        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)  # bf16 logits in fp32
         weights, chosen = probs.topk(c.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         flat = chosen.reshape(-1)
@@ -219,7 +220,7 @@ class MoE(nn.Module):
         slots = x.new_zeros(c.experts * capacity, c.dim).index_copy(0, slot, x[source])
         out = self.experts(slots.view(c.experts, capacity, c.dim)).reshape(-1, c.dim)[slot]
         out = out * weights.reshape(-1)[kept, None].to(out.dtype)
-        share = onehot.sum(0).float() / flat.numel()
+        share = onehot.sum(0).to(probs.dtype) / flat.numel()
         self.balance = c.experts * (share * probs.mean(0)).sum()
         return x.new_zeros(tokens, c.dim).index_add(0, source, out.to(x.dtype)).view(shape)
 

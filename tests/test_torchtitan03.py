@@ -207,17 +207,49 @@ def test_override_options_are_checked_and_keep_the_stock_hyperparameters():
     stock = default_adamw(lr=3e-4, weight_decay=0.05)
     config = matrix_optimizer_config(stock, "NorMuon", {"beta2": 0.9, "ns_steps": 3, "beta1": 0.8})
     assert isinstance(config, MatrixOptimizersContainer.Config) and config.name == "NorMuon"
-    # NorMuon's own beta2 (its section's), not AdamW's
-    assert (config.lr, config.weight_decay, config.beta1, config.beta2) == (3e-4, 0.05, 0.8, 0.95)
+    # NorMuon's own beta2 (its section's), not AdamW's; lr by the AdamW-to-Muon rule (10 × 3e-4)
+    assert (config.lr, config.weight_decay, config.beta1, config.beta2) == (10 * 3e-4, 0.05, 0.8, 0.95)
     assert config.normuon.beta2 == 0.9 and config.normuon.ns_steps == 3
     kwargs = config.optimizer_kwargs()
-    assert kwargs["lr"] == 3e-4 and kwargs["beta2"] == 0.9 and kwargs["ns_steps"] == 3
+    assert kwargs["lr"] == 10 * 3e-4 and kwargs["beta2"] == 0.9 and kwargs["ns_steps"] == 3
     with pytest.raises(ValueError, match=r"\[soap\] precondition_frequency = 0 is not valid"):
         matrix_optimizer_config(stock, "SOAP", {"precondition_frequency": 0})
     with pytest.raises(ValueError, match="'Lion' is not a matrix optimizer; choose one of: Muon, MOP"):
         matrix_optimizer_config(stock, "Lion")
     with pytest.raises(ValueError, match=r"\[optimizer\] fused_qkv"):
         matrix_optimizer_config(stock, "Muon", {"fused_qkv": "rows"})
+
+
+def test_muon_from_a_stock_adamw_config_takes_ten_times_its_lr_and_an_lr_given_is_kept(caplog):
+    """The measured rule (docs/lr_study.md): Muon and NorMuon with "match_rms_adamw" at 10× the AdamW lr they
+    replace; an lr given, another adjust_lr_fn, or another optimizer keep the lr they are given."""
+    stock = default_adamw(lr=2.2e-4)
+    with caplog.at_level(logging.INFO, logger="torchtitan_ext"):
+        assert matrix_optimizer_config(stock, "Muon").lr == 10 * 2.2e-4
+    assert "Muon: lr 0.0022 = 10 × the stock AdamW lr 0.00022" in caplog.text
+    assert matrix_optimizer_config(stock, "Muon", {"lr": 1e-3}).lr == 1e-3
+    assert matrix_optimizer_config(stock, "Muon", {"adjust_lr_fn": "original"}).lr == 2.2e-4
+    assert matrix_optimizer_config(stock, "SOAP").lr == 2.2e-4
+    converted = matrix_optimizer_config(stock, "Muon")
+    assert matrix_optimizer_config(converted, "NorMuon").lr == converted.lr  # a Muon config is not converted again
+
+
+@pytest.mark.parametrize("name", ["llama3_muon", "qwen3_muon", "deepseek_v3_muon", "qwen3_moe_muon"])
+def test_ready_configs_carry_ten_times_the_stock_adamw_lr(name):
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel, qwen3_moe_debug
+
+    from torchtitan_ext.titan03 import config_registry
+
+    stock = {
+        "llama3_muon": llama3_debugmodel,
+        "qwen3_muon": qwen3_debugmodel,
+        "deepseek_v3_muon": deepseek_v3_debugmodel,
+        "qwen3_moe_muon": qwen3_moe_debug,
+    }[name]()
+    (adamw,) = [g for g in stock.optimizer.param_groups if g.optimizer_name in ("Adam", "AdamW")][:1]
+    assert getattr(config_registry, name)().optimizer.lr == 10 * adamw.optimizer_kwargs["lr"]
 
 
 def test_ready_configs_and_cli_options_parse():

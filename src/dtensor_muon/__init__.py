@@ -4,7 +4,7 @@ import sys
 
 from .distributed.process_exit import exit_without_finalization
 from .linalg.newton_schulz import NAMED_COEFFICIENTS, newton_schulz, polar_factor
-from .optim.lr_scaling import batch_scaled_lr
+from .optim.lr_scaling import MUON_LR_PER_ADAMW_LR, batch_scaled_lr, muon_lr_from_adamw
 from .optim.mop import MOP
 from .optim.muon import Muon
 from .optim.normuon import NorMuon
@@ -24,6 +24,7 @@ del sys, views
 __all__ = [
     "KLSOAP",
     "MOP",
+    "MUON_LR_PER_ADAMW_LR",
     "NAMED_COEFFICIENTS",
     "REKLS",
     "SOAP",
@@ -34,6 +35,7 @@ __all__ = [
     "batch_scaled_lr",
     "exit_without_finalization",
     "grouped_qkv_splits",
+    "muon_lr_from_adamw",
     "muon_param_groups",
     "newton_schulz",
     "polar_factor",

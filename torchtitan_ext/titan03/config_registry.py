@@ -7,8 +7,9 @@ torchtitan finds this module as ``<module>.config_registry``. Each function is a
 torchtitan (its model, loss and parallelism) with:
 
 - the optimizer :class:`~torchtitan_ext.titan03.container.MatrixOptimizersContainer` (Muon by default,
-  ``--optimizer.name`` picks another entry of the registry), lr 1e-2 for every parameter (AdamW's parameters
-  too: the matrices' lr is scaled to AdamW's update RMS);
+  ``--optimizer.name`` picks another entry of the registry), for every parameter (AdamW's parameters too: the
+  matrices' lr is scaled to AdamW's update RMS) the lr :func:`dtensor_muon.muon_lr_from_adamw` gives for the
+  stock config's AdamW lr (10×: 8e-3 for the debug models' 8e-4, 3e-3 for Qwen3 MoE's 3e-4; docs/lr_study.md);
 - the metrics of :class:`~torchtitan_ext.titan03.metrics.OptimizerMetricsProcessor`, TensorBoard on;
 - the offline corpus and tokenizer of :mod:`torchtitan_ext.data` (the launcher builds them when missing);
 - small CPU-friendly batches (4 × 256 tokens), 300 steps, warm-up 20 and cosine decay; no activation
@@ -30,17 +31,16 @@ from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchtitan.models.qwen3.config_registry import qwen3_debugmodel, qwen3_moe_debug
 from torchtitan.trainer import Trainer
 
+from dtensor_muon import muon_lr_from_adamw
 from torchtitan_ext import data
-from torchtitan_ext.titan03.container import matrix_optimizer_config
+from torchtitan_ext.titan03.container import matrix_optimizer_config, shared_defaults
 from torchtitan_ext.titan03.metrics import OptimizerMetricsProcessor
-
-LR = 1e-2
-"""lr of the ready configs (Muon with ``adjust_lr_fn = "match_rms_adamw"`` and AdamW alike)."""
 
 
 def with_matrix_optimizer(config: Trainer.Config, run_name: str, name: str = "Muon") -> Trainer.Config:
     """``config`` (a stock config) changed as the module docstring says; outputs under ``outputs/<run_name>``."""
-    config.optimizer = matrix_optimizer_config(config.optimizer, name, {"lr": LR})
+    lr = muon_lr_from_adamw(shared_defaults(config.optimizer)["lr"])
+    config.optimizer = matrix_optimizer_config(config.optimizer, name, {"lr": lr})
     if not torch.cuda.is_available():
         config.training.mixed_precision_param = "float32"
     config.metrics = OptimizerMetricsProcessor.Config(log_freq=10, enable_tensorboard=True, save_tb_folder="tb")

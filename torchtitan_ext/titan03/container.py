@@ -38,7 +38,7 @@ from torch import nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
 
-from dtensor_muon import MatrixSplit
+from dtensor_muon import MUON_LR_PER_ADAMW_LR, MatrixSplit, muon_lr_from_adamw
 from torchtitan_ext import sections
 from torchtitan_ext.metrics import combine
 from torchtitan_ext.qk_clip import build_with_qk_clip
@@ -238,7 +238,11 @@ def matrix_optimizer_config(
     """The container config for ``name`` that replaces ``stock``: the stock config's hyperparameters
     (:func:`shared_defaults`) and implementation, then ``options`` (shared keys and ``name``'s section keys,
     checked: an unknown key or a bad value raises ``ValueError`` with the valid choices). A key of both, NorMuon's
-    ``beta2``, sets the section's (AdamW's β₂ is ``--optimizer.beta2`` on the command line)."""
+    ``beta2``, sets the section's (AdamW's β₂ is ``--optimizer.beta2`` on the command line).
+
+    From a stock AdamW config to Muon or NorMuon with ``adjust_lr_fn = "match_rms_adamw"`` and no ``lr`` in
+    ``options``, the lr is :func:`dtensor_muon.muon_lr_from_adamw` of the stock lr (10×: the measured rule of
+    docs/lr_study.md), which is logged; an ``lr`` in ``options`` is kept as given."""
     if name not in REGISTRY:
         raise ValueError(f"{name!r} is not a matrix optimizer; choose one of: {', '.join(REGISTRY)}")
     options = dict(options or {})
@@ -253,6 +257,13 @@ def matrix_optimizer_config(
     base_section = getattr(stock, entry.section, None) if isinstance(stock, MatrixOptimizersContainer.Config) else None
     values = {f: getattr(base_section, f) for f in section_fields} if base_section is not None else {}
     section = entry.section_cls(**{**values, **options})
+    from_adamw = not isinstance(stock, MatrixOptimizersContainer.Config) and "lr" in shared
+    if from_adamw and "lr" not in shared_keys and getattr(section, "adjust_lr_fn", None) == "match_rms_adamw":
+        logger.info(
+            f"{name}: lr {muon_lr_from_adamw(shared['lr']):g} = {MUON_LR_PER_ADAMW_LR:g} × the stock AdamW lr "
+            f"{shared['lr']:g} (dtensor_muon.muon_lr_from_adamw; set lr to choose another)"
+        )
+        shared["lr"] = muon_lr_from_adamw(shared["lr"])
     return MatrixOptimizersContainer.Config(
         name=name,
         implementation=stock.implementation,

@@ -1,4 +1,20 @@
-"""Learning-rate transfer across global batch sizes: the square-root rule.
+"""Learning-rate transfer: from an AdamW recipe to Muon, and across global batch sizes.
+
+From AdamW to Muon. With ``adjust_lr_fn="match_rms_adamw"`` (each matrix's update scaled to RMS 0.2·γ, an
+AdamW update's) one lr γ serves the Muon matrices and the AdamW parameters (embeddings, head, norms). Measured
+on one H200 (``bench/lr_study.py``, docs/lr_study.md: a 4-layer MoE of 32 experts and a 4-layer dense model of
+dim 1024, 500 steps, held-out loss, lrs on half-decades), Muon's and NorMuon's best γ was 3e-3 on both models
+where AdamW's best was 3e-4 (the lowest lr of its grid), and Muon at 3e-3 ended 0.47 (MoE) and 0.26 (dense)
+nats below AdamW at 3e-4. At AdamW's own lr Muon trails AdamW (0.48 nats behind after 150 steps on a 4-layer
+Qwen3-30B-A3B in torchtitan); at 3.3× it is already ahead on both models. Hence
+
+    γ_Muon = :data:`MUON_LR_PER_ADAMW_LR` · γ_AdamW
+
+for the whole optimizer (both rules' parameters), the rule the shipped torchtitan configs follow. It is
+measured on models of 50–165 M parameters over 4 M tokens: at larger scales and longer runs the best ratio
+may be smaller (Moonlight trained at AdamW's lr), so sweep γ/3, γ and 3γ around it when you can.
+
+Across global batch sizes, the square-root rule.
 
 An lr tuned at a global batch of B_ref tokens (or sequences of one length) moves to a batch of B as
 
@@ -17,6 +33,18 @@ long as k and N stay fixed; it does not transfer an lr across a change of k or N
 from __future__ import annotations
 
 import math
+
+MUON_LR_PER_ADAMW_LR = 10.0
+"""The measured ratio of Muon's best lr (``adjust_lr_fn="match_rms_adamw"``) to AdamW's (module docstring)."""
+
+
+def muon_lr_from_adamw(adamw_lr: float) -> float:
+    """γ_Muon = :data:`MUON_LR_PER_ADAMW_LR`·γ_AdamW: the lr for Muon or NorMuon with
+    ``adjust_lr_fn="match_rms_adamw"`` (matrices and AdamW parameters alike) from an AdamW recipe's lr. Raises
+    ValueError for a negative or non-numeric lr."""
+    if isinstance(adamw_lr, bool) or not isinstance(adamw_lr, (int, float)) or adamw_lr < 0:
+        raise ValueError(f"muon_lr_from_adamw: adamw_lr must be a number >= 0, got {adamw_lr!r}")
+    return MUON_LR_PER_ADAMW_LR * adamw_lr
 
 
 def batch_scaled_lr(lr: float, batch_size: float, reference_batch_size: float) -> float:

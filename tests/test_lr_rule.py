@@ -1,0 +1,97 @@
+"""The AdamW-to-Muon learning-rate rule: its ratio is the one the GPU study measured, the shipped torchtitan 0.2
+configs carry it, and the study's MoE layer and curve reading are what they say."""
+
+import json
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from bench_modules import bench_module
+
+from dtensor_muon import MUON_LR_PER_ADAMW_LR, muon_lr_from_adamw
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TORCHTITAN_ADAMW_LR = {
+    "llama3_8b": 3e-4,  # torchtitan 0.2.2 models/llama3/train_configs/llama3_8b.toml
+    "llama3_8b_2layers_gpu": 3e-4,
+    "deepseek_v3_16b": 2.2e-4,  # models/deepseek_v3/train_configs/deepseek_v3_16b.toml
+    "deepseek_v3_16b_2layers_gpu": 2.2e-4,
+    "qwen3_30b_a3b_2layers_gpu": 3e-4,  # torchtitan 0.3's qwen3_moe_debug
+    "llama3_tiny": 8e-4,  # models/llama3/train_configs/debug_model.toml
+    "moe_tiny": 8e-4,  # models/deepseek_v3/train_configs/debug_model.toml
+}
+"""The AdamW lr of torchtitan's own config for the model of each shipped config."""
+
+
+def test_the_rule_is_the_studys_measured_ratio_on_both_models():
+    best = json.loads((ROOT / "bench" / "results" / "lr_study.json").read_text())["best"]
+    lrs = {(row["model"], row["optimizer"]): row["lr"] for row in best}
+    for model in ("moe", "dense"):
+        for optimizer in ("Muon", "NorMuon"):
+            assert math.isclose(lrs[(model, optimizer)] / lrs[(model, "AdamW")], MUON_LR_PER_ADAMW_LR), (
+                model,
+                optimizer,
+            )
+
+
+def test_muon_lr_from_adamw_scales_and_refuses_what_is_not_an_lr():
+    assert muon_lr_from_adamw(3e-4) == MUON_LR_PER_ADAMW_LR * 3e-4
+    for bad in (-1e-3, "3e-4", True, None):
+        with pytest.raises(ValueError, match="muon_lr_from_adamw: adamw_lr must be a number >= 0"):
+            muon_lr_from_adamw(bad)
+
+
+@pytest.mark.parametrize("name", sorted(TORCHTITAN_ADAMW_LR))
+def test_shipped_muon_configs_carry_the_rule(name):
+    config = tomllib.loads((ROOT / "train_configs" / f"{name}.toml").read_text())
+    assert config["optimizer"]["name"] == "Muon" and config["muon"]["adjust_lr_fn"] == "match_rms_adamw"
+    assert math.isclose(config["optimizer"]["lr"], muon_lr_from_adamw(TORCHTITAN_ADAMW_LR[name]), rel_tol=1e-12)
+
+
+def test_every_shipped_muon_config_is_checked():
+    shipped = {p.stem for p in (ROOT / "train_configs").glob("*.toml")}
+    muon = {
+        s
+        for s in shipped
+        if tomllib.loads((ROOT / "train_configs" / f"{s}.toml").read_text())["optimizer"]["name"] == "Muon"
+    }
+    assert muon == set(TORCHTITAN_ADAMW_LR)
+
+
+def test_the_studys_moe_layer_equals_a_per_token_sum_over_its_chosen_experts():
+    """With capacity for every token, the layer's output is Σ_k w_k·SwiGLU_{e_k}(x) per token, the k experts of
+    largest router probability and their renormalized weights (a loop written from the formula), in float64."""
+    study = bench_module("lr_study")
+    config = study.ModelConfig(dim=16, experts=4, expert_ffn=8, top_k=2, capacity_factor=2.0)
+    torch.manual_seed(0)
+    layer = study.MoE(config).double()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    got = layer(x)
+    tokens = x.reshape(-1, 16)
+    want = torch.zeros_like(tokens)
+    for t, token in enumerate(tokens):
+        probs = (layer.router.weight @ token).softmax(-1)
+        top = probs.topk(2)
+        for weight, e in zip(top.values / top.values.sum(), top.indices.tolist()):
+            w1, w3, w2 = (w[e] for w in (layer.experts.w1, layer.experts.w3, layer.experts.w2))
+            want[t] += weight * (w2 @ (F.silu(w1 @ token) * (w3 @ token)))
+    torch.testing.assert_close(got.reshape(-1, 16), want, rtol=1e-12, atol=1e-12)
+    share = torch.zeros(4, dtype=torch.float64)
+    probs = (tokens @ layer.router.weight.T).softmax(-1).detach()
+    for e in probs.topk(2).indices.flatten().tolist():
+        share[e] += 1 / (tokens.shape[0] * 2)
+    assert math.isclose(float(layer.balance.detach()), float(4 * (share * probs.mean(0)).sum()), rel_tol=1e-12)
+
+
+def test_steps_to_reach_interpolates_between_evaluations():
+    study = bench_module("lr_study")
+    curve = [[0, 8.0], [25, 4.0], [50, 3.0], [75, 2.5]]
+    assert study.steps_to_reach(curve, 3.5) == 37.5
+    assert study.steps_to_reach(curve, 2.5) == 75
+    assert study.steps_to_reach(curve, 2.0) is None
