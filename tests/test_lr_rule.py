@@ -30,12 +30,9 @@ TORCHTITAN_ADAMW_LR = {
 def test_the_rule_is_the_studys_measured_ratio_on_both_models():
     best = json.loads((ROOT / "bench" / "results" / "lr_study.json").read_text())["best"]
     lrs = {(row["model"], row["optimizer"]): row["lr"] for row in best}
-    for model in ("moe", "dense"):
-        for optimizer in ("Muon", "NorMuon"):
-            assert math.isclose(lrs[(model, optimizer)] / lrs[(model, "AdamW")], MUON_LR_PER_ADAMW_LR), (
-                model,
-                optimizer,
-            )
+    for model, optimizer in (("moe", "Muon"), ("dense", "Muon"), ("dense", "NorMuon")):  # the swept ones
+        ratio = lrs[(model, optimizer)] / lrs[(model, "AdamW")]
+        assert math.isclose(ratio, MUON_LR_PER_ADAMW_LR), (model, optimizer, ratio)
 
 
 def test_muon_lr_from_adamw_scales_and_refuses_what_is_not_an_lr():

@@ -3,10 +3,9 @@
 From AdamW to Muon. With ``adjust_lr_fn="match_rms_adamw"`` (each matrix's update scaled to RMS 0.2·γ, an
 AdamW update's) one lr γ serves the Muon matrices and the AdamW parameters (embeddings, head, norms). Measured
 on one H200 (``bench/lr_study.py``, docs/lr_study.md: a 4-layer MoE of 32 experts and a 4-layer dense model of
-dim 1024, 500 steps, held-out loss, lrs on half-decades), Muon's and NorMuon's best γ was 3e-3 on both models
-where AdamW's best was 3e-4 (the lowest lr of its grid), and Muon at 3e-3 ended 0.47 (MoE) and 0.26 (dense)
-nats below AdamW at 3e-4. At AdamW's own lr Muon trails AdamW (0.48 nats behind after 150 steps on a 4-layer
-Qwen3-30B-A3B in torchtitan); at 3.3× it is already ahead on both models. Hence
+dim 1024, 500 steps, held-out loss, lrs on half-decades), Muon's best γ was 3e-3 on both models (NorMuon's too
+on the dense one) where AdamW's best was 3e-4 (the lowest lr of its grid), and Muon at 3e-3 ended 0.47 (MoE)
+and 0.26 (dense) nats below AdamW at 3e-4; at 3.3× AdamW's lr Muon already beats AdamW on both. Hence
 
     γ_Muon = :data:`MUON_LR_PER_ADAMW_LR` · γ_AdamW
 
