@@ -230,6 +230,7 @@ def test_muon_from_a_stock_adamw_config_takes_ten_times_its_lr_and_an_lr_given_i
     assert matrix_optimizer_config(stock, "Muon", {"lr": 1e-3}).lr == 1e-3
     assert matrix_optimizer_config(stock, "Muon", {"adjust_lr_fn": "original"}).lr == 2.2e-4
     assert matrix_optimizer_config(stock, "SOAP").lr == 2.2e-4
+    assert matrix_optimizer_config(stock, "MOP").lr == 2.2e-4  # the study measured Muon and NorMuon
     converted = matrix_optimizer_config(stock, "Muon")
     assert matrix_optimizer_config(converted, "NorMuon").lr == converted.lr  # a Muon config is not converted again
 

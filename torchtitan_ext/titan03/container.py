@@ -257,8 +257,8 @@ def matrix_optimizer_config(
     base_section = getattr(stock, entry.section, None) if isinstance(stock, MatrixOptimizersContainer.Config) else None
     values = {f: getattr(base_section, f) for f in section_fields} if base_section is not None else {}
     section = entry.section_cls(**{**values, **options})
-    from_adamw = not isinstance(stock, MatrixOptimizersContainer.Config) and "lr" in shared
-    if from_adamw and "lr" not in shared_keys and getattr(section, "adjust_lr_fn", None) == "match_rms_adamw":
+    from_adamw = not isinstance(stock, MatrixOptimizersContainer.Config) and "lr" in shared and "lr" not in shared_keys
+    if from_adamw and name in ("Muon", "NorMuon") and section.adjust_lr_fn == "match_rms_adamw":
         logger.info(
             f"{name}: lr {muon_lr_from_adamw(shared['lr']):g} = {MUON_LR_PER_ADAMW_LR:g} × the stock AdamW lr "
             f"{shared['lr']:g} (dtensor_muon.muon_lr_from_adamw; set lr to choose another)"

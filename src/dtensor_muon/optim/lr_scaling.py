@@ -10,7 +10,7 @@ and 0.26 (dense) nats below AdamW at 3e-4; at 3.3× AdamW's lr Muon already beat
     γ_Muon = :data:`MUON_LR_PER_ADAMW_LR` · γ_AdamW
 
 for the whole optimizer (both rules' parameters), the rule the shipped torchtitan configs follow. It is
-measured on models of 50–165 M parameters over 4 M tokens: at larger scales and longer runs the best ratio
+measured on models of 50–166 M parameters over 4 M tokens: at larger scales and longer runs the best ratio
 may be smaller (Moonlight trained at AdamW's lr), so sweep γ/3, γ and 3γ around it when you can.
 
 Across global batch sizes, the square-root rule.
