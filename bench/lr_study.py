@@ -34,7 +34,8 @@ AdamW at the same lr; weight decay 0.1; AdamW's β = (0.9, 0.95), ε = 1e-8 ever
 Phases: ``sweep`` (seed 0, every optimizer at lr 3e-4, 1e-3, 3e-3, 1e-2: half-decades), ``seeds`` (seeds 1
 and 2 at each optimizer's best sweep lr), ``extras`` (on the MoE at Muon's best lr: the router on AdamW and
 the momentum formats, 3 seeds; the global batch doubled with the same lr and with ``batch_scaled_lr``'s
-lr·√2, 1 seed). Each run writes ``<results>/<name>.json`` as it ends, and a run whose file exists is not run
+lr·√2, 1 seed); ``list:moe/Muon/0.001/0,dense/AdamW/0.0003/1/32,...`` names runs one by one (model,
+optimizer, lr, seed, and optionally the batch). Each run writes ``<results>/<name>.json`` as it ends, and a run whose file exists is not run
 again, so a phase can continue in a later call. ``--deadline-s`` stops starting runs that would not end in
 time. ``report`` reads the files: per model and optimizer the best lr, the final validation loss over the
 seeds (mean and spread), and the steps to reach AdamW's final validation loss (the fraction of AdamW's
@@ -51,6 +52,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
@@ -272,6 +274,9 @@ class Transformer(nn.Module):
 
 @dataclass(frozen=True)
 class Run:
+    """One training run: a model of :data:`MODELS`, an optimizer (:data:`OPTIMIZERS` or :data:`VARIANTS`), its lr,
+    the seed of the initialization, the batch in sequences, the steps, and the phase that asked for it."""
+
     model: str
     optimizer: str
     lr: float
@@ -307,7 +312,7 @@ def build_optimizer(run: Run, model: Transformer, device: torch.device) -> torch
     return front(model.named_parameters(), **options)
 
 
-def schedule(steps: int, warmup: int) -> callable:
+def schedule(steps: int, warmup: int) -> Callable[[int], float]:
     """Linear warm-up over ``warmup`` steps, then cosine from 1 to 0.1."""
 
     def factor(step: int) -> float:
@@ -398,6 +403,7 @@ def _worker(run: Run, quick: bool, deadline: float, min_run_s: float, results: s
 
 
 def load(results: Path) -> list[dict]:
+    """Every run record written under ``results``."""
     return [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
 
 
