@@ -324,12 +324,20 @@ def schedule(steps: int, warmup: int) -> Callable[[int], float]:
     return factor
 
 
-def train(run: Run, quick: bool = False, deadline: float = math.inf) -> dict | None:
-    """Train one run; its record (curves, final losses, time), or None when the deadline came first."""
+def train(
+    run: Run,
+    quick: bool = False,
+    deadline: float = math.inf,
+    config: ModelConfig | None = None,
+    after_step: Callable[[torch.optim.Optimizer], None] | None = None,
+) -> dict | None:
+    """Train one run; its record (curves, final losses, time), or None when the deadline came first. ``config``
+    replaces the model's (:data:`MODELS`, :data:`QUICK_MODELS` with ``quick``); ``after_step`` is called with
+    the optimizer after each step (other benches use it to probe the optimizer's state)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(2)
     data = torch.load(TOKENS)
-    c = replace((QUICK_MODELS if quick else MODELS)[run.model], vocab=int(data["vocab"]))
+    c = replace(config or (QUICK_MODELS if quick else MODELS)[run.model], vocab=int(data["vocab"]))
     train_stream, val_stream = data["train"].to(device), data["val"].to(device)
     torch.manual_seed(run.seed)
     model = Transformer(c)
@@ -360,6 +368,8 @@ def train(run: Run, quick: bool = False, deadline: float = math.inf) -> dict | N
         total.backward()
         nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         opt.step()
+        if after_step is not None:
+            after_step(opt)
         sched.step()
         opt.zero_grad(set_to_none=True)
         train_curve.append(loss.detach())
