@@ -4,7 +4,7 @@ each gets, against AdamW, measured on held-out text.
     python -m torchtitan_ext.data                 # once: the offline corpus and tokenizer under data/stdlib
     python bench/lr_study.py tokens               # once: tokenize it into data/stdlib/tokens.pt (train / held-out)
     python bench/lr_study.py run --phases sweep seeds extras [--workers 6] [--deadline-s 560]
-    python bench/lr_study.py report               # tables, bench/results/lr_study.json, docs/lr_study_*.png
+    python bench/lr_study.py report               # tables, bench/results/lr_study.json, docs/figures/lr_study_*.png
     python bench/lr_study.py run --quick          # CPU smoke run: tiny models, 6 steps, one lr
 
 Two models, trained in one process each (no torch.distributed: the optimizers' results equal every world
