@@ -17,27 +17,23 @@ the defaults take more than half an hour on 2 CPU cores (a GPU runs them in minu
 
 from __future__ import annotations
 
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
-
 from common import benchmark_parser, markdown_table, write_result
-from lr_study import ModelConfig, Run, train
+from lr_study import QUICK_MODELS, ModelConfig, Run, in_processes, train
 
 import dtensor_muon
 
 CPU_MOE = ModelConfig(dim=128, layers=2, heads=4, kv_heads=2, experts=8, expert_ffn=48, top_k=2, seq=128)
-TINY_MOE = ModelConfig(dim=32, layers=1, heads=2, kv_heads=1, experts=4, expert_ffn=16, top_k=2, seq=32)
 
 
 def one_run(lr: float, seed: int, batch: int, steps: int, quick: bool) -> dict:
-    record = train(Run("moe", "Muon", lr, seed, batch=batch, steps=steps), config=TINY_MOE if quick else CPU_MOE)
+    record = train(
+        Run("moe", "Muon", lr, seed, batch=batch, steps=steps), config=QUICK_MODELS["moe"] if quick else CPU_MOE
+    )
     return {"lr": lr, "seed": seed, "batch": batch, "final_val": record["final_val"], "val": record["val"]}
 
 
 def run_all(jobs: list[tuple[float, int, int]], args) -> list[dict]:
-    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(one_run, lr, seed, batch, args.steps, args.quick) for lr, seed, batch in jobs]
-        return [f.result() for f in futures]
+    return in_processes(one_run, [(lr, seed, batch, args.steps, args.quick) for lr, seed, batch in jobs], args.workers)
 
 
 def main() -> None:

@@ -57,11 +57,13 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+R = TypeVar("R")
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "stdlib"
 TOKENS = DATA / "tokens.pt"
@@ -389,6 +391,12 @@ def train(
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
+
+
+def in_processes(fn: Callable[..., R], jobs: list[tuple], workers: int) -> list[R]:
+    """``fn(*job)`` for every job, in ``workers`` spawned processes (each its own CUDA context), in job order."""
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        return [f.result() for f in [pool.submit(fn, *job) for job in jobs]]
 
 
 def _worker(run: Run, quick: bool, deadline: float, min_run_s: float, results: str) -> tuple[str, float | None, float]:

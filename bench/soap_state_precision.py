@@ -26,13 +26,11 @@ bench/results/soap_state_precision.json (rows and curves).
 from __future__ import annotations
 
 import statistics
-from concurrent.futures import ProcessPoolExecutor
 from functools import partial
-from multiprocessing import get_context
 
 import torch
 from common import benchmark_parser, markdown_table, write_result
-from lr_study import ModelConfig, Run, train
+from lr_study import QUICK_MODELS, ModelConfig, Run, in_processes, train
 
 CPU_MODEL = ModelConfig(dim=128, layers=2, heads=4, kv_heads=2, ffn=352, seq=128)
 PARTS = {
@@ -58,7 +56,7 @@ def one_run(variant: str, seed: int, steps: int, lr: float, quick: bool) -> dict
     optimizer = "Muon" if variant == "Muon" else "SOAP"
     run = Run("dense", optimizer, lr, seed, batch=8, steps=steps, phase="soap_state_precision")
     hook = partial(round_owner_state, PARTS[variant]) if PARTS.get(variant) else None
-    config = ModelConfig(dim=32, layers=1, heads=2, kv_heads=1, ffn=64, seq=32) if quick else CPU_MODEL
+    config = QUICK_MODELS["dense"] if quick else CPU_MODEL
     record = train(run, config=config, after_step=hook)
     return {"variant": variant, "seed": seed, "final_val": record["final_val"], "val": record["val"]}
 
@@ -74,8 +72,7 @@ def main() -> None:
         args.steps, args.seeds = 6, [0]
     variants = [*PARTS, "Muon"]
     jobs = [(v, s) for s in args.seeds for v in variants]
-    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
-        records = list(pool.map(one_run, *zip(*jobs), *([x] * len(jobs) for x in (args.steps, args.lr, args.quick))))
+    records = in_processes(one_run, [(v, s, args.steps, args.lr, args.quick) for v, s in jobs], args.workers)
     final = {(r["variant"], r["seed"]): r["final_val"] for r in records}
     rows = []
     for v in variants:
