@@ -197,7 +197,11 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Top-k softmax routing (weights renormalized over the k chosen), tokens sent to their experts in slots of
     capacity ⌈factor·T·k/E⌉ (a token past its expert's capacity is dropped from that expert), and the balance
-    loss E·Σᵢ fᵢ·Pᵢ (fᵢ: the share of routed slots, Pᵢ: the mean router probability of expert i)."""
+    loss E·Σᵢ fᵢ·Pᵢ (fᵢ: the share of routed slots, Pᵢ: the mean router probability of expert i).
+
+    No step waits for the device: a dropped choice is sent to one spare slot past the experts' and reads a zero
+    row back, instead of being removed by a boolean mask (which copies its count to the host). Positions are
+    integers, so the layer computes what the masked form did."""
 
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
@@ -215,16 +219,19 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(c.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         flat = chosen.reshape(-1)
-        onehot = F.one_hot(flat, c.experts)
-        position = (onehot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
+        # [experts, choices]: the running count along the inner dimension (a scan along the outer one, with
+        # a column per expert, took half of a step's device time)
+        onehot = torch.zeros(c.experts, flat.numel(), dtype=torch.int32, device=x.device)
+        onehot.scatter_(0, flat[None], 1)
+        position = (onehot.cumsum(1) - 1).gather(0, flat[None]).squeeze(0)
         capacity = math.ceil(c.capacity_factor * tokens * c.top_k / c.experts)
-        kept = position < capacity
-        slot = (flat * capacity + position)[kept]
-        source = torch.arange(tokens, device=x.device).repeat_interleave(c.top_k)[kept]
-        slots = x.new_zeros(c.experts * capacity, c.dim).index_copy(0, slot, x[source])
-        out = self.experts(slots.view(c.experts, capacity, c.dim)).reshape(-1, c.dim)[slot]
-        out = out * weights.reshape(-1)[kept, None].to(out.dtype)
-        share = onehot.sum(0).to(probs.dtype) / flat.numel()
+        spare = c.experts * capacity
+        slot = torch.where(position < capacity, flat * capacity + position, spare)
+        source = torch.arange(tokens, device=x.device).repeat_interleave(c.top_k)
+        slots = x.new_zeros(spare + 1, c.dim).index_copy(0, slot, x[source])
+        out = self.experts(slots[:spare].view(c.experts, capacity, c.dim)).reshape(-1, c.dim)
+        out = torch.cat((out, out.new_zeros(1, c.dim)))[slot] * weights.reshape(-1, 1).to(out.dtype)
+        share = onehot.sum(1).to(probs.dtype) / flat.numel()
         self.balance = c.experts * (share * probs.mean(0)).sum()
         return x.new_zeros(tokens, c.dim).index_add(0, source, out.to(x.dtype)).view(shape)
 

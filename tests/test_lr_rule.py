@@ -86,6 +86,33 @@ def test_the_studys_moe_layer_equals_a_per_token_sum_over_its_chosen_experts():
     assert math.isclose(float(layer.balance.detach()), float(4 * (share * probs.mean(0)).sum()), rel_tol=1e-12)
 
 
+def test_the_studys_moe_layer_drops_the_choices_past_an_experts_capacity():
+    """With capacity ⌈0.5·T·k/E⌉ = 3 of 20 choices over 4 experts, a token's choice reaches its expert only if
+    fewer than 3 earlier choices (token order, then rank among the token's k) went there; a dropped choice adds
+    nothing (a loop written from that rule, float64)."""
+    study = bench_module("lr_study")
+    config = study.ModelConfig(dim=16, experts=4, expert_ffn=8, top_k=2, capacity_factor=0.5)
+    torch.manual_seed(1)
+    layer = study.MoE(config).double()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    got = layer(x).reshape(-1, 16)
+    tokens = x.reshape(-1, 16)
+    want, used, dropped = torch.zeros_like(tokens), [0] * 4, 0
+    for t, token in enumerate(tokens):
+        top = (layer.router.weight @ token).softmax(-1).topk(2)
+        for weight, e in zip(top.values / top.values.sum(), top.indices.tolist()):
+            used[e] += 1
+            if used[e] > 3:
+                dropped += 1
+                continue
+            w1, w3, w2 = (w[e] for w in (layer.experts.w1, layer.experts.w3, layer.experts.w2))
+            want[t] += weight * (w2 @ (F.silu(w1 @ token) * (w3 @ token)))
+    assert dropped > 0  # the case exercises the drop
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_steps_to_reach_interpolates_between_evaluations():
     study = bench_module("lr_study")
     curve = [[0, 8.0], [25, 4.0], [50, 3.0], [75, 2.5]]
