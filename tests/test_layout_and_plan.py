@@ -82,3 +82,27 @@ def test_digest_changes_with_names():
     a = build_plan([fsdp_layout("a", (8, 8), 2)], [0], 1 << 20, 2)
     b = build_plan([fsdp_layout("b", (8, 8), 2)], [0], 1 << 20, 2)
     assert a.digest != b.digest
+
+
+@pytest.mark.parametrize(
+    "experts, options, size",
+    [
+        (128, {}, 8),  # the engine's sizes: min(MAX_BATCH = 8, 128 / 8)
+        (32, {}, 4),  # 32 / UNITS_PER_PARAMETER = 4
+        (3, {}, 1),
+        (128, {"max_batch": 64}, 16),  # 128 / 8: still eight units
+        (128, {"max_batch": 64, "units_per_parameter": 2}, 64),
+        (128, {"max_batch": 24, "units_per_parameter": 1}, 16),  # a power of two
+    ],
+)
+def test_unit_sizes_follow_the_largest_power_of_two_within_both_limits(experts, options, size):
+    layout = fsdp_layout("experts", (experts, 8, 16), 2)
+    plan = build_plan([layout], [0], 1 << 30, 2, **options)
+    sizes = [len(unit.members) for unit in plan.units]
+    assert sizes == [size] * (experts // size) + ([experts % size] if experts % size else [])
+
+
+@pytest.mark.parametrize("option", ["max_batch", "units_per_parameter"])
+def test_a_unit_size_limit_below_one_is_refused_by_name(option):
+    with pytest.raises(ValueError, match=f"{option} must be an int >= 1, got 0"):
+        build_plan([fsdp_layout("experts", (8, 8, 16), 2)], [0], 1 << 30, 2, **{option: 0})

@@ -35,10 +35,20 @@ def _holder_boxes(spec: MatrixSpec, boxes: torch.Tensor) -> list[tuple[int, Box]
     return out
 
 
-def group_units(specs: Sequence[MatrixSpec], batchable: set[int]) -> list[list[int]]:
+def group_units(
+    specs: Sequence[MatrixSpec],
+    batchable: set[int],
+    *,
+    max_batch: int = MAX_BATCH,
+    units_per_parameter: int = UNITS_PER_PARAMETER,
+) -> list[list[int]]:
     """Indices of ``specs`` (in parameter order) grouped into units (see the module docstring), in order;
-    only the matrices of parameters in ``batchable`` are stacked. The parts of one grouped-split matrix
-    (consecutive specs) are one unit of their own: one matrix, never a batch."""
+    only the matrices of parameters in ``batchable`` are stacked, n matrices of one shape in units of the
+    largest power of two ≤ min(``max_batch``, n / ``units_per_parameter``). The parts of one grouped-split
+    matrix (consecutive specs) are one unit of their own: one matrix, never a batch."""
+    for label, value in (("max_batch", max_batch), ("units_per_parameter", units_per_parameter)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"group_units: {label} must be an int >= 1, got {value!r}")
     count: dict[tuple[int, tuple[int, int]], int] = {}
     for spec in specs:
         if spec.parts == 1 and spec.param_index in batchable and batching_pays(spec.shape):
@@ -54,7 +64,7 @@ def group_units(specs: Sequence[MatrixSpec], batchable: set[int]) -> list[list[i
             continue
         key = (spec.param_index, spec.shape)
         size = 1
-        while key in count and size * 2 <= min(MAX_BATCH, count[key] // UNITS_PER_PARAMETER):
+        while key in count and size * 2 <= min(max_batch, count[key] // units_per_parameter):
             size *= 2
         group = open_groups.get(key)
         if group is None or len(group) == size:
@@ -75,6 +85,8 @@ def build_plan(
     cost_fn: Callable[[int, tuple[int, int]], tuple[int, ...]] | None = None,
     gather_all: bool = False,
     tensor_parallel: Sequence[tuple[str, TensorParallelLayout] | None] | None = None,
+    max_batch: int = MAX_BATCH,
+    units_per_parameter: int = UNITS_PER_PARAMETER,
 ) -> Plan:
     """Plan the matrices of ``layouts`` (all on one mesh of the same world size).
 
@@ -86,7 +98,8 @@ def build_plan(
     ``gather_all``: units that are not local are computed on every rank. ``tensor_parallel[k]``: (``tp_mode``: "duplicated", "distributed" or
     "auto"; TP layout) to compute parameter k's units on one TP group where :func:`tensor_parallel_mode` says
     so, the group chosen per unit by least busiest-member load, before the owned units are balanced around
-    them.
+    them. ``max_batch`` and ``units_per_parameter``: the unit sizes (:func:`group_units`; the engine plans with
+    the defaults, other values are for the simulator's studies).
     """
     world = layouts[0].world_size if layouts else 1
     splits = list(splits) if splits is not None else [None] * len(layouts)
@@ -110,7 +123,8 @@ def build_plan(
             costs.append(flops)
             shared.append(fixed)
             state_bytes.append(nbytes)
-    groups = group_units(specs, {index for index, ok in zip(param_indices, batchable) if ok})
+    batching = {index for index, ok in zip(param_indices, batchable) if ok}
+    groups = group_units(specs, batching, max_batch=max_batch, units_per_parameter=units_per_parameter)
     for group in groups:  # a unit's shared cost once, spread over its members
         fixed = max(shared[i] for i in group)
         for position, i in enumerate(group):

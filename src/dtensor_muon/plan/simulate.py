@@ -44,8 +44,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..distributed.layout import ParamLayout, TensorParallelLayout, chunk_range, layout_boxes, tensor_parallel_layout
+from ..kernels.batching import MAX_BATCH
 from ..kernels.low_precision import MOMENTUM_DTYPES
-from .builder import build_plan
+from .builder import UNITS_PER_PARAMETER, build_plan
 from .memory import MemoryPeak, MeshPlan, OptimizerMemory, memory_per_rank, peak
 from .model import Plan
 from .placement import TensorParallelGroup
@@ -187,9 +188,12 @@ def plan_model(
     tp: int = 1,
     ep: int = 1,
     tp_mode: str = "owned",
+    max_batch: int = MAX_BATCH,
+    units_per_parameter: int = UNITS_PER_PARAMETER,
 ) -> tuple[list[MeshPlan], list[ParamLayout]]:
     """The plans of the matrix-rule parameters of ``params`` (one per mesh, see the module docstring) and the
-    layouts of the AdamW parameters, at world size ``world``."""
+    layouts of the AdamW parameters, at world size ``world``, in units of :func:`..builder.group_units`'s
+    ``max_batch`` and ``units_per_parameter``."""
     if world % tp or world % ep:
         raise ValueError(f"world size {world} is not a multiple of --tp {tp} and --ep {ep}")
     dense_mesh = (world // tp, tp) if tp > 1 else (world,)
@@ -219,6 +223,8 @@ def plan_model(
             batchable=[batchable] * len(members),
             cost_fn=cost_fn,
             tensor_parallel=[choice for _, choice in members],
+            max_batch=max_batch,
+            units_per_parameter=units_per_parameter,
         )
         meshes.append(MeshPlan(plan, dict(enumerate(layouts))))
     return meshes, adamw
@@ -329,11 +335,14 @@ def simulate(
     optimizer: str = "muon",
     momentum_dtype: str = "float32",
     cuda_graphs: bool = True,
+    max_batch: int = MAX_BATCH,
+    units_per_parameter: int = UNITS_PER_PARAMETER,
 ) -> list[Summary]:
     """Plan ``model`` for ``optimizer`` at each world size with tensor-parallel degree ``tp``, expert-parallel
     degree ``ep`` and the dense matrices' ``tp_mode`` (owned, duplicated, distributed or auto), and model its
     memory with the momentum buffer in ``momentum_dtype``; ``wire_bytes`` None: the optimizer's default wire
-    dtype. See the module docstring."""
+    dtype; ``max_batch``, ``units_per_parameter``: the unit sizes (:func:`..builder.group_units`). See the module
+    docstring."""
     rule, group, default_wire = optimizer_rule(optimizer, ns_steps)
     wire = default_wire if wire_bytes is None else wire_bytes
     spec = OptimizerMemory.from_rule(rule, group, wire, momentum_dtype=momentum_dtype, cuda_graphs=cuda_graphs)
@@ -351,6 +360,8 @@ def simulate(
             tp=tp,
             ep=ep,
             tp_mode=tp_mode,
+            max_batch=max_batch,
+            units_per_parameter=units_per_parameter,
         )
         seconds = time.perf_counter() - start
         memory = peak(memory_per_rank(meshes, adamw, spec, world))
@@ -438,8 +449,20 @@ def main(argv: list[str] | None = None) -> None:
         choices=("owned", "duplicated", "distributed", "auto"),
         help="how the TP-sharded matrices are computed (Muon's tp_mode)",
     )
+    parser.add_argument(
+        "--max-batch", type=int, default=MAX_BATCH, help="most matrices in one unit (the engine plans with the default)"
+    )
+    parser.add_argument(
+        "--units-per-parameter",
+        type=int,
+        default=UNITS_PER_PARAMETER,
+        help="fewest units a parameter's batchable matrices form (the engine plans with the default)",
+    )
     parser.add_argument("--json", help="also write the rows (memory in bytes) to this JSON file")
     args = parser.parse_args(argv)
+    for label, value in (("--max-batch", args.max_batch), ("--units-per-parameter", args.units_per_parameter)):
+        if value < 1:
+            parser.error(f"{label} must be >= 1, got {value}")
     for size in args.world_size:
         if size < 1:
             parser.error(f"--world-size must be >= 1, got {size}")
@@ -462,6 +485,8 @@ def main(argv: list[str] | None = None) -> None:
             optimizer=args.optimizer,
             momentum_dtype=args.momentum_dtype,
             cuda_graphs=not args.no_cuda_graphs,
+            max_batch=args.max_batch,
+            units_per_parameter=args.units_per_parameter,
         )
     ]
     print(format_table(rows))
