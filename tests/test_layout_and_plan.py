@@ -106,3 +106,16 @@ def test_unit_sizes_follow_the_largest_power_of_two_within_both_limits(experts, 
 def test_a_unit_size_limit_below_one_is_refused_by_name(option):
     with pytest.raises(ValueError, match=f"{option} must be an int >= 1, got 0"):
         build_plan([fsdp_layout("experts", (8, 8, 16), 2)], [0], 1 << 30, 2, **{option: 0})
+
+
+def test_a_plan_balances_the_sum_with_the_loads_of_earlier_plans():
+    """Two 64×64 matrices sharded over 2 ranks, each costing c: alone one goes to each rank; after an earlier
+    plan that left rank 0 with 3c, both go to rank 1 (sums 3c and 2c), and rank_flops counts this plan's own."""
+    world = 2
+    layouts = [fsdp_layout(f"w{i}", (64, 64), world) for i in range(2)]
+    c = ns_iteration_flops((64, 64))
+    assert build_plan(layouts, [0, 1], 1 << 30, 2).rank_flops == [c, c]
+    after = build_plan(layouts, [0, 1], 1 << 30, 2, base_load=[3 * c, 0])
+    assert after.rank_flops == [0, 2 * c]
+    with pytest.raises(ValueError, match="base_load: expected 2 entries"):
+        build_plan(layouts, [0, 1], 1 << 30, 2, base_load=[0])

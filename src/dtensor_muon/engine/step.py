@@ -175,7 +175,9 @@ class Engine:
     # ------------------------------------------------------------------ plans
     def rebuild_plans(self) -> None:
         """(Re)build one plan per mesh and check that every rank of the mesh has the same options, parameters
-        and hyperparameters (:mod:`..distributed.consensus`) and built the same plan."""
+        and hyperparameters (:mod:`..distributed.consensus`) and built the same plan. Meshes over the same set
+        of ranks are planned in :func:`_mesh_order`, each given the loads of the ones before (the plan
+        package's docstring)."""
         self._build_consensus_groups()
         for group in self.consensus_groups:
             consensus.check_same_everywhere(
@@ -192,9 +194,14 @@ class Engine:
             if e.use_muon:
                 by_mesh[_mesh_key(e.param)].append(e)
         self.meshes = []
+        # per set of global ranks, the FLOPs each computes in the plans built so far over exactly that set
+        # (torchtitan's dense and expert meshes of one model): each next plan there balances the sum
+        loads: dict[frozenset[int], dict[int, int]] = {}
         for key, entries in sorted(by_mesh.items(), key=lambda kv: _mesh_order(kv[0])):
             wire = self._wire_dtype(entries)
             mesh = entries[0].param.device_mesh if key is not None else None
+            ranks = mesh.mesh.flatten().tolist() if mesh is not None else []
+            earlier = loads.setdefault(frozenset(ranks), {})
 
             def cost(k: int, shape: tuple[int, int], entries: list[Entry] = entries) -> tuple[int, int, int]:
                 return self.rule.cost(entries[k].group, shape).plan_entry()
@@ -209,7 +216,10 @@ class Engine:
                 cost_fn=cost,
                 gather_all=self.exchange == "gather_all" and mesh is not None,
                 tensor_parallel=[self._tensor_parallel(e) for e in entries],
+                base_load=[earlier.get(r, 0) for r in ranks] if earlier else None,
             )
+            for r, flops in zip(ranks, plan.rank_flops):
+                earlier[r] = earlier.get(r, 0) + flops
             comm = mesh_group(mesh, entries[0].layout.mesh_rank)
             _check_same_plan_everywhere(plan, comm, local(entries[0].param).device)
             self.meshes.append(MeshWork(mesh, entries, plan, comm, wire, plan.fully_local_params()))

@@ -16,6 +16,10 @@ them on a tensor-parallel group get a :class:`~.placement.TensorParallelGroup`, 
 member is least loaded (:func:`tensor_parallel_mode` says which form each matrix takes). Buckets group the
 owned units in parameter (forward-execution) order up to a byte budget. The plan is a pure function of names, shapes, boxes, options and world size, so
 every rank builds the same one; its digest is compared across ranks.
+
+An optimizer builds one plan per device mesh. Meshes over the same ranks (torchtitan's dense mesh and its
+(dp, ep) expert mesh) are planned in a fixed order, each given the per-rank load of the plans before it
+(``build_plan(base_load=...)``), so that owners and tensor-parallel groups balance the ranks' total work.
 """
 
 from .balance import assign_owners, lower_bound, simple_lower_bound

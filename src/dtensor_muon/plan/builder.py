@@ -87,6 +87,7 @@ def build_plan(
     tensor_parallel: Sequence[tuple[str, TensorParallelLayout] | None] | None = None,
     max_batch: int = MAX_BATCH,
     units_per_parameter: int = UNITS_PER_PARAMETER,
+    base_load: Sequence[int] | None = None,
 ) -> Plan:
     """Plan the matrices of ``layouts`` (all on one mesh of the same world size).
 
@@ -99,7 +100,9 @@ def build_plan(
     "auto"; TP layout) to compute parameter k's units on one TP group where :func:`tensor_parallel_mode` says
     so, the group chosen per unit by least busiest-member load, before the owned units are balanced around
     them. ``max_batch`` and ``units_per_parameter``: the unit sizes (:func:`group_units`; the engine plans with
-    the defaults, other values are for the simulator's studies).
+    the defaults, other values are for the simulator's studies). ``base_load[r]``: FLOPs that mesh rank r
+    already computes in plans of other meshes over the same ranks; the TP groups and owners balance the sum,
+    and the plan's ``rank_flops`` count its own units only.
     """
     world = layouts[0].world_size if layouts else 1
     splits = list(splits) if splits is not None else [None] * len(layouts)
@@ -132,7 +135,10 @@ def build_plan(
 
     box_tensors = {i: torch.tensor(layout.boxes, dtype=torch.int64) for i, layout in zip(param_indices, layouts)}
     holders = [_holder_boxes(s, box_tensors[s.param_index]) for s in specs]
-    load = [0] * world
+    if base_load is not None and len(base_load) != world:
+        raise ValueError(f"base_load: expected {world} entries (one per rank of the mesh), got {len(base_load)}")
+    base = list(base_load) if base_load is not None else [0] * world
+    load = list(base)  # the balance is of the sum; the plan's own share is load − base
     unit_local: list[bool] = []
     for group in groups:
         ranks = {rank for rank, _ in holders[group[0]]}
@@ -266,7 +272,8 @@ def build_plan(
     )
     tp_buckets = [[i for u in chunk for i in u.members] for chunk in tp_chunks]
 
-    plan = Plan(world, routes, units, buckets, load, sent, received, rank_state, tp_buckets)
+    own = [total - earlier for total, earlier in zip(load, base)]
+    plan = Plan(world, routes, units, buckets, own, sent, received, rank_state, tp_buckets)
     plan.digest = _digest(plan)
     return plan
 

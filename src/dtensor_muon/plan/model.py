@@ -183,3 +183,16 @@ class Plan:
     def units_placed(self, kind: type) -> list[int]:
         """Indices of the units whose placement is of type ``kind``."""
         return [i for i, u in enumerate(self.units) if isinstance(u.placement, kind)]
+
+
+def combined_lower_bounds(plans: list[Plan]) -> tuple[float, float]:
+    """(:func:`.balance.lower_bound`, :func:`.balance.simple_lower_bound`) of the busiest rank's load summed over
+    ``plans`` (plans over the same ranks, in one rank order): their pinned loads added per rank, their owned
+    units pooled, as if one plan had placed them all."""
+    world = plans[0].world_size
+    pinned, owned = [0] * world, []
+    for plan in plans:
+        plan_pinned, plan_owned = plan._pinned_and_owned()
+        pinned = [a + b for a, b in zip(pinned, plan_pinned)]
+        owned += plan_owned
+    return lower_bound(owned, pinned, world), simple_lower_bound(owned, pinned, world)

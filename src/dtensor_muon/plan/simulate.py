@@ -48,7 +48,7 @@ from ..kernels.batching import MAX_BATCH
 from ..kernels.low_precision import MOMENTUM_DTYPES
 from .builder import UNITS_PER_PARAMETER, build_plan
 from .memory import MemoryPeak, MeshPlan, OptimizerMemory, memory_per_rank, peak
-from .model import Plan
+from .model import Plan, combined_lower_bounds
 from .placement import TensorParallelGroup
 from .routing import uses_muon
 
@@ -213,6 +213,7 @@ def plan_model(
                 choice = (tp_mode, tensor_parallel_layout(shape, mesh_shape, 1, dim))
         groups.setdefault(mesh_shape, []).append((mesh_layout(name, shape, mesh_shape, placements), choice))
     meshes = []
+    load = [0] * world  # every mesh here spans all ranks: each plan balances the sum with the earlier ones
     for members in groups.values():
         layouts = [layout for layout, _ in members]
         plan = build_plan(
@@ -225,7 +226,9 @@ def plan_model(
             tensor_parallel=[choice for _, choice in members],
             max_batch=max_batch,
             units_per_parameter=units_per_parameter,
+            base_load=load,
         )
+        load = [a + b for a, b in zip(load, plan.rank_flops)]
         meshes.append(MeshPlan(plan, dict(enumerate(layouts))))
     return meshes, adamw
 
@@ -285,15 +288,14 @@ def summarize_plans(
     optimizer: str = "muon",
     momentum_dtype: str = "float32",
 ) -> Summary:
-    """One row for the plans of one configuration; the bounds are the plans' bounds added (each plan's
-    busiest rank may be a different rank, so the sum bounds the combined busiest rank from below)."""
+    """One row for the plans of one configuration (plans over the same ranks, each balanced with the loads
+    of the ones before: :func:`plan_model`); the bounds are of all their units placed as one plan."""
     flops = _add([plan.rank_flops for plan in plans])
     gflop = [f / 1e9 for f in flops]
     sent_max = max(_add([plan.rank_bytes_sent for plan in plans]))
     received_max = max(_add([plan.rank_bytes_received for plan in plans]))
     mean = sum(flops) / len(flops)
-    bound = max(sum(plan.lower_bound for plan in plans), mean)
-    simple = max(sum(plan.simple_lower_bound for plan in plans), mean)
+    bound, simple = combined_lower_bounds(plans)
     return Summary(
         model=model,
         world_size=plans[0].world_size,
