@@ -59,25 +59,42 @@ def test_every_shipped_muon_config_is_checked():
     assert muon == set(TORCHTITAN_ADAMW_LR)
 
 
-def test_the_studys_moe_layer_equals_a_per_token_sum_over_its_chosen_experts():
-    """With capacity for every token, the layer's output is Σ_k w_k·SwiGLU_{e_k}(x) per token, the k experts of
-    largest router probability and their renormalized weights (a loop written from the formula), in float64."""
+def float64_moe(capacity_factor: float, seed: int):
+    """The study's MoE layer (dim 16, 4 experts of width 8, top 2) in float64 with N(0, 0.3) weights, and an input
+    of 2 × 5 tokens."""
     study = bench_module("lr_study")
-    config = study.ModelConfig(dim=16, experts=4, expert_ffn=8, top_k=2, capacity_factor=2.0)
-    torch.manual_seed(0)
+    config = study.ModelConfig(dim=16, experts=4, expert_ffn=8, top_k=2, capacity_factor=capacity_factor)
+    torch.manual_seed(seed)
     layer = study.MoE(config).double()
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    x = torch.randn(2, 5, 16, dtype=torch.float64)
-    got = layer(x)
-    tokens = x.reshape(-1, 16)
-    want = torch.zeros_like(tokens)
+    return layer, torch.randn(2, 5, 16, dtype=torch.float64)
+
+
+def moe_by_token(layer, tokens: torch.Tensor, capacity: int | None = None) -> tuple[torch.Tensor, int]:
+    """Σ_k w_k·SwiGLU_{e_k}(x) per token over its 2 experts of largest router probability (weights renormalized),
+    a choice dropped when ``capacity`` earlier choices (token order, then rank among the token's k) already went
+    to its expert; and the number dropped. A loop written from the formula."""
+    want, used, dropped = torch.zeros_like(tokens), [0] * 4, 0
     for t, token in enumerate(tokens):
-        probs = (layer.router.weight @ token).softmax(-1)
-        top = probs.topk(2)
+        top = (layer.router.weight @ token).softmax(-1).topk(2)
         for weight, e in zip(top.values / top.values.sum(), top.indices.tolist()):
+            used[e] += 1
+            if capacity is not None and used[e] > capacity:
+                dropped += 1
+                continue
             w1, w3, w2 = (w[e] for w in (layer.experts.w1, layer.experts.w3, layer.experts.w2))
             want[t] += weight * (w2 @ (F.silu(w1 @ token) * (w3 @ token)))
+    return want, dropped
+
+
+def test_the_studys_moe_layer_equals_a_per_token_sum_over_its_chosen_experts():
+    """With capacity for every token, the layer's output is Σ_k w_k·SwiGLU_{e_k}(x) per token, the k experts of
+    largest router probability and their renormalized weights (a loop written from the formula), in float64."""
+    layer, x = float64_moe(capacity_factor=2.0, seed=0)
+    got = layer(x)
+    tokens = x.reshape(-1, 16)
+    want, _ = moe_by_token(layer, tokens)
     torch.testing.assert_close(got.reshape(-1, 16), want, rtol=1e-12, atol=1e-12)
     share = torch.zeros(4, dtype=torch.float64)
     probs = (tokens @ layer.router.weight.T).softmax(-1).detach()
@@ -90,27 +107,10 @@ def test_the_studys_moe_layer_drops_the_choices_past_an_experts_capacity():
     """With capacity ⌈0.5·T·k/E⌉ = 3 of 20 choices over 4 experts, a token's choice reaches its expert only if
     fewer than 3 earlier choices (token order, then rank among the token's k) went there; a dropped choice adds
     nothing (a loop written from that rule, float64)."""
-    study = bench_module("lr_study")
-    config = study.ModelConfig(dim=16, experts=4, expert_ffn=8, top_k=2, capacity_factor=0.5)
-    torch.manual_seed(1)
-    layer = study.MoE(config).double()
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    x = torch.randn(2, 5, 16, dtype=torch.float64)
-    got = layer(x).reshape(-1, 16)
-    tokens = x.reshape(-1, 16)
-    want, used, dropped = torch.zeros_like(tokens), [0] * 4, 0
-    for t, token in enumerate(tokens):
-        top = (layer.router.weight @ token).softmax(-1).topk(2)
-        for weight, e in zip(top.values / top.values.sum(), top.indices.tolist()):
-            used[e] += 1
-            if used[e] > 3:
-                dropped += 1
-                continue
-            w1, w3, w2 = (w[e] for w in (layer.experts.w1, layer.experts.w3, layer.experts.w2))
-            want[t] += weight * (w2 @ (F.silu(w1 @ token) * (w3 @ token)))
+    layer, x = float64_moe(capacity_factor=0.5, seed=1)
+    want, dropped = moe_by_token(layer, x.reshape(-1, 16), capacity=3)
     assert dropped > 0  # the case exercises the drop
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer(x).reshape(-1, 16), want, rtol=1e-12, atol=1e-12)
 
 
 def test_steps_to_reach_interpolates_between_evaluations():
