@@ -52,12 +52,11 @@ def main() -> None:
     rules = {"same lr": 1.0, "√ rule": dtensor_muon.batch_scaled_lr(1.0, doubled, args.batch), "linear": 2.0}
     jobs = [(best[s] * factor, s, doubled) for s in args.seeds for factor in rules.values()]
     scaled = run_all(jobs, args)
+    names = ["sweep"] * len(sweep) + [name for _ in args.seeds for name in rules]
     rows = [
-        {"batch": r["batch"], "rule": "sweep", "lr": r["lr"], "seed": r["seed"], "final val": r["final_val"]}
-        for r in sweep
+        {"batch": r["batch"], "rule": name, "lr": r["lr"], "seed": r["seed"], "final val": r["final_val"]}
+        for r, name in zip([*sweep, *scaled], names)
     ]
-    for r, (name, _) in zip(scaled, [(n, s) for s in args.seeds for n in rules]):
-        rows.append({"batch": r["batch"], "rule": name, "lr": r["lr"], "seed": r["seed"], "final val": r["final_val"]})
     columns = [("batch", "batch", "{}"), ("rule", "rule", "{}"), ("lr", "lr", "{:.3g}"), ("seed", "seed", "{}"),
                ("final val", "final held-out loss", "{:.4f}")]  # fmt: skip
     print(markdown_table(rows, columns))

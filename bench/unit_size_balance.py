@@ -6,7 +6,7 @@ MoE models, from the plan simulator alone (no GPU, no timing).
 
 Each row plans the model (:func:`dtensor_muon.plan.simulate.simulate`, Muon, FSDP ``Shard(0)``, or FSDP over
 expert parallelism) with units of at most ``max_batch`` matrices and at least ``units_per_parameter`` units per
-parameter (:func:`dtensor_muon.plan.builder.group_units`: the largest power of two within both). It prints:
+parameter (:func:`dtensor_muon.plan.builder.unit_size`: the largest power of two within both). It prints:
 
 - ``unit``: the expert parameters' unit size that results;
 - ``imbal``: the busiest rank's Newton–Schulz FLOPs over the mean (each matrix costed at the same rate, so a
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from common import benchmark_parser, markdown_table, write_result
 
+from dtensor_muon.plan.builder import unit_size
 from dtensor_muon.plan.simulate import simulate
 
 SIZES = ((8, 8), (16, 4), (32, 4), (64, 2), (128, 1))
@@ -40,9 +41,7 @@ def main() -> None:
         for ep in (1, 8):
             seen = set()
             for max_batch, per_parameter in SIZES[:2] if args.quick else SIZES:
-                unit = 1
-                while unit * 2 <= min(max_batch, experts // per_parameter):
-                    unit *= 2
+                unit = unit_size(experts, max_batch, per_parameter)
                 if unit in seen:  # another (max_batch, units_per_parameter) giving the same units
                     continue
                 seen.add(unit)

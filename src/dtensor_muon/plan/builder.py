@@ -35,6 +35,15 @@ def _holder_boxes(spec: MatrixSpec, boxes: torch.Tensor) -> list[tuple[int, Box]
     return out
 
 
+def unit_size(count: int, max_batch: int = MAX_BATCH, units_per_parameter: int = UNITS_PER_PARAMETER) -> int:
+    """Matrices per unit for ``count`` batchable matrices of one shape in one parameter: the largest power of two
+    ≤ min(``max_batch``, count / ``units_per_parameter``), at least 1."""
+    size = 1
+    while size * 2 <= min(max_batch, count // units_per_parameter):
+        size *= 2
+    return size
+
+
 def group_units(
     specs: Sequence[MatrixSpec],
     batchable: set[int],
@@ -63,9 +72,7 @@ def group_units(
             groups[-1].append(i)
             continue
         key = (spec.param_index, spec.shape)
-        size = 1
-        while key in count and size * 2 <= min(max_batch, count[key] // units_per_parameter):
-            size *= 2
+        size = unit_size(count[key], max_batch, units_per_parameter) if key in count else 1
         group = open_groups.get(key)
         if group is None or len(group) == size:
             group = open_groups[key] = []
