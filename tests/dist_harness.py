@@ -80,7 +80,7 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
     if not isinstance(tensor, DTensor):
         return tensor.detach().cpu()
-    if tensor.device.type == "cpu":
+    if tensor.device_mesh.device_type == "cpu":
         return tensor.full_tensor()
     return gathered_over_a_cpu_mesh(tensor)
 

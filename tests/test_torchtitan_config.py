@@ -160,7 +160,8 @@ def test_normuon_and_mop_sections_defaults():
         "momentum": 0.95, "nesterov": False, "momentum_dtype": "float32", "scale": "nuclear",
         "adjust_lr_fn": "match_rms_adamw",
         "wire_dtype": "float32", "bucket_size_mb": 64.0, "exchange": "owner", "skip_nonfinite": False,
-        "diagnostics_interval": 0, "overlap": False, "tp_mode": "owned", "qk_clip_tau": 0.0, "qk_clip_alpha": 0.5,
+        "diagnostics_interval": 0, "overlap": False, "offload": "none", "tp_mode": "owned", "qk_clip_tau": 0.0,
+        "qk_clip_alpha": 0.5,
     }  # fmt: skip
 
 
@@ -273,7 +274,8 @@ def test_container_builds_the_registry_class_and_steps_as_the_class_itself(name,
     (opt,) = container.optimizers
     assert type(opt) is registry.REGISTRY[name].optimizer_cls
     engine = {"bucket_size_mb": 64.0, "exchange": "owner", "skip_nonfinite": False, "diagnostics_interval": 0,
-              "overlap": False, "tp_mode": "owned", "qk_clip_tau": 0.0, "qk_clip_alpha": 0.5}  # fmt: skip
+              "overlap": False, "offload": "none", "tp_mode": "owned", "qk_clip_tau": 0.0,
+              "qk_clip_alpha": 0.5}  # fmt: skip
     kwargs = {"lr": 0.02, "weight_decay": 0.05, "adamw_betas": (0.9, 0.99), "adamw_eps": 1e-8, **engine, **expected}
     assert optimizer.optimizer_kwargs(config.optimizer) == kwargs
     matrices = next(g for g in opt.param_groups if g["use_muon"])

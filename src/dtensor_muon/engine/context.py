@@ -32,6 +32,7 @@ from ..plan import MatrixSpec, Plan
 from ..plan.views import MatrixSplit
 from ..rules.base import ApplyScalars, MatrixRule, NewtonSchulzRunner
 from .metrics import PhaseTimer, StepStats
+from .offload import HostOffload, State, offloaded_keys
 
 OWNER_STATE_KEY = "owner_state"
 """Key of a parameter's optimizer state that holds its matrices' owner state: ``{matrix key: {name: tensor}}``."""
@@ -97,6 +98,7 @@ class StepContext:
         *,
         transactional: bool = False,
         hold_backs: bool = False,
+        offload: HostOffload | None = None,
     ) -> None:
         self.rule = rule
         self.entries = entries
@@ -113,11 +115,14 @@ class StepContext:
         self.transactional = transactional
         self.hold_backs = hold_backs
         """Leave the return exchanges unlaunched until the engine has agreed on the outcome (overlap mode)."""
+        self.offload = offload
+        """Shard state in host memory, streamed through the device (:mod:`.offload`); None: on the device."""
         self.failure: DirectionFailure | None = None
         self.exception: BaseException | None = None
         self._prepared: list[Entry] = []
         self._staged: list[tuple[MatrixSpec, dict[str, Tensor]]] = []
         self._local_updates: list[tuple[Entry, Tensor, Tensor, tuple[int, int]]] = []
+        self._written_beside: list[tuple[State, State]] = []  # offloaded (state, new state) until the commit
 
     def _shard_inputs(self, e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
         g = self.grads[e.index]
@@ -140,6 +145,8 @@ class StepContext:
     def prepare(self, e: Entry) -> Tensor:
         """U on this rank's shard of parameter ``e``; its shard state advances now, or at :meth:`commit` in a
         transactional step."""
+        if self._streams(e.group):
+            return self.prepare_many([e])[0]
         grad, shard_state = self._shard_inputs(e)
         if not self.transactional:
             return self.rule.prepare_and_advance(grad, shard_state, e.group)
@@ -151,11 +158,38 @@ class StepContext:
         ``prepare_many`` (multi-tensor passes where the rule has them); U in ``entries``' order."""
         inputs: dict[int, Tensor] = {}
         for members, grads, shard_states in self._shards_by_group(entries):
-            prepared = self.rule.prepare_many(grads, shard_states, members[0].group, advance=not self.transactional)
+            group = members[0].group
+            if self._streams(group):
+                prepared = self._prepare_offloaded(grads, shard_states, group)
+            else:
+                prepared = self.rule.prepare_many(grads, shard_states, group, advance=not self.transactional)
+                if self.transactional:
+                    self._prepared.extend(members)
             inputs.update((e.index, u) for e, u in zip(members, prepared))
-        if self.transactional:
-            self._prepared.extend(entries)
         return [inputs[e.index] for e in entries]
+
+    def _streams(self, group: dict[str, Any]) -> bool:
+        """Whether the shard state of ``group``'s parameters is in host memory and streamed (offload, and every
+        key of it offloaded: SOAP's shard state is only a step count, which stays where it is)."""
+        if self.offload is None:
+            return False
+        keys = self.rule.state_keys(group)
+        return bool(keys) and offloaded_keys(keys, True) == keys
+
+    def _prepare_offloaded(self, grads: list[Tensor], hosts: list[State], group: dict[str, Any]) -> list[Tensor]:
+        """U from host-resident shard states, bucket by bucket on their device copies, which advance there (the
+        rule's ``prepare_and_advance``: the bits of ``prepare`` then ``advance``) and are copied back: into the
+        state itself, or, in a transactional step, beside it until :meth:`commit`."""
+        assert self.offload is not None
+        out: list[Tensor] = []
+        for span, copies in self.offload.staged(hosts):
+            out.extend(self.rule.prepare_many([grads[i] for i in span], copies, group, advance=True))
+            states = [hosts[i] for i in span]
+            targets = self.offload.spares(states) if self.transactional else states
+            self.offload.write_back(copies, targets)
+            if self.transactional:
+                self._written_beside.extend(zip(states, targets))
+        return out
 
     def owner_state(self, spec: MatrixSpec) -> dict[str, Tensor]:
         """The owner state of one matrix ({} for rules without owner state)."""
@@ -262,6 +296,8 @@ class StepContext:
             self.state[self.entries[spec.param_index].param][OWNER_STATE_KEY][spec.key] = s
         for members, grads, shard_states in self._shards_by_group(self._prepared):
             self.rule.advance_many(grads, shard_states, members[0].group)
+        if self._written_beside:
+            HostOffload.exchange(*map(list, zip(*self._written_beside)))
         factors = [self.rule.region_factors(e.group, shape) for e, _, _, shape in self._local_updates]
         decay_and_add_many(
             [target for _, target, _, _ in self._local_updates],
@@ -273,7 +309,7 @@ class StepContext:
 
     def discard(self) -> None:
         """Drop what a transactional step computed (nothing of it was kept)."""
-        self._prepared, self._staged, self._local_updates = [], [], []
+        self._prepared, self._staged, self._local_updates, self._written_beside = [], [], [], []
 
     def apply_many(self, indices: list[int]) -> None:
         """Apply these parameters' complete updates with the scalars captured when the step ran, at once

@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from ..distributed import consensus
 from ..distributed.exchange import MeshGroup, mesh_group
+from ..distributed.host_memory import on_host
 from ..distributed.layout import (
     TensorParallelLayout,
     box_shape,
@@ -70,6 +71,7 @@ from ..rules.base import MatrixRule
 from . import metrics as metrics_lib
 from . import preflight
 from .context import OWNER_STATE_KEY, DirectionFailure, Entry, MeshWork, StepContext
+from .offload import OFFLOAD_MODES, HostOffload, offloaded_keys
 from .pending import PendingUpdates
 from .preflight import ConsensusGroup, PreflightError
 from .strategies import STRATEGIES
@@ -143,10 +145,13 @@ class Engine:
         diagnostics_interval: int,
         overlap: bool = False,
         ns_cuda_graphs: bool = True,
+        offload: str = "none",
         loaded_owner_state: set[int] = frozenset(),  # type: ignore[assignment]
     ) -> None:
         if exchange not in EXCHANGE_MODES:
             raise ValueError(f"exchange: expected one of {EXCHANGE_MODES}, got {exchange!r}")
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload: expected one of {OFFLOAD_MODES}, got {offload!r}")
         self.rule = rule
         self.entries = entries
         self.state = state
@@ -158,6 +163,10 @@ class Engine:
         self.overlap = overlap
         # Newton–Schulz on owners: replayed from CUDA graphs where that pays (ns_graphs.py), else eager.
         self.ns_runner = NewtonSchulzGraphs() if ns_cuda_graphs else newton_schulz
+        self.offload: HostOffload | None = None
+        if offload == "host" and entries:
+            self.offload = HostOffload(local(entries[0].param).device, bucket_bytes)
+            self._check_offloaded_state()
         self.pending: PendingUpdates | None = None
         self.deferred_seconds = 0.0
         self.skipped_steps = 0
@@ -253,6 +262,7 @@ class Engine:
             diagnostics_interval=self.diagnostics_interval,
             overlap=self.overlap,
             ns_cuda_graphs=isinstance(self.ns_runner, NewtonSchulzGraphs),
+            offload="host" if self.offload is not None else "none",
         )
 
     def consensus_meshes(self) -> list[tuple[Any, torch.device]]:
@@ -264,6 +274,24 @@ class Engine:
         return consensus.describe_engine(
             self.options, [(e.name, e.param, e.use_muon) for e in entries], preflight.groups_of(entries)
         )
+
+    def _check_offloaded_state(self) -> None:
+        """Raise RuntimeError naming the first parameter whose offloaded state is not in host memory (the front
+        end puts it there when it creates or loads it)."""
+        for e in self.entries:
+            held = self.state[e.param]
+            keys = offloaded_keys(self.rule.state_keys(e.group) if e.use_muon else (), e.use_muon)
+            for key in keys:
+                if key in held and not on_host(held[key]):
+                    raise RuntimeError(
+                        f"parameter {e.name!r}: offload='host' keeps its {key!r} in host memory, but it is on "
+                        f"{local(held[key]).device}"
+                    )
+
+    def settle(self) -> None:
+        """Wait until the offloaded state's copies back have reached host memory (before it is read there)."""
+        if self.offload is not None:
+            self.offload.settle()
 
     def _tensor_parallel(self, e: Entry) -> tuple[str, TensorParallelLayout] | None:
         """(tp_mode, TP layout) of a parameter whose group computes it on a TP group, else None."""
@@ -384,6 +412,7 @@ class Engine:
             self.bucket_bytes,
             transactional=transactional,
             hold_backs=transactional and self.overlap,
+            offload=self.offload,
         )
         with timer.phase("prepare"):
             self._prepare(ctx)
@@ -509,26 +538,37 @@ class Engine:
             if not e.use_muon and e.index in active:
                 by_group[id(e.group)].append(e)
         for entries in by_group.values():
-            group = entries[0].group
             params = [local(e.param) for e in entries]
             before = [p.detach().clone() for p in params] if diagnostics else None
-            adamw_rule.step(
-                params,
-                [
-                    local(grads[e.index]) if grads[e.index] is not None else torch.zeros_like(p)
-                    for e, p in zip(entries, params)
-                ],
-                [local(self.state[e.param]["exp_avg"]) for e in entries],
-                [local(self.state[e.param]["exp_avg_sq"]) for e in entries],
-                [self.state[e.param]["step"] for e in entries],
-                lr=group["lr"],
-                betas=tuple(group["adamw_betas"]),
-                eps=group["adamw_eps"],
-                weight_decay=group["weight_decay"],
-            )
+            moments = [{key: local(self.state[e.param][key]) for key in adamw_rule.MOMENTS} for e in entries]
+            if self.offload is None:
+                self._adamw(entries, grads, moments)
+            else:  # bucket by bucket on device copies, copied back in place
+                for span, copies in self.offload.staged(moments):
+                    self._adamw([entries[i] for i in span], grads, copies)
+                    self.offload.write_back(copies, [moments[i] for i in span])
             if before is not None:
                 for p, b in zip(params, before):
                     stats.add_update("adamw", p - b)
+
+    def _adamw(self, entries: list[Entry], grads: dict[int, Tensor | None], moments: list[dict[str, Tensor]]) -> None:
+        """torch's AdamW on these parameters of one group, with these (local) moments."""
+        group = entries[0].group
+        params = [local(e.param) for e in entries]
+        adamw_rule.step(
+            params,
+            [
+                local(grads[e.index]) if grads[e.index] is not None else torch.zeros_like(p)
+                for e, p in zip(entries, params)
+            ],
+            [m["exp_avg"] for m in moments],
+            [m["exp_avg_sq"] for m in moments],
+            [self.state[e.param]["step"] for e in entries],
+            lr=group["lr"],
+            betas=tuple(group["adamw_betas"]),
+            eps=group["adamw_eps"],
+            weight_decay=group["weight_decay"],
+        )
 
     def _prepare(self, ctx: StepContext) -> None:
         """U on the shards of the parameters that are not fully local, their update buffers and apply scalars."""

@@ -37,9 +37,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..distributed.host_memory import to_host
 from ..distributed.layout import local, read_layout, tensor_parallel_blocks
 from ..distributed.overlap import attach_hooks
 from ..engine.context import OWNER_STATE_KEY, Entry
+from ..engine.offload import OFFLOAD_MODES, offloaded_keys
 from ..engine.step import EXCHANGE_MODES, Engine
 from ..plan.routing import (
     caller_stacklevel,
@@ -174,6 +176,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             f"wire_dtype must be None or a floating dtype, got {wire_dtype!r}",
         )
         require(isinstance(ns_cuda_graphs, bool), f"ns_cuda_graphs must be a bool, got {ns_cuda_graphs!r}")
+        offload = keywords["offload"]
+        require(offload in OFFLOAD_MODES, f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
         splits = dict(keywords["matrix_splits"] or {})
         for pattern, split in splits.items():
             require(
@@ -188,6 +192,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             diagnostics_interval=diagnostics_interval,
             overlap=bool(keywords["overlap"]),
             ns_cuda_graphs=ns_cuda_graphs,
+            offload=offload,
         )
         self._matrix_splits = splits
         self._qk_clip = self._build_qk_clip(keywords)
@@ -205,6 +210,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._engine = self._build_engine()
         self._register_hooks()
         self._report_routing([p for g in self.param_groups for p in g["params"]])
+        self._warn_offload_on_host()
         if self._qk_clip is not None:
             params = self._named_parameters()
             self._qk_clip.check_params(params)
@@ -213,6 +219,29 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def validate_group(self, group: dict[str, Any]) -> None:
         """Raise ValueError/TypeError naming the first bad hyperparameter of the subclass's own keys."""
+
+    @property
+    def _offloaded(self) -> bool:
+        return self._engine_options.get("offload", "none") == "host"
+
+    def _warn_offload_on_host(self) -> None:
+        """offload="host" with parameters in host memory: say that it saves nothing."""
+        params = [p for p in self._all_params() if self.state.get(p)]
+        if self._offloaded and params and local(params[0]).device.type == "cpu":
+            warnings.warn(
+                f"{type(self).__name__}: offload='host' keeps optimizer state in host memory while the parameters "
+                "are on a GPU; these parameters are on the CPU, where the state is in host memory already, so it "
+                "saves nothing (it only streams the state through copies)",
+                UserWarning,
+                stacklevel=caller_stacklevel(),
+            )
+
+    def _offloaded_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state keys of ``group``'s parameters kept in host memory (none without ``offload="host"``)."""
+        if not self._offloaded:
+            return ()
+        use_muon = group["use_muon"]
+        return offloaded_keys(self.rule.state_keys(group) if use_muon else (), use_muon)
 
     @staticmethod
     def _build_qk_clip(keywords: dict[str, Any]) -> QKClip | None:
@@ -337,8 +366,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         )
 
     def _fresh_state(self, p: Tensor, group: dict[str, Any], label: str) -> dict[str, Tensor]:
-        """Fresh state of parameter ``label`` of ``group``: the rule's shard state or AdamW's."""
-        return self.rule.init_shard_state(p, group, label) if group["use_muon"] else adamw_rule.init_state(p)
+        """Fresh state of parameter ``label`` of ``group``: the rule's shard state or AdamW's, its offloaded
+        tensors moved to host memory one parameter at a time."""
+        state = self.rule.init_shard_state(p, group, label) if group["use_muon"] else adamw_rule.init_state(p)
+        keys = self._offloaded_keys(group)
+        return {key: to_host(t) if key in keys else t for key, t in state.items()}
 
     def _all_params(self) -> list[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -647,10 +679,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
         return applied
 
     def flush(self) -> None:
-        """Apply every pending update now (overlap mode); a no-op when nothing is pending."""
+        """Apply every pending update now (overlap mode), and with ``offload="host"`` wait until the state has
+        reached host memory; a no-op when nothing is pending."""
         if self._engine is not None:
             with torch.no_grad():
                 self._engine.flush()
+            self._engine.settle()
         if self._clip_after_update:
             self._apply_waiting_clips()
 

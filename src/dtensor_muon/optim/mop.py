@@ -48,8 +48,8 @@ class MOP(MatrixOptimizer):
         momentum_dtype: storage of the momentum buffer, "float32", "bfloat16" or "int8", as in Muon.
         wire_dtype: dtype of the exchange; float32 by default, since the SVD runs in float32 (a 16-bit wire
             is refused for DTensor parameters: it would round the SVD's input).
-        bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, matrix_splits, tp_mode, qk_clip_tau,
-        qk_clip_alpha, qk_clip_heads: as in
+        bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, offload, matrix_splits, tp_mode,
+        qk_clip_tau, qk_clip_alpha, qk_clip_heads: as in
             :class:`dtensor_muon.Muon` (tp_mode "owned", "duplicated" or "blockwise": the distributed forms are
             Newton–Schulz's).
     """
@@ -77,6 +77,7 @@ class MOP(MatrixOptimizer):
         skip_nonfinite: bool = False,
         diagnostics_interval: int = 0,
         overlap: bool = False,
+        offload: str = "none",
         matrix_splits: dict[str, MatrixSplit] | None = None,
         tp_mode: str = "owned",
         qk_clip_tau: float = 0.0,

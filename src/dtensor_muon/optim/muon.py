@@ -96,6 +96,10 @@ class Muon(MatrixOptimizer):
         overlap: ``step()`` returns with the return exchanges in flight; each module's updates are applied by
             a forward pre-hook just before FSDP all-gathers it (call :meth:`attach` with the model), and
             everything is flushed before the next step, any ``state_dict()`` and by :meth:`flush`.
+        offload: "none" (state on the parameters' device) or "host": the momentum (every format) and AdamW's
+            moments in pinned host memory, streamed through the GPU in buckets of ``bucket_size_mb`` each step,
+            overlapped with the step's work, same bits (:mod:`dtensor_muon.engine.offload`); host memory: twice
+            the momentum, once AdamW's moments. On CPU parameters it saves nothing (a warning says so).
         matrix_splits: ``{parameter-name pattern: MatrixSplit}`` (fnmatch patterns) cutting fused parameters into
             their matrices (fused QKV, SwiGLU w13, per-head blocks); a group's ``"matrix_split"`` wins.
         tp_mode: how tensor-parallel matrices (a ``Shard`` on a mesh dim named "tp") are computed, the default of
@@ -143,6 +147,7 @@ class Muon(MatrixOptimizer):
         skip_nonfinite: bool = False,
         diagnostics_interval: int = 0,
         overlap: bool = False,
+        offload: str = "none",
         ns_cuda_graphs: bool = True,
         matrix_splits: dict[str, MatrixSplit] | None = None,
         tp_mode: str = "owned",

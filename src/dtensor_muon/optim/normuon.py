@@ -61,6 +61,7 @@ class NorMuon(MatrixOptimizer):
         skip_nonfinite: bool = False,
         diagnostics_interval: int = 0,
         overlap: bool = False,
+        offload: str = "none",
         ns_cuda_graphs: bool = True,
         matrix_splits: dict[str, MatrixSplit] | None = None,
         tp_mode: str = "owned",

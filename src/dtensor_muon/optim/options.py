@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..engine.offload import OFFLOAD_MODES
 from ..engine.step import EXCHANGE_MODES
 from ..kernels import NS_ALGORITHMS
 from ..kernels.low_precision import MOMENTUM_DTYPES
@@ -120,6 +121,9 @@ def _engine(
                bounds="integer >= 0", engine=True),
         Option("overlap", False, "step() returns with the return exchanges in flight; each module's updates are "
                "applied just before FSDP all-gathers it (attach the model)", engine=True),
+        Option("offload", "none", '"host": the momentum and AdamW moments in pinned host memory, streamed through '
+               "the GPU in buckets each step; \"none\": on the parameters' device", choices=OFFLOAD_MODES,
+               engine=True),
         Option("matrix_splits", None, "{parameter-name pattern: MatrixSplit} cutting fused parameters into their "
                "matrices", engine=True, config_default=NOT_IN_CONFIG,
                config_why="a Python object; the torchtitan 0.3 plug-in sets it from the model's fused QKV"),

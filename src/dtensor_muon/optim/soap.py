@@ -77,8 +77,8 @@ class SOAP(MatrixOptimizer):
         adamw_betas, adamw_eps, adamw_lr, adamw_weight_decay: AdamW for element-wise parameters.
         wire_dtype: dtype of the exchange; float32 (the gradient travels and is used in float32; a 16-bit
             wire is refused for DTensor parameters).
-        bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, matrix_splits, tp_mode, qk_clip_tau,
-        qk_clip_alpha, qk_clip_heads: as in
+        bucket_size_mb, exchange, skip_nonfinite, diagnostics_interval, overlap, offload, matrix_splits, tp_mode,
+        qk_clip_tau, qk_clip_alpha, qk_clip_heads: as in
             :class:`dtensor_muon.Muon` (tp_mode "owned", "duplicated" or "blockwise": the distributed forms are
             Newton–Schulz's).
     """
@@ -113,6 +113,7 @@ class SOAP(MatrixOptimizer):
         skip_nonfinite: bool = False,
         diagnostics_interval: int = 0,
         overlap: bool = False,
+        offload: str = "none",
         matrix_splits: dict[str, MatrixSplit] | None = None,
         tp_mode: str = "owned",
         qk_clip_tau: float = 0.0,

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from ..distributed import consensus
+from ..distributed.host_memory import to_host
 from ..distributed.layout import local
 from ..engine.context import OWNER_STATE_KEY
 from ..engine.step import Engine
@@ -47,6 +48,8 @@ class Loadable(Protocol):
     def _build_engine(self, loaded_owner_state: set[int] | None = None) -> Engine: ...
 
     def flush(self) -> None: ...
+
+    def _offloaded_keys(self, group: dict[str, Any]) -> tuple[str, ...]: ...
 
 
 def load_problem(opt: Loadable, state_dict: dict[str, Any]) -> str | None:
@@ -197,33 +200,48 @@ def owner_state_problem(where: str, saved: Any, held: dict[str, Any], reshard: s
     return None
 
 
-def hold_uncast(opt: Loadable, state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[Tensor, str, Tensor]]]:
-    """``state_dict`` without the matrix-rule shard-state tensors whose dtype is not their parameter's (a
-    low-precision momentum: torch's loading casts state tensors to the parameter's dtype), and those tensors as
-    (parameter, key, tensor), for :func:`restore_uncast` after torch has loaded the rest."""
+def hold_uncast(
+    opt: Loadable, state_dict: dict[str, Any]
+) -> tuple[dict[str, Any], list[tuple[Tensor, dict[str, Any], str, Tensor]]]:
+    """``state_dict`` without the state tensors that torch's loading must not cast to their parameter's dtype
+    and device: a low-precision momentum (a matrix-rule shard-state tensor whose dtype is not its parameter's)
+    and, with ``offload="host"``, every offloaded tensor (it stays in host memory); those tensors as
+    (parameter, its group, key, tensor), for :func:`restore_uncast` after torch has loaded the rest."""
     saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     param_of = dict(zip(saved_ids, opt._all_params()))  # as torch's load_state_dict maps them
-    held: list[tuple[Tensor, str, Tensor]] = []
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    held: list[tuple[Tensor, dict[str, Any], str, Tensor]] = []
     state = dict(state_dict["state"])
     for key, value in state.items():
         p = param_of.get(key)
         if p is None or not isinstance(value, dict):
             continue
+        group = group_of[id(p)]
+        offloaded = opt._offloaded_keys(group)
         uncast = {
             name: t
             for name, t in value.items()
-            if name in opt.rule.shard_state_keys and name != "step" and isinstance(t, Tensor) and t.dtype != p.dtype
+            if isinstance(t, Tensor)
+            and name != "step"
+            and (name in offloaded or (group["use_muon"] and name in opt.rule.shard_state_keys and t.dtype != p.dtype))
         }
         if uncast:
-            held.extend((p, name, t) for name, t in uncast.items())
+            held.extend((p, group, name, t) for name, t in uncast.items())
             state[key] = {name: t for name, t in value.items() if name not in uncast}
     return {**state_dict, "state": state}, held
 
 
-def restore_uncast(opt: Loadable, held: list[tuple[Tensor, str, Tensor]]) -> None:
-    """Put :func:`hold_uncast`'s tensors into the loaded state, on their parameter's device, dtype kept."""
-    for p, name, t in held:
-        opt.state[p][name] = t.to(local(p).device)
+def restore_uncast(opt: Loadable, held: list[tuple[Tensor, dict[str, Any], str, Tensor]]) -> None:
+    """Put :func:`hold_uncast`'s tensors into the loaded state where the optimizer keeps them: offloaded ones in
+    host memory (AdamW's moments in their parameter's dtype, as torch's loading casts them), the others on
+    their parameter's device, their dtype kept."""
+    for p, group, name, t in held:
+        if name in opt._offloaded_keys(group):
+            if not group["use_muon"] and t.is_floating_point():
+                t = t.to(dtype=p.dtype)
+            opt.state[p][name] = to_host(t)
+        else:
+            opt.state[p][name] = t.to(local(p).device)
 
 
 def agree(opt: Loadable, problem: str | None) -> str | None:

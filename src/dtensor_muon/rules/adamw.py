@@ -14,6 +14,8 @@ from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The state tensors in the parameter's layout (``step`` is a host scalar)."""
 
 
 def init_state(param: Tensor) -> dict[str, Tensor]:
