@@ -10,6 +10,7 @@ term of two matrices down.
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import scenarios
@@ -24,6 +25,7 @@ from dtensor_muon.plan.memory import (
     memory_per_rank,
     momentum_bytes,
     peak,
+    staging_bytes,
 )
 from dtensor_muon.plan.placement import Owned
 from dtensor_muon.plan.routing import uses_muon
@@ -37,32 +39,43 @@ from dtensor_muon.plan.simulate import (
 )
 
 WORLD = 4
-CASES = {  # name: (optimizer, momentum_dtype)
-    "muon": ("muon", "float32"),
-    "muon_bfloat16": ("muon", "bfloat16"),
-    "normuon_int8": ("normuon", "int8"),
-    "mop": ("mop", "float32"),
-    "soap": ("soap", "float32"),
+CASES = {  # name: (optimizer, momentum_dtype, offload)
+    "muon": ("muon", "float32", "none"),
+    "muon_bfloat16": ("muon", "bfloat16", "none"),
+    "normuon_int8": ("normuon", "int8", "none"),
+    "mop": ("mop", "float32", "none"),
+    "soap": ("soap", "float32", "none"),
+    "muon_int8_host": ("muon", "int8", "host"),
+    "soap_host": ("soap", "float32", "host"),
 }
+OFFLOADED = ("momentum_buffer", "momentum_codes", "momentum_scale", "exp_avg", "exp_avg_sq")
 
 
 def nbytes(t: torch.Tensor) -> int:
     return (t.to_local() if isinstance(t, DTensor) else t).nbytes
 
 
-def held_state(rank: int, world_size: int, optimizer: str, momentum_dtype: str) -> dict[str, int]:
-    """One step of ``optimizer`` on the scenarios' Shard(0) parameters; the bytes of its state on this rank."""
+def held_state(rank: int, world_size: int, optimizer: str, momentum_dtype: str, offload: str) -> dict[str, int]:
+    """One step of ``optimizer`` on the scenarios' Shard(0) parameters; the bytes of its state on this rank (with
+    offload, the offloaded tensors and the spares the step wrote beside them are its host state)."""
     params = scenarios.distributed_params("shard0", world_size)
     front = FRONT_ENDS[optimizer][0]
-    opt = front(params, lr=0.01, **({} if optimizer == "soap" else {"momentum_dtype": momentum_dtype}))
+    options = {"offload": offload} | ({} if optimizer == "soap" else {"momentum_dtype": momentum_dtype})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # offload on CPU parameters: "saves nothing"
+        opt = front(params, lr=0.01, **options)
     scenarios.set_gradients(params, 0)
     opt.step()
-    held = {"shard_state": 0, "adamw_state": 0, "owner_state": 0}
+    held = {"shard_state": 0, "adamw_state": 0, "owner_state": 0, "host_state": 0}
+    if offload == "host":
+        held["host_state"] = sum(t.nbytes for t in opt._engine.offload._spares.values())
     for group in opt.param_groups:
         for p in group["params"]:
             for key, value in opt.state[p].items():
                 if key == "owner_state":
                     held["owner_state"] += sum(nbytes(t) for matrix in value.values() for t in matrix.values())
+                elif offload == "host" and key in OFFLOADED:
+                    held["host_state"] += nbytes(value)
                 elif group["use_muon"]:
                     held["shard_state"] += nbytes(value)
                 else:
@@ -70,7 +83,7 @@ def held_state(rank: int, world_size: int, optimizer: str, momentum_dtype: str) 
     return held
 
 
-def modelled_state(optimizer: str, momentum_dtype: str, world_size: int) -> list[dict[str, int]]:
+def modelled_state(optimizer: str, momentum_dtype: str, offload: str, world_size: int) -> list[dict[str, int]]:
     """The model's state terms per rank for the same parameters, planned as the simulator plans."""
     rule, group, wire = optimizer_rule(optimizer)
     params = [
@@ -84,9 +97,10 @@ def modelled_state(optimizer: str, momentum_dtype: str, world_size: int) -> list
         cost_fn=lambda k, shape: rule.cost(group, shape).plan_entry(),
         batchable=rule.can_batch(group),
     )
-    spec = OptimizerMemory.from_rule(rule, group, wire, momentum_dtype=momentum_dtype)
+    spec = OptimizerMemory.from_rule(rule, group, wire, momentum_dtype=momentum_dtype, offload=offload == "host")
     ranks = memory_per_rank(meshes, adamw, spec, world_size)
-    return [{"shard_state": r.shard_state, "adamw_state": r.adamw_state, "owner_state": r.owner_state} for r in ranks]
+    terms = ("shard_state", "adamw_state", "owner_state", "host_state")
+    return [{term: getattr(r, term) for term in terms} for r in ranks]
 
 
 def measure_every_case(rank: int, world_size: int) -> dict[str, dict[str, int]]:
@@ -100,6 +114,7 @@ def test_state_terms_equal_the_bytes_the_optimizers_hold():
         assert modelled_state(*case, WORLD) == got, name
     assert any(m["soap"]["owner_state"] > 0 for m in measured)  # the owner terms are not vacuous
     assert any(m["normuon_int8"]["owner_state"] > 0 for m in measured)
+    assert all(m["muon_int8_host"]["shard_state"] == 0 < m["muon_int8_host"]["host_state"] for m in measured)
 
 
 # ---------------------------------------------------------------- by hand
@@ -149,6 +164,22 @@ def test_every_term_by_hand():
     top = peak(ranks)
     assert top.optimizer == max(r.optimizer for r in ranks)
     assert top.with_params_grads == max(r.optimizer + r.params_grads for r in ranks)
+
+
+def test_offloaded_terms_by_hand():
+    """offload: the momentum (16 + 12 float32 entries a rank) and AdamW's moments (2 × 5) leave the device;
+    the host holds the momentum twice (its spare) and the moments once; the device holds the streamed copies,
+    all of them here (152 bytes, below three buckets)."""
+    meshes, adamw = two_matrices()
+    on_device = memory_per_rank(meshes, adamw, MUON, 2)
+    spec = OptimizerMemory(True, 0, 4, 2, 2, 2, offload=True, bucket_bytes=100)
+    for before, got in zip(on_device, memory_per_rank(meshes, adamw, spec, 2)):
+        assert (got.shard_state, got.adamw_state) == (0, 4)
+        assert got.host_state == 2 * 4 * (16 + 12) + 2 * 4 * 5
+        assert got.offload_staging == 4 * (16 + 12) + 2 * 4 * 5
+        assert got.optimizer == before.optimizer - before.shard_state - before.adamw_state + 4 + got.offload_staging
+    assert staging_bytes([64, 48, 40, 100, 100], 50) == 300  # three buckets of the largest state
+    assert staging_bytes([64, 48], 1000) == 112  # all of it
 
 
 @pytest.mark.parametrize("dtype, expected", [("float32", 4 * 28), ("bfloat16", 2 * 28), ("int8", 28 + 4 * (2 + 3))])
@@ -224,3 +255,8 @@ def test_simulator_memory_table_and_json(capsys, tmp_path):
     assert f32.memory.owner_state == 0
     assert bf16.memory.shard_state * 2 == f32.memory.shard_state
     assert f32.memory.shard_state / 4 < int8.memory.shard_state < f32.memory.shard_state / 3.8
+    (small,) = simulate("llama3:debugmodel", [4], bucket_mb=0.5)  # buckets below a tenth of the state
+    (host,) = simulate("llama3:debugmodel", [4], offload="host", bucket_mb=0.5)
+    assert host.memory.shard_state == 0 and host.memory.host_state > 2 * f32.memory.shard_state
+    assert host.memory.offload_staging < (small.memory.shard_state + small.memory.adamw_state) / 2
+    assert host.memory.optimizer < small.memory.optimizer

@@ -58,6 +58,7 @@ def train(params, optimizer: str, options: dict[str, Any], shard=None) -> tuple[
             {k: full_tensor(v) for k, v in opt.state[p].items() if k not in ("owner_state", "step")} for _, p in params
         ],
         "where": [[(local_of(v).device.type, local_of(v).is_pinned()) for v in offloaded(opt, p)] for _, p in params],
+        "spares": len(opt._engine.offload._spares) if opt._engine.offload is not None else 0,
     }
     return result, opt
 
@@ -144,9 +145,11 @@ def test_fsdp_ranks_offloaded_equal_one_process_bitwise(optimizer, momentum_dtyp
     """A step over several ranks writes the new momentum beside the old and exchanges them at the commit."""
     want = one_process(device, optimizer, {"momentum_dtype": momentum_dtype})
     options = {"momentum_dtype": momentum_dtype, "offload": "host"}
+    momentum_keys = 2 if momentum_dtype == "int8" else 1  # codes and scales, or the buffer
     for got in run_distributed(sharded, world_size, optimizer, options, device=device):
         assert_same(got, want)
         assert_on_host(got, device)
+        assert got["spares"] == 2 * momentum_keys  # one per tensor of the two matrix parameters, made once
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ from ..plan import MatrixSpec, Plan
 from ..plan.views import MatrixSplit
 from ..rules.base import ApplyScalars, MatrixRule, NewtonSchulzRunner
 from .metrics import PhaseTimer, StepStats
-from .offload import HostOffload, State, offloaded_keys
+from .offload import HostOffload, State, streamed
 
 OWNER_STATE_KEY = "owner_state"
 """Key of a parameter's optimizer state that holds its matrices' owner state: ``{matrix key: {name: tensor}}``."""
@@ -171,10 +171,7 @@ class StepContext:
     def _streams(self, group: dict[str, Any]) -> bool:
         """Whether the shard state of ``group``'s parameters is in host memory and streamed (offload, and every
         key of it offloaded: SOAP's shard state is only a step count, which stays where it is)."""
-        if self.offload is None:
-            return False
-        keys = self.rule.state_keys(group)
-        return bool(keys) and offloaded_keys(keys, True) == keys
+        return self.offload is not None and streamed(self.rule.state_keys(group))
 
     def _prepare_offloaded(self, grads: list[Tensor], hosts: list[State], group: dict[str, Any]) -> list[Tensor]:
         """U from host-resident shard states, bucket by bucket on their device copies, which advance there (the

@@ -10,10 +10,11 @@ bucket is copied in on a copy stream while the one before it computes, updated t
 without offload (so the bits are the same), and copied back on a second stream, so transfers in both
 directions overlap with the work. On the device: about two buckets at a time.
 
-Host memory: the matrix rule's shard state twice, AdamW's moments once. A step over several ranks keeps
-nothing until every rank has succeeded (:mod:`dtensor_muon.engine.step`), so its new momentum is written
-beside the old one (a spare buffer per tensor) and the two exchange storage when the step commits; AdamW runs
-after that agreement and writes its moments back in place.
+Host memory: the matrix rule's shard state twice over several ranks (once on one process), AdamW's moments
+once. A step over several ranks keeps nothing until every rank has succeeded (:mod:`dtensor_muon.engine.step`),
+so its new momentum is written beside the old one (a spare buffer per tensor, made when the engine is built)
+and the two exchange storage when the step commits; AdamW runs after that agreement and writes its moments
+back in place.
 
 Reading the state on the host: the last copies back may still be in flight when ``step()`` returns;
 ``optimizer.state_dict()`` (and so every checkpoint) and ``optimizer.flush()`` wait for them
@@ -40,6 +41,12 @@ def offloaded_keys(rule_keys: tuple[str, ...], use_muon: bool) -> tuple[str, ...
     """The state keys of a parameter that ``offload="host"`` keeps on the host: the rule's shard-state keys
     (``rule_keys``, its step count excepted) for a matrix-rule parameter, AdamW's moments otherwise."""
     return tuple(k for k in rule_keys if k != "step") if use_muon else MOMENTS
+
+
+def streamed(rule_keys: tuple[str, ...]) -> bool:
+    """Whether a matrix-rule parameter with these shard-state keys has its shard state streamed: every key of it
+    offloaded (SOAP's shard state is only a step count, which stays where it is)."""
+    return bool(rule_keys) and offloaded_keys(rule_keys, True) == rule_keys
 
 
 class HostOffload:
@@ -88,8 +95,9 @@ class HostOffload:
         self._written = stream.record_event()
 
     def spares(self, hosts: list[State]) -> list[State]:
-        """A spare host tensor for each tensor of ``hosts`` (made on first use, kept for the next steps), for
-        state written beside the state it replaces."""
+        """A spare host tensor for each tensor of ``hosts`` (made at the first call, kept for the next steps; the
+        engine makes them when it is built, so a lack of host memory shows then), for state written beside the
+        state it replaces."""
         out = []
         for host in hosts:
             spare = {}

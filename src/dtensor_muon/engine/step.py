@@ -71,7 +71,7 @@ from ..rules.base import MatrixRule
 from . import metrics as metrics_lib
 from . import preflight
 from .context import OWNER_STATE_KEY, DirectionFailure, Entry, MeshWork, StepContext
-from .offload import OFFLOAD_MODES, HostOffload, offloaded_keys
+from .offload import OFFLOAD_MODES, HostOffload, offloaded_keys, streamed
 from .pending import PendingUpdates
 from .preflight import ConsensusGroup, PreflightError
 from .strategies import STRATEGIES
@@ -180,6 +180,15 @@ class Engine:
         self.consensus_groups: list[ConsensusGroup] = []
         self.rebuild_plans()
         self._sync_owner_state(loaded_owner_state)
+        if self.offload is not None and self.consensus_groups:  # steps write the new momentum beside the old
+            with torch.no_grad():  # the local tensors the steps see (to_local() under no_grad)
+                self.offload.spares(
+                    [
+                        {key: local(self.state[e.param][key]) for key in self.rule.state_keys(e.group)}
+                        for e in entries
+                        if e.use_muon and streamed(self.rule.state_keys(e.group))
+                    ]
+                )
 
     # ------------------------------------------------------------------ plans
     def rebuild_plans(self) -> None:

@@ -38,6 +38,13 @@ elements. Per rank r:
   bytes: the start X₀ and the current X, and the m×m matrices of the Gram form (R, Z, Q and a product; the
   standard form needs two: X·Xᵀ and b·A + c·A·A). 0 for a rule that runs no Newton–Schulz (MOP's SVD and
   SOAP's products: their direction workspace is not modelled).
+- with ``offload="host"`` (:mod:`..engine.offload`) the momentum and AdamW's moments leave the device:
+  ``shard_state`` keeps only the scalars s and ``adamw_state`` only the steps, and
+  ``offload_staging`` = min(S, 3·max(b, S₁)) holds their device copies: a bucket being copied in, one being
+  updated, one being copied back, each at most the state bucket b (the optimizer's ``bucket_size_mb``) or one
+  parameter's state S₁ where that is larger; S: all of them. ``host_state`` (host memory, not in the
+  optimizer's device total) = 2·momentum (the state and its spare: a step over several ranks writes the new
+  momentum beside the old) + 2·p·Σ numel over the AdamW parameters.
 - ``cuda_graphs`` = Σ over the distinct unit signatures (B, m, n) r computes through the owner's runner
   (not ``tp_mode="distributed"``) with B·m²·n ≤ :data:`~..linalg.ns_graphs.MAX_GRAPH_WORK` of B·ω·(3mn + 4m²):
   per captured graph its start buffer outside its private pool, and the pool, which keeps the capture's
@@ -108,6 +115,10 @@ class OptimizerMemory:
     momentum_dtype: str = "float32"
     cuda_graphs: bool = True
     """Whether owners replay Newton–Schulz from CUDA graphs (the optimizer's ``ns_cuda_graphs`` on CUDA)."""
+    offload: bool = False
+    """The optimizer's ``offload="host"``: momentum and AdamW moments in host memory, streamed through buckets."""
+    bucket_bytes: int = 64 * 2**20
+    """b: the optimizer's bucket (``bucket_size_mb``), which also bounds each streamed bucket of state."""
 
     def __post_init__(self) -> None:
         if self.momentum_dtype not in MOMENTUM_DTYPES:
@@ -122,6 +133,8 @@ class OptimizerMemory:
         *,
         momentum_dtype: str = "float32",
         cuda_graphs: bool = True,
+        offload: bool = False,
+        bucket_bytes: int = 64 * 2**20,
     ) -> OptimizerMemory:
         """Read from the rule under ``group``'s settings: its shard state (``init_shard_state`` of a float32
         probe: entries of the probe's shape are the momentum buffer, the others per-parameter scalars), whether
@@ -139,6 +152,8 @@ class OptimizerMemory:
             ns_itemsize=resolve_ns_dtype(group["ns_dtype"]).itemsize if "ns_dtype" in group else 0,
             momentum_dtype=momentum_dtype,
             cuda_graphs=cuda_graphs,
+            offload=offload,
+            bucket_bytes=bucket_bytes,
         )
 
 
@@ -161,10 +176,13 @@ class RankMemory:
     exchange: int
     ns_workspace: int
     cuda_graphs: int
+    offload_staging: int = 0
+    host_state: int = 0
+    """Host memory (offload="host"), not in :attr:`optimizer`."""
 
     @property
     def optimizer(self) -> int:
-        """The optimizer's total: every term but ``params_grads``."""
+        """The optimizer's device total: every term but ``params_grads`` and ``host_state``."""
         return (
             self.shard_state
             + self.adamw_state
@@ -172,6 +190,7 @@ class RankMemory:
             + self.exchange
             + self.ns_workspace
             + self.cuda_graphs
+            + self.offload_staging
         )
 
 
@@ -187,6 +206,8 @@ class MemoryPeak:
     exchange: int
     ns_workspace: int
     cuda_graphs: int
+    offload_staging: int
+    host_state: int
     optimizer: int
     with_params_grads: int
 
@@ -239,21 +260,34 @@ def memory_per_rank(
     for rank in range(world_size):
         matrix_numels = [box_numel(layout.boxes[rank]) for layout in matrix_layouts]
         adamw_numels = [box_numel(layout.boxes[rank]) for layout in adamw]
-        shard = optimizer.shard_scalar_bytes * len(matrix_numels)
-        if optimizer.momentum:
-            shard += sum(momentum_bytes(layout.boxes[rank], optimizer.momentum_dtype) for layout in matrix_layouts)
+        scalars = optimizer.shard_scalar_bytes * len(matrix_numels)
+        momenta = [
+            momentum_bytes(layout.boxes[rank], optimizer.momentum_dtype) if optimizer.momentum else 0
+            for layout in matrix_layouts
+        ]
+        moments = [2 * PARAM_ITEMSIZE * n for n in adamw_numels]
+        steps = ADAMW_STEP_BYTES * len(adamw_numels)
+        device_state = (scalars, steps) if optimizer.offload else (scalars + sum(momenta), steps + sum(moments))
         out.append(
             RankMemory(
                 params_grads=2 * PARAM_ITEMSIZE * (sum(matrix_numels) + sum(adamw_numels)),
-                shard_state=shard,
-                adamw_state=sum(2 * PARAM_ITEMSIZE * n + ADAMW_STEP_BYTES for n in adamw_numels),
+                shard_state=device_state[0],
+                adamw_state=device_state[1],
                 owner_state=sum(mesh.plan.rank_owner_state_bytes[rank] for mesh in meshes),
                 exchange=exchange[rank],
                 ns_workspace=max((ns_workspace_bytes(b, s, ns) for b, s, _ in computed[rank]), default=0),
                 cuda_graphs=graphs_bytes(computed[rank], ns) if optimizer.cuda_graphs else 0,
+                offload_staging=staging_bytes([*momenta, *moments], optimizer.bucket_bytes) if optimizer.offload else 0,
+                host_state=2 * sum(momenta) + sum(moments) if optimizer.offload else 0,
             )
         )
     return out
+
+
+def staging_bytes(states: Sequence[int], bucket_bytes: int) -> int:
+    """min(S, 3·max(b, S₁)): the device copies of streamed state of these per-parameter sizes (see the module
+    docstring)."""
+    return min(sum(states), 3 * max(bucket_bytes, max(states, default=0)))
 
 
 ComputedUnit = tuple[int, tuple[int, int], bool]

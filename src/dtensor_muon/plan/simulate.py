@@ -244,6 +244,7 @@ class Summary:
     tp_mode: str
     optimizer: str
     momentum_dtype: str
+    offload: str
     matrices: int
     local_matrices: int
     distributed_matrices: int
@@ -287,6 +288,7 @@ def summarize_plans(
     memory: MemoryPeak,
     optimizer: str = "muon",
     momentum_dtype: str = "float32",
+    offload: str = "none",
 ) -> Summary:
     """One row for the plans of one configuration (plans over the same ranks, each balanced with the loads
     of the ones before: :func:`plan_model`); the bounds are of all their units placed as one plan."""
@@ -304,6 +306,7 @@ def summarize_plans(
         tp_mode=tp_mode,
         optimizer=optimizer,
         momentum_dtype=momentum_dtype,
+        offload=offload,
         matrices=sum(len(plan.routes) for plan in plans),
         local_matrices=sum(r.is_local for plan in plans for r in plan.routes),
         distributed_matrices=_tensor_parallel_matrices(plans, True),
@@ -339,15 +342,24 @@ def simulate(
     cuda_graphs: bool = True,
     max_batch: int = MAX_BATCH,
     units_per_parameter: int = UNITS_PER_PARAMETER,
+    offload: str = "none",
 ) -> list[Summary]:
     """Plan ``model`` for ``optimizer`` at each world size with tensor-parallel degree ``tp``, expert-parallel
     degree ``ep`` and the dense matrices' ``tp_mode`` (owned, duplicated, distributed or auto), and model its
-    memory with the momentum buffer in ``momentum_dtype``; ``wire_bytes`` None: the optimizer's default wire
+    memory with the momentum buffer in ``momentum_dtype`` and ``offload`` ("none" or "host"); ``wire_bytes`` None: the optimizer's default wire
     dtype; ``max_batch``, ``units_per_parameter``: the unit sizes (:func:`..builder.group_units`). See the module
     docstring."""
     rule, group, default_wire = optimizer_rule(optimizer, ns_steps)
     wire = default_wire if wire_bytes is None else wire_bytes
-    spec = OptimizerMemory.from_rule(rule, group, wire, momentum_dtype=momentum_dtype, cuda_graphs=cuda_graphs)
+    spec = OptimizerMemory.from_rule(
+        rule,
+        group,
+        wire,
+        momentum_dtype=momentum_dtype,
+        cuda_graphs=cuda_graphs,
+        offload=offload == "host",
+        bucket_bytes=int(bucket_mb * 2**20),
+    )
     params = model_parameters(model)
     out = []
     for world in world_sizes:
@@ -369,7 +381,9 @@ def simulate(
         memory = peak(memory_per_rank(meshes, adamw, spec, world))
         plans = [mesh.plan for mesh in meshes]
         out.append(
-            summarize_plans(model, plans, tp, ep, tp_mode, tflops, gbps, seconds, memory, optimizer, momentum_dtype)
+            summarize_plans(
+                model, plans, tp, ep, tp_mode, tflops, gbps, seconds, memory, optimizer, momentum_dtype, offload
+            )
         )
     return out
 
@@ -398,23 +412,29 @@ MEMORY_COLUMNS = (
     ("exchange", "exchange"),
     ("NS work", "ns_workspace"),
     ("graphs", "cuda_graphs"),
+    ("staging", "offload_staging"),
     ("optimizer", "optimizer"),
     ("params+grads", "params_grads"),
     ("sum", "with_params_grads"),
+    ("host", "host_state"),
 )
 """The memory table's columns (header, :class:`.memory.MemoryPeak` field)."""
 
 
 def format_memory_table(rows: list[Summary]) -> str:
     """The optimizer's memory per rank, GiB: each term's maximum over the ranks, the largest optimizer total of
-    one rank, the largest parameters and gradients, and the largest sum of both on one rank."""
-    header = f"{'model':<18}{'ranks':>6}{'tp':>4}{'ep':>4}{'optimizer':>10}{'momentum':>10}" + "".join(
+    one rank, the largest parameters and gradients, the largest sum of both on one rank, and the host memory
+    of offloaded state."""
+    header = f"{'model':<18}{'ranks':>6}{'tp':>4}{'ep':>4}{'optimizer':>10}{'momentum':>10}{'offload':>8}" + "".join(
         f"{title:>13}" for title, _ in MEMORY_COLUMNS
     )
     lines = [f"optimizer memory per rank, GiB (max over ranks)\n{header}"]
     for r in rows:
         cells = "".join(f"{getattr(r.memory, key) / 2**30:>13.3f}" for _, key in MEMORY_COLUMNS)
-        lines.append(f"{r.model:<18}{r.world_size:>6}{r.tp:>4}{r.ep:>4}{r.optimizer:>10}{r.momentum_dtype:>10}{cells}")
+        lines.append(
+            f"{r.model:<18}{r.world_size:>6}{r.tp:>4}{r.ep:>4}{r.optimizer:>10}{r.momentum_dtype:>10}{r.offload:>8}"
+            f"{cells}"
+        )
     return "\n".join(lines)
 
 
@@ -432,6 +452,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizer", default="muon", choices=sorted(FRONT_ENDS), help="the matrix optimizer")
     parser.add_argument(
         "--momentum-dtype", default="float32", choices=MOMENTUM_DTYPES, help="storage of Muon/NorMuon/MOP's momentum"
+    )
+    parser.add_argument(
+        "--offload",
+        default="none",
+        choices=("none", "host"),
+        help="where the momentum and AdamW moments live (the optimizer's offload)",
     )
     parser.add_argument(
         "--no-cuda-graphs", action="store_true", help="owners run Newton–Schulz eagerly (ns_cuda_graphs=False)"
@@ -489,6 +515,7 @@ def main(argv: list[str] | None = None) -> None:
             cuda_graphs=not args.no_cuda_graphs,
             max_batch=args.max_batch,
             units_per_parameter=args.units_per_parameter,
+            offload=args.offload,
         )
     ]
     print(format_table(rows))
