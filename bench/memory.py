@@ -2,6 +2,7 @@
 
     python bench/memory.py --device cuda --world-size 2 --model llama3:8B --layers 2   # NCCL, one GPU per rank
     python bench/memory.py --device cuda --world-size 1 --model qwen3:30B-A3B --layers 1
+    python bench/memory.py --device cuda --world-size 1 --model qwen3:30B-A3B --layers 1 --offload host
     python bench/memory.py --quick                                                     # 2 gloo ranks on CPU
 
 A cut-down torchtitan model (its first ``--layers`` layers, the simulator's shapes and routing) laid out as
@@ -9,10 +10,12 @@ FSDP2 lays it (``Shard(0)`` over the ranks, float32 shards built from local piec
 gradients, ``--optimizer`` with its defaults. Per rank it prints the model's terms next to the measurement:
 
 - state: the bytes of the optimizer's state (``nbytes`` of each local tensor: the rule's shard state, AdamW's
-  and the owner state), on any device;
+  and the owner state), on any device; with ``--offload host`` the offloaded tensors and their spares are the
+  host state (the model's ``host_state``), and the device terms keep the rest;
 - on CUDA, from ``torch.cuda.memory_allocated``/``max_memory_allocated``: the growth over the first step that
   stays after it (the model's ``cuda_graphs``: the graphs' buffers, and whatever else a first step keeps), and
-  the peak of a later step over what was allocated when it began (the model's ``exchange`` + ``ns_workspace``).
+  the peak of a later step over what was allocated when it began (the model's ``exchange`` + ``ns_workspace``
+  + ``offload_staging``).
 """
 
 from __future__ import annotations
@@ -47,9 +50,16 @@ def local_dtensor(shape: tuple[int, ...], world: int, rank: int, mesh, device: t
     return DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
 
 
-def state_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of the optimizer's state on this rank: the rule's shard state, AdamW's, the owner state."""
-    held = {"shard_state": 0, "adamw_state": 0, "owner_state": 0}
+OFFLOADED = ("momentum_buffer", "momentum_codes", "momentum_scale", "exp_avg", "exp_avg_sq")
+"""The state keys offload="host" keeps in host memory."""
+
+
+def state_bytes(opt: torch.optim.Optimizer, offload: str) -> dict[str, int]:
+    """Bytes of the optimizer's state on this rank: the rule's shard state, AdamW's, the owner state, and with
+    offload the host state (offloaded tensors and the spares the engine keeps beside them)."""
+    held = {"shard_state": 0, "adamw_state": 0, "owner_state": 0, "host_state": 0}
+    if offload == "host":
+        held["host_state"] = sum(t.nbytes for t in opt._engine.offload._spares.values())
 
     def nbytes(t: torch.Tensor) -> int:
         return (t.to_local() if isinstance(t, DTensor) else t).nbytes
@@ -59,6 +69,8 @@ def state_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
             for key, value in opt.state[p].items():
                 if key == "owner_state":
                     held["owner_state"] += sum(nbytes(t) for matrix in value.values() for t in matrix.values())
+                elif offload == "host" and key in OFFLOADED:
+                    held["host_state"] += nbytes(value)
                 else:
                     held["shard_state" if group["use_muon"] else "adamw_state"] += nbytes(value)
     return held
@@ -76,7 +88,12 @@ def modelled(args, world: int) -> list[dict[str, int]]:
         batchable=rule.can_batch(group),
     )
     spec = OptimizerMemory.from_rule(
-        rule, group, wire, momentum_dtype=args.momentum_dtype, cuda_graphs=args.device == "cuda"
+        rule,
+        group,
+        wire,
+        momentum_dtype=args.momentum_dtype,
+        cuda_graphs=args.device == "cuda",
+        offload=args.offload == "host",
     )
     return [vars(r) | {"optimizer": r.optimizer} for r in memory_per_rank(meshes, adamw, spec, world)]
 
@@ -98,7 +115,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, args) -> None:
     shapes = model_parameters(args.model, args.layers)
     params = [(name, nn.Parameter(local_dtensor(shape, world, rank, mesh, device))) for name, shape, _ in shapes]
     options = {} if args.momentum_dtype == "float32" else {"momentum_dtype": args.momentum_dtype}
-    opt = FRONT_ENDS[args.optimizer][0](params, lr=1e-3, **options)
+    opt = FRONT_ENDS[args.optimizer][0](params, lr=1e-3, offload=args.offload, **options)
     allocated = []  # before the first step, after it, before the second
     peaks = []
     for _ in range(2):
@@ -115,7 +132,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, args) -> None:
             allocated.append(torch.cuda.memory_allocated())
         for _, p in params:
             p.grad = None
-    row = {"rank": rank, **state_bytes(opt)}
+    row = {"rank": rank, **state_bytes(opt, args.offload)}
     if cuda:
         row["first_step_kept"] = allocated[1] - allocated[0]
         row["step_peak"] = peaks[1] - allocated[2]
@@ -133,6 +150,7 @@ def main() -> None:
     parser.add_argument("--optimizer", default="muon", choices=sorted(FRONT_ENDS))
     parser.add_argument("--momentum-dtype", default="float32", choices=MOMENTUM_DTYPES)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--offload", choices=["none", "host"], default="none", help="the optimizer's offload")
     args = parser.parse_args()
     if args.model is None:
         args.model = "llama3:debugmodel" if args.quick else "llama3:8B"
@@ -146,16 +164,19 @@ def main() -> None:
     rows = []
     for rank, (got, model) in enumerate(zip(measured, modelled(args, args.world_size))):
         row = {"rank": rank, **{f"model_{k}": v for k, v in model.items()}, **{f"held_{k}": v for k, v in got.items()}}
-        row["model_step"] = model["exchange"] + model["ns_workspace"]
+        row["model_step"] = model["exchange"] + model["ns_workspace"] + model["offload_staging"]
         rows.append({k: (v / GIB if k != "rank" and isinstance(v, int) else v) for k, v in row.items()})
-    print(f"{args.model}, {args.layers} layers, {args.world_size} ranks, {args.optimizer}, {args.device} (GiB)")
+    print(
+        f"{args.model}, {args.layers} layers, {args.world_size} ranks, {args.optimizer}, {args.momentum_dtype} "
+        f"momentum, offload {args.offload}, {args.device} (GiB)"
+    )
     columns = [("rank", "rank", "{}")]
-    for term in ("shard_state", "adamw_state", "owner_state"):
+    for term in ("shard_state", "adamw_state", "owner_state", "host_state"):
         columns += [(f"model_{term}", f"{term} model", "{:.4f}"), (f"held_{term}", "held", "{:.4f}")]
     columns += [
         ("model_cuda_graphs", "graphs model", "{:.4f}"),
         ("held_first_step_kept", "first step kept", "{:.4f}"),
-        ("model_step", "exchange+NS model", "{:.4f}"),
+        ("model_step", "exchange+NS+staging model", "{:.4f}"),
         ("held_step_peak", "step peak", "{:.4f}"),
     ]
     print(markdown_table(rows, columns))

@@ -32,6 +32,9 @@ the same seeds, and each optimizer's state is freed before the next. Optimizers:
   E 2-D parameters that are views of the same storage (expert e's slice, with gradient slice e): the same
   E Newton–Schulz problems, one at a time.
 - ``torch.optim.AdamW`` (fused on CUDA) on every parameter.
+- with ``--offload``: ``dtensor_muon.Muon(..., offload="host")`` (momentum and AdamW moments in pinned host
+  memory, streamed through the GPU each step), and on CUDA the card's pinned copy rates (host to device,
+  device to host, both at once on two streams: :func:`copy_rates`) with the bytes the offload moves each way.
 
 Every optimizer gets lr 0.02, weight decay 0.1, AdamW betas (0.9, 0.95), eps 1e-8; both Muons momentum 0.95,
 Nesterov, 5 Newton–Schulz steps in bf16, Keller's coefficients, ``adjust_lr_fn=None`` (torch's default).
@@ -573,6 +576,8 @@ def build_optimizer(kind: str, params: ParameterSet) -> list[torch.optim.Optimiz
         )  # fmt: skip
         opt.clipped_heads = heads
         return [opt]
+    if kind == "dtensor_muon_offload":
+        return [Muon(params.named, **MUON_ARGS, adamw_betas=BETAS, adamw_eps=ADAM_EPS, offload="host")]
     if kind == "torch_muon_adamw":
         matrices, rest = params.split()
         return [
@@ -591,9 +596,50 @@ def build_optimizer(kind: str, params: ParameterSet) -> list[torch.optim.Optimiz
 LABELS = {
     "dtensor_muon": "dtensor_muon.Muon",
     "dtensor_muon_qk_clip": "dtensor_muon.Muon + QK-clip (half the heads)",
+    "dtensor_muon_offload": 'dtensor_muon.Muon offload="host"',
     "torch_muon_adamw": "torch.optim.Muon + AdamW{}",
     "adamw": "AdamW{} on everything",
 }
+
+
+def copy_rates(device: torch.device, nbytes: int, reps: int = 5) -> dict[str, float]:
+    """GB/s of copies between pinned host memory and ``device``, median of ``reps``: host to device, device to
+    host, and both directions at once (on two streams, the offload's pattern)."""
+    host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    on_device = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    streams = [torch.cuda.Stream(device) for _ in range(2)]
+
+    def timed(work: Callable[[], None]) -> float:
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            work()
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        return median(times)
+
+    def both() -> None:
+        with torch.cuda.stream(streams[0]):
+            on_device[0].copy_(host_in, non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            host_out.copy_(on_device[1], non_blocking=True)
+
+    h2d = timed(lambda: on_device[0].copy_(host_in, non_blocking=True))
+    d2h = timed(lambda: host_out.copy_(on_device[1], non_blocking=True))
+    together = timed(both)
+    return {
+        "copy_bytes": nbytes,
+        "h2d_gbps": nbytes / h2d / 1e9,
+        "d2h_gbps": nbytes / d2h / 1e9,
+        "both_gbps": 2 * nbytes / together / 1e9,
+    }
+
+
+def offloaded_bytes(params: ParameterSet) -> int:
+    """Bytes offload="host" moves each way per step: Muon's float32 momentum and AdamW's two moments."""
+    return sum((4 if name in params.muon_names else 8) * p.numel() for name, p in params.named)
 
 
 def sync(device: torch.device) -> None:
@@ -962,6 +1008,11 @@ def parse_args() -> Any:
     parser.add_argument(
         "--qk-clip", action="store_true", help="also dtensor_muon.Muon with QK-clip on half the heads (its cost)"
     )
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help='also dtensor_muon.Muon with offload="host", and the card\'s host<->device copy rates (CUDA)',
+    )
     args = parser.parse_args()
     try:
         args.world_size = world_sizes(args.world_size)
@@ -1017,13 +1068,28 @@ def whole_step(args: Any, params: ParameterSet, floor: dict[str, float] | None) 
         for i in (indices[: args.check_params] if device.type == "cuda" else indices)
     ]
     rows, finals = [], {}
-    kinds = ("dtensor_muon", *(("dtensor_muon_qk_clip",) if args.qk_clip else ()), "torch_muon_adamw", "adamw")
+    kinds = (
+        "dtensor_muon",
+        *(("dtensor_muon_qk_clip",) if args.qk_clip else ()),
+        *(("dtensor_muon_offload",) if args.offload else ()),
+        "torch_muon_adamw",
+        "adamw",
+    )
     for kind in kinds:
         rows.append(run_optimizer(kind, params, args.warmup, args.steps))
         if kind in ("dtensor_muon", "torch_muon_adamw"):
             finals[kind] = snapshot(params, check)
         print(f"  {rows[-1]['optimizer']}: {rows[-1]['step_ms']:.2f} ms", flush=True)
     differences = update_differences(params, finals["dtensor_muon"], finals["torch_muon_adamw"])
+    if args.offload and device.type == "cuda":
+        moved = offloaded_bytes(params)
+        rates = copy_rates(device, min(moved, 2**30))
+        differences.update(offloaded_bytes=moved, **rates)
+        print(
+            f"offload moves {moved / GIB:.2f} GiB each way per step; pinned copies: host→device "
+            f"{rates['h2d_gbps']:.1f} GB/s, device→host {rates['d2h_gbps']:.1f} GB/s, both at once "
+            f"{rates['both_gbps']:.1f} GB/s: {1e3 * 2 * moved / (rates['both_gbps'] * 1e9):.1f} ms at that rate"
+        )
     adamw_ms = rows[-1]["step_ms"]
     for row in rows:
         row["vs_adamw"] = row["step_ms"] / adamw_ms

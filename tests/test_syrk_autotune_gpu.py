@@ -29,3 +29,24 @@ def test_autotuning_leaves_queued_work_intact():
         quiet = newton_schulz(g)
     assert torch.equal(queued, quiet)
     assert torch.equal(tuned, triton_syrk.syrk(x))
+
+
+@pytest.mark.parametrize("m, k", [(768, 2048), (1408, 2048), (2048, 768)])
+def test_every_candidate_config_gives_the_same_bits(m, k):
+    """The autotuner may pick another config on another rank, or for another number of matrices in a batch;
+    that is harmless only if every candidate gives the same bits. The candidates differ in tile shape, warps,
+    stages and registers, never in BLOCK_K, so each entry accumulates the same products in the same order.
+    Checked for Newton–Schulz's expert shapes, X·Xᵀ and C + X·Xᵀ, on 8 stacked matrices."""
+    g = torch.Generator("cuda").manual_seed(1)
+    x = (torch.randn(8, m, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+    c = triton_syrk.syrk(x)
+    assert {shape[2] for shape in triton_syrk.SYRK_SHAPES} == {64}
+    results = []
+    for ratio, block_n, block_k, warps, stages, regs in triton_syrk.SYRK_SHAPES:
+        config = {"RATIO": ratio, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
+        if regs is not None:
+            config["maxnreg"] = regs
+        results.append((triton_syrk.syrk(x, config=config), triton_syrk.syrk(x, beta=0.5, c=c, config=config)))
+    for product, with_c in results[1:]:
+        assert torch.equal(product, results[0][0])
+        assert torch.equal(with_c, results[0][1])

@@ -60,7 +60,13 @@ class HostOffload:
         self._to_device = torch.cuda.Stream(device) if cuda else None
         self._to_host = torch.cuda.Stream(device) if cuda else None
         self._written: torch.cuda.Event | None = None  # the last copy back, recorded on _to_host
+        self._written_before: torch.cuda.Event | None = None  # the last copy back of the steps before this one
         self._spares: dict[int, Tensor] = {}  # id(host tensor) → its spare (same shape, strides, dtype)
+
+    def start_step(self) -> None:
+        """A new step begins: its copies in wait for the copies back of the steps before it (which filled the host
+        tensors it reads), not for its own (which fill other tensors), so both directions run at once."""
+        self._written_before = self._written
 
     def staged(self, hosts: list[State]) -> Iterator[tuple[range, list[State]]]:
         """Device copies of ``hosts`` (each a dict of host tensors), bucket by bucket: yields (positions in
@@ -119,7 +125,7 @@ class HostOffload:
         """Wait until every copy back has reached host memory."""
         if self._written is not None:
             self._written.synchronize()
-            self._written = None
+            self._written = self._written_before = None
 
     def _spans(self, hosts: list[State]) -> list[range]:
         """``hosts`` cut into consecutive runs of at most ``bucket_bytes`` (a larger state alone)."""
@@ -140,8 +146,8 @@ class HostOffload:
         if self._to_device is None:
             return [{key: t.clone() for key, t in hosts[i].items()} for i in span], None
         stream = self._to_device
-        if self._written is not None:  # host tensors the copies back are still filling
-            stream.wait_event(self._written)
+        if self._written_before is not None:  # host tensors an earlier step's copies back may still be filling
+            stream.wait_event(self._written_before)
         current = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(stream):  # allocated on the stream that writes them first
             copies = [{key: t.to(self.device, non_blocking=True) for key, t in hosts[i].items()} for i in span]

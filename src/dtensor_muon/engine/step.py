@@ -378,6 +378,8 @@ class Engine:
         still be in flight: :meth:`finish` applies chosen parameters' updates, :meth:`flush` all of them.
         """
         self.flush()
+        if self.offload is not None:
+            self.offload.start_step()
         timer = metrics_lib.PhaseTimer()
         failure: PreflightError | None = None
         with timer.phase("preflight"):
