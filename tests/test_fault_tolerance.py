@@ -183,7 +183,7 @@ def owner_failure(rank: int, world_size: int, overlap: bool, offload: str) -> di
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("overlap, offload", [(False, "none"), (True, "none"), (False, "host")])
+@pytest.mark.parametrize("overlap, offload", [(False, "none"), (True, "none"), (False, "host"), (True, "host")])
 def test_a_failing_direction_raises_on_every_rank_and_changes_nothing(overlap, offload, device):
     """With offload="host" the failed step's new momentum was written beside the state, never into it."""
     results = run_distributed(owner_failure, 2, overlap, offload, device=device)

@@ -324,6 +324,9 @@ def test_muon_kwargs_come_from_both_sections():
     assert kwargs["overlap"] is False and kwargs["ns_algorithm"] == "auto"
     with_overlap = ConfigManager().parse_args(EXT + ["--muon.overlap"])
     assert optimizer.optimizer_section_kwargs("Muon", with_overlap.optimizer, with_overlap.muon)["overlap"] is True
+    assert kwargs["offload"] == "none"
+    offloaded = ConfigManager().parse_args(EXT + ["--muon.offload", "host"])
+    assert optimizer.optimizer_section_kwargs("Muon", offloaded.optimizer, offloaded.muon)["offload"] == "host"
     assert kwargs["tp_mode"] == "owned"
     distributed = ConfigManager().parse_args(EXT + ["--muon.tp_mode", "distributed"])
     assert (
