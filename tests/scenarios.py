@@ -44,6 +44,17 @@ def gradients(step: int) -> dict[str, torch.Tensor | None]:
     return {name: (None if name in NO_GRAD else torch.randn(shape, generator=g)) for name, shape in SHAPES}
 
 
+def assert_same_run(names: list[str], got: dict, want: dict) -> None:
+    """Two runs' ``{"params": [...], "state": [{key: tensor}, ...]}``, one entry per name, equal bit for bit (the
+    state also in dtype)."""
+    for name, a, b in zip(names, got["params"], want["params"]):
+        assert torch.equal(a, b), f"{name}: max |Δ| {float((a - b).abs().max()):.3e}"
+    for name, a, b in zip(names, got["state"], want["state"]):
+        assert set(a) == set(b), name
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), (name, key)
+
+
 def reference_run(steps: int, device: str = "cpu", **options: Any) -> list[torch.Tensor]:
     """Single process, plain tensors on ``device`` (on the CPU on one thread, as the gloo workers run): the
     result every distributed run must reproduce; returned on the CPU."""

@@ -76,13 +76,7 @@ def sharded(rank: int, world_size: int, optimizer: str, momentum_dtype: str, lay
 
 
 def assert_equal_to_one_process(got: dict, optimizer: str, momentum_dtype: str) -> None:
-    want = one_process(optimizer, momentum_dtype)
-    for (name, _), a, b in zip(SHAPES, got["params"], want["params"]):
-        assert torch.equal(a, b), f"{name}: max |Δ| {float((a - b).abs().max()):.3e}"
-    for (name, _), a, b in zip(SHAPES, got["state"], want["state"]):
-        assert set(a) == set(b), name
-        for key in a:
-            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), (name, key)
+    scenarios.assert_same_run([name for name, _ in SHAPES], got, one_process(optimizer, momentum_dtype))
 
 
 @pytest.mark.slow

@@ -86,12 +86,7 @@ def one_process(device: str, optimizer: str, options: dict[str, Any]) -> dict:
 
 
 def assert_same(got: dict, want: dict) -> None:
-    for (name, _), a, b in zip(SHAPES, got["params"], want["params"]):
-        assert torch.equal(a, b), f"{name}: max |Δ| {float((a - b).abs().max()):.3e}"
-    for (name, _), a, b in zip(SHAPES, got["state"], want["state"]):
-        assert set(a) == set(b), name
-        for key in a:
-            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), (name, key)
+    scenarios.assert_same_run([name for name, _ in SHAPES], got, want)
 
 
 def assert_on_host(got: dict, device: str) -> None:

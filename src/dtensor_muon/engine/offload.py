@@ -8,7 +8,8 @@ factors and bases) stays on the device, whole on each matrix's owner; step count
 Each step the state passes through the device bucket by bucket (at most ``bucket_bytes`` of state each): a
 bucket is copied in on a copy stream while the one before it computes, updated there by the same kernels as
 without offload (so the bits are the same), and copied back on a second stream, so transfers in both
-directions overlap with the work. On the device: about two buckets at a time.
+directions overlap with the work. On the device: at most three buckets at a time (one copied in, one updated,
+one copied back).
 
 Host memory: the matrix rule's shard state twice over several ranks (once on one process), AdamW's moments
 once. A step over several ranks keeps nothing until every rank has succeeded (:mod:`dtensor_muon.engine.step`),
