@@ -32,6 +32,7 @@ the same seeds, and each optimizer's state is freed before the next. Optimizers:
   E 2-D parameters that are views of the same storage (expert e's slice, with gradient slice e): the same
   E Newton–Schulz problems, one at a time.
 - ``torch.optim.AdamW`` (fused on CUDA) on every parameter.
+- with ``--momentum-dtypes bfloat16 int8``: ``dtensor_muon.Muon(..., momentum_dtype=...)`` in each format;
 - with ``--offload``: ``dtensor_muon.Muon(..., offload="host")`` (momentum and AdamW moments in pinned host
   memory, streamed through the GPU each step), and on CUDA the card's pinned copy rates (host to device,
   device to host, both at once on two streams: :func:`copy_rates`) with the bytes the offload moves each way.
@@ -578,6 +579,9 @@ def build_optimizer(kind: str, params: ParameterSet) -> list[torch.optim.Optimiz
         return [opt]
     if kind == "dtensor_muon_offload":
         return [Muon(params.named, **MUON_ARGS, adamw_betas=BETAS, adamw_eps=ADAM_EPS, offload="host")]
+    if kind.startswith("dtensor_muon_momentum_"):
+        dtype = kind.removeprefix("dtensor_muon_momentum_")
+        return [Muon(params.named, **MUON_ARGS, adamw_betas=BETAS, adamw_eps=ADAM_EPS, momentum_dtype=dtype)]
     if kind == "torch_muon_adamw":
         matrices, rest = params.split()
         return [
@@ -597,6 +601,8 @@ LABELS = {
     "dtensor_muon": "dtensor_muon.Muon",
     "dtensor_muon_qk_clip": "dtensor_muon.Muon + QK-clip (half the heads)",
     "dtensor_muon_offload": 'dtensor_muon.Muon offload="host"',
+    "dtensor_muon_momentum_bfloat16": 'dtensor_muon.Muon momentum_dtype="bfloat16"',
+    "dtensor_muon_momentum_int8": 'dtensor_muon.Muon momentum_dtype="int8"',
     "torch_muon_adamw": "torch.optim.Muon + AdamW{}",
     "adamw": "AdamW{} on everything",
 }
@@ -1009,6 +1015,13 @@ def parse_args() -> Any:
         "--qk-clip", action="store_true", help="also dtensor_muon.Muon with QK-clip on half the heads (its cost)"
     )
     parser.add_argument(
+        "--momentum-dtypes",
+        nargs="*",
+        default=[],
+        choices=["bfloat16", "int8"],
+        help="also dtensor_muon.Muon with its momentum in these formats (the step time of each)",
+    )
+    parser.add_argument(
         "--offload",
         action="store_true",
         help='also dtensor_muon.Muon with offload="host", and the card\'s host<->device copy rates (CUDA)',
@@ -1071,6 +1084,7 @@ def whole_step(args: Any, params: ParameterSet, floor: dict[str, float] | None) 
     kinds = (
         "dtensor_muon",
         *(("dtensor_muon_qk_clip",) if args.qk_clip else ()),
+        *(f"dtensor_muon_momentum_{dtype}" for dtype in args.momentum_dtypes),
         *(("dtensor_muon_offload",) if args.offload else ()),
         "torch_muon_adamw",
         "adamw",
