@@ -351,3 +351,62 @@ def test_no_exchange_work_is_kept_after_the_step_or_the_flush():
         assert r["launched overlap=False"] > 0 and r["alive after step overlap=False"] == 0, r
         assert r["alive after step overlap=True"] > 0, r  # the return exchanges are still in flight
         assert r["alive after flush overlap=True"] == 0, r
+
+
+def buffers_alive_after_step(rank: int, world_size: int) -> dict[str, int]:
+    """With ``overlap=True``, how many of a step's buffers are still alive (weakrefs, after a garbage
+    collection) once ``step()`` has returned, while the return exchanges are in flight into the next forward:
+    the prepared inputs U, the owners' direction outputs O, the pieces the exchanges out received, and the
+    pieces the return exchanges received; then after ``flush()``."""
+    import gc
+    import weakref
+
+    from dtensor_muon.engine.context import StepContext
+    from dtensor_muon.engine.strategies import owned
+
+    refs: dict[str, list[weakref.ref]] = {"inputs": [], "outputs": [], "received out": [], "received back": []}
+    prepare_many, compute_unit = StepContext.prepare_many, StepContext.compute_unit
+    launch_out, launch_back = owned._launch_out, owned._launch_back
+
+    def recorded(key: str, fn, pick=lambda result: [result]):
+        def wrapper(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            refs[key].extend(weakref.ref(t) for t in pick(result))
+            return result
+
+        return wrapper
+
+    StepContext.prepare_many = recorded("inputs", prepare_many, pick=list)
+    StepContext.compute_unit = recorded("outputs", compute_unit)
+    owned._launch_out = recorded("received out", launch_out, pick=lambda pending: [pending.received])
+    owned._launch_back = recorded("received back", launch_back, pick=lambda pending: [pending.received])
+    try:
+        params = scenarios.distributed_params("shard0", world_size)
+        model = scenarios.ParamHolder(params)
+        named = [(n, getattr(model, n.replace(".", "__"))) for n, _ in params]
+        opt = Muon(named, overlap=True, **scenarios.OPTIONS)
+        opt.attach(model)
+        scenarios.set_gradients(named, 0)
+        opt.step()
+        gc.collect()
+        out = {f"{key} made": len(r) for key, r in refs.items()}
+        out.update({f"{key} alive after step": sum(w() is not None for w in r) for key, r in refs.items()})
+        opt.flush()
+        gc.collect()
+        out.update({f"{key} alive after flush": sum(w() is not None for w in r) for key, r in refs.items()})
+    finally:
+        StepContext.prepare_many, StepContext.compute_unit = prepare_many, compute_unit
+        owned._launch_out, owned._launch_back = launch_out, launch_back
+    return out
+
+
+@pytest.mark.slow
+def test_a_step_lets_go_of_its_buffers_before_the_next_forward():
+    """Only what the next forward's hooks still need outlives step(): the return exchanges' received pieces;
+    U, the directions' outputs and the pieces received by the exchanges out are freed inside the step."""
+    for r in run_distributed(buffers_alive_after_step, 2, timeout=DEADLINE_S):
+        assert all(r[f"{key} made"] > 0 for key in ("inputs", "outputs", "received out", "received back")), r
+        for key in ("inputs", "outputs", "received out"):
+            assert r[f"{key} alive after step"] == 0, (key, r)
+        assert r["received back alive after step"] > 0, r  # in flight until the next forward
+        assert r["received back alive after flush"] == 0, r

@@ -188,6 +188,11 @@ class StepContext:
                 self._written_beside.extend(zip(states, targets))
         return out
 
+    def release_inputs(self, indices: list[int]) -> None:
+        """Let go of the prepared U of these parameters: no strategy reads it any more."""
+        for i in indices:
+            self.inputs.pop(i, None)
+
     def owner_state(self, spec: MatrixSpec) -> dict[str, Tensor]:
         """The owner state of one matrix ({} for rules without owner state)."""
         held = self.state[self.entries[spec.param_index].param].get(OWNER_STATE_KEY)

@@ -20,9 +20,13 @@ from ..distributed.exchange import PendingExchange
 
 @dataclass
 class BackExchange:
-    """One bucket's return exchange: ``launch`` starts it (:meth:`start`), ``unpack`` copies what it received."""
+    """One bucket's return exchange: ``launch`` starts it (:meth:`start`), ``unpack`` copies what it received.
 
-    launch: Callable[[], PendingExchange]
+    What each stage no longer needs is let go at once: the launcher (and the directions' outputs it holds) when
+    the exchange starts, the exchange (its receive buffer) once unpacked, so that with overlap a step's
+    outputs and received pieces do not stay allocated through the next forward."""
+
+    launch: Callable[[], PendingExchange] | None
     param_indices: tuple[int, ...]
     unpack: Callable[[dict[int, Tensor]], None]
     exchange: PendingExchange | None = None
@@ -30,8 +34,19 @@ class BackExchange:
 
     def start(self) -> None:
         """Launch the exchange (once)."""
-        if self.exchange is None:
+        if self.exchange is None and self.launch is not None:
             self.exchange = self.launch()
+            self.launch = None
+
+    def receive(self) -> None:
+        """Wait for the exchange and unpack it (once), then drop its buffers."""
+        if self.unpacked:
+            return
+        self.start()
+        assert self.exchange is not None
+        self.unpack(self.exchange.wait())
+        self.exchange = None
+        self.unpacked = True
 
 
 class PendingUpdates:
@@ -53,11 +68,7 @@ class PendingUpdates:
         ready = list(dict.fromkeys(i for i in indices if i in self.remaining))
         for index in ready:
             for back in self.backs_of.get(index, []):
-                if not back.unpacked:
-                    back.start()
-                    assert back.exchange is not None
-                    back.unpack(back.exchange.wait())
-                    back.unpacked = True
+                back.receive()
         if ready:
             self.apply(ready)
         for index in ready:

@@ -431,6 +431,7 @@ class Engine:
         for work in self.meshes:
             for strategy in STRATEGIES:
                 backs.extend(strategy(ctx, work))
+        ctx.release_inputs(list(ctx.inputs))  # U is in the send buffers or consumed: not kept past the step
         with timer.phase("outcome"):
             try:
                 self._agree_on_outcome(ctx)

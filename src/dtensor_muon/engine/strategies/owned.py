@@ -17,13 +17,30 @@ from torch import Tensor
 from ...distributed.exchange import PendingExchange, start_all_to_all
 from ...distributed.layout import box_numel, box_shape, contiguous_offset, local, relative_slices
 from ...plan import MatrixRoute
+from ...plan.placement import TensorParallelGroup
 from ..context import MeshWork, StepContext
 from ..pending import BackExchange
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
-    """Exchange out, compute owned units, launch the return exchanges (see the module docstring)."""
-    return exchange_buckets(ctx, work, work.plan.buckets, _launch_out, _compute_owned, _launch_back, _unpack_back)
+    """Exchange out, compute owned units, launch the return exchanges (see the module docstring). Once every
+    bucket's pieces are on their way, U of the parameters that no tensor-parallel unit still reads is let go."""
+    tensor_parallel = {
+        work.plan.routes[i].spec.param_index
+        for u in work.plan.units_placed(TensorParallelGroup)
+        for i in work.plan.units[u].members
+    }
+    done = [e.index for e in work.entries if e.index not in tensor_parallel]
+    return exchange_buckets(
+        ctx,
+        work,
+        work.plan.buckets,
+        _launch_out,
+        _compute_owned,
+        _launch_back,
+        _unpack_back,
+        lambda: ctx.release_inputs(done),
+    )
 
 
 def exchange_buckets(
@@ -34,22 +51,29 @@ def exchange_buckets(
     compute: Callable[[StepContext, MeshWork, list[int], dict[int, Tensor], torch.device], dict[int, Tensor]],
     launch_back: Callable[[StepContext, MeshWork, list[MatrixRoute], dict[int, Tensor], torch.device], PendingExchange],
     unpack_back: Callable[[StepContext, MeshWork, list[MatrixRoute], dict[int, Tensor]], None],
+    inputs_sent: Callable[[], None],
 ) -> list[BackExchange]:
-    """Every bucket's exchange out launched at once, then per bucket: wait, compute, launch the exchange back
-    (left in flight as a :class:`BackExchange` that ``unpack_back`` completes; with ``ctx.hold_backs`` left
-    for the engine to launch once every rank's directions succeeded). Shared by the owned and the
-    tensor-parallel strategies, which differ in what they send, compute and send back."""
+    """Every bucket's exchange out launched at once (then ``inputs_sent``: the pieces of U are packed into the
+    send buffers), then per bucket: wait, compute, launch the exchange back (left in flight as a
+    :class:`BackExchange` that ``unpack_back`` completes; with ``ctx.hold_backs`` left for the engine to launch
+    once every rank's directions succeeded). A bucket's received pieces are let go once it is computed. Shared
+    by the owned and the tensor-parallel strategies, which differ in what they send, compute and send back."""
     if not buckets:
         return []
     device = local(work.entries[0].param).device
     with ctx.timer.phase("exchange_out_launch"):
-        pending_out = [launch_out(ctx, work, bucket, device) for bucket in buckets]
+        pending_out: list[PendingExchange | None] = [launch_out(ctx, work, bucket, device) for bucket in buckets]
+    inputs_sent()
     backs: list[BackExchange] = []
-    for bucket, pending in zip(buckets, pending_out):
+    for k, bucket in enumerate(buckets):
+        pending, pending_out[k] = pending_out[k], None
+        assert pending is not None
         with ctx.timer.phase("exchange_out_wait"):
             received = pending.wait()
+        del pending
         with ctx.timer.phase("owner_compute"):
             outputs = compute(ctx, work, bucket, received, device)
+        del received
         with ctx.timer.phase("exchange_back_launch"):
             routes = active_routes(ctx, work, bucket)
             indices = tuple(dict.fromkeys(r.spec.param_index for r in routes))

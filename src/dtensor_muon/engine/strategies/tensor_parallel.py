@@ -28,9 +28,18 @@ from .owned import active_routes, exchange_buckets, sent_bytes
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
-    """Exchange out, compute this rank's share of each TP unit, launch the return exchanges."""
+    """Exchange out, compute this rank's share of each TP unit, launch the return exchanges; U of this mesh's
+    parameters is let go once every bucket's pieces are on their way (this is the last strategy to read it)."""
+    done = [e.index for e in work.entries]
     return exchange_buckets(
-        ctx, work, work.plan.tensor_parallel_buckets, _launch_out, _compute, _launch_back, _unpack_back
+        ctx,
+        work,
+        work.plan.tensor_parallel_buckets,
+        _launch_out,
+        _compute,
+        _launch_back,
+        _unpack_back,
+        lambda: ctx.release_inputs(done),
     )
 
 
