@@ -3,6 +3,7 @@
     python bench/memory.py --device cuda --world-size 2 --model llama3:8B --layers 2   # NCCL, one GPU per rank
     python bench/memory.py --device cuda --world-size 1 --model qwen3:30B-A3B --layers 1
     python bench/memory.py --device cuda --world-size 1 --model qwen3:30B-A3B --layers 1 --offload host
+    python bench/memory.py --device cuda --backend gloo --world-size 4 --overlap   # 4 ranks sharing one GPU
     python bench/memory.py --quick                                                     # 2 gloo ranks on CPU
 
 A cut-down torchtitan model (its first ``--layers`` layers, the simulator's shapes and routing) laid out as
@@ -15,7 +16,11 @@ gradients, ``--optimizer`` with its defaults. Per rank it prints the model's ter
 - on CUDA, from ``torch.cuda.memory_allocated``/``max_memory_allocated``: the growth over the first step that
   stays after it (the model's ``cuda_graphs``: the graphs' buffers, and whatever else a first step keeps), and
   the peak of a later step over what was allocated when it began (the model's ``exchange`` + ``ns_workspace``
-  + ``offload_staging``).
+  + ``offload_staging``); with ``--overlap`` also what a step leaves allocated when it returns, which the next
+  forward's hooks release (the update buffers and the return exchanges in flight).
+
+On CUDA the ranks take one GPU each over NCCL, or, with ``--backend gloo``, share one GPU (each process's
+allocator is its own, so each rank's figures are its own; the exchanges then run through gloo).
 """
 
 from __future__ import annotations
@@ -101,24 +106,31 @@ def modelled(args, world: int) -> list[dict[str, int]]:
 def worker(rank: int, world: int, init_file: str, out_dir: str, args) -> None:
     torch.set_num_threads(1)
     cuda = args.device == "cuda"
+    shared = args.backend == "gloo"
     if cuda:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(0 if shared else rank)
     dist.init_process_group(
-        "nccl" if cuda else "gloo",
+        args.backend,
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=300),
     )
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = torch.device("cuda", 0 if shared else rank) if cuda else torch.device("cpu")
     mesh = init_device_mesh(args.device, (world,))
     shapes = model_parameters(args.model, args.layers)
     params = [(name, nn.Parameter(local_dtensor(shape, world, rank, mesh, device))) for name, shape, _ in shapes]
     options = {} if args.momentum_dtype == "float32" else {"momentum_dtype": args.momentum_dtype}
-    opt = FRONT_ENDS[args.optimizer][0](params, lr=1e-3, offload=args.offload, **options)
+    opt = FRONT_ENDS[args.optimizer][0](params, lr=1e-3, offload=args.offload, overlap=args.overlap, **options)
+    if args.overlap:
+        holder = nn.Module()
+        for i, (_, p) in enumerate(params):
+            holder.register_parameter(f"p{i}", p)
+        opt.attach(holder)
     allocated = []  # before the first step, after it, before the second
     peaks = []
     for _ in range(2):
+        base = torch.cuda.memory_allocated() if cuda else 0  # before the gradients
         for _, p in params:
             p.grad = local_dtensor(tuple(p.shape), world, rank, mesh, device)
         if cuda:
@@ -132,10 +144,15 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, args) -> None:
             allocated.append(torch.cuda.memory_allocated())
         for _, p in params:
             p.grad = None
+        if args.overlap and cuda:
+            kept = torch.cuda.memory_allocated() - base  # the step's leftovers, gradients freed
+        opt.flush()
     row = {"rank": rank, **state_bytes(opt, args.offload)}
     if cuda:
         row["first_step_kept"] = allocated[1] - allocated[0]
         row["step_peak"] = peaks[1] - allocated[2]
+        if args.overlap:
+            row["kept_into_forward"] = kept
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(row, f)
     dist.destroy_process_group()
@@ -151,12 +168,20 @@ def main() -> None:
     parser.add_argument("--momentum-dtype", default="float32", choices=MOMENTUM_DTYPES)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--offload", choices=["none", "host"], default="none", help="the optimizer's offload")
+    parser.add_argument("--overlap", action="store_true", help="overlap=True: also what a step leaves for the forward")
+    parser.add_argument(
+        "--backend", choices=["nccl", "gloo"], default=None, help="CUDA: nccl (a GPU per rank, the default) or gloo"
+    )
     args = parser.parse_args()
     if args.model is None:
         args.model = "llama3:debugmodel" if args.quick else "llama3:8B"
     if args.layers is None:
         args.layers = 2
-    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
+    if args.backend is None:
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.backend == "nccl" and args.device != "cuda":
+        parser.error("--backend nccl needs --device cuda")
+    if args.backend == "nccl" and torch.cuda.device_count() < args.world_size:
         parser.error(f"NCCL takes one GPU per rank: {args.world_size} ranks, {torch.cuda.device_count()} GPUs")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(args.world_size, os.path.join(tmp, "init"), tmp, args), nprocs=args.world_size)
@@ -178,6 +203,11 @@ def main() -> None:
         ("held_first_step_kept", "first step kept", "{:.4f}"),
         ("model_step", "exchange+NS+staging model", "{:.4f}"),
         ("held_step_peak", "step peak", "{:.4f}"),
+        *(
+            [("held_kept_into_forward", "kept into forward", "{:.4f}")]
+            if args.overlap and args.device == "cuda"
+            else []
+        ),
     ]
     print(markdown_table(rows, columns))
     write_result(args, rows)
