@@ -6,6 +6,7 @@ fails the test (the processes are killed) instead of hanging it.
 
 from __future__ import annotations
 
+import itertools
 import time
 import warnings
 from typing import Any
@@ -410,3 +411,46 @@ def test_a_step_lets_go_of_its_buffers_before_the_next_forward():
             assert r[f"{key} alive after step"] == 0, (key, r)
         assert r["received back alive after step"] > 0, r  # in flight until the next forward
         assert r["received back alive after flush"] == 0, r
+
+
+def inputs_alive_at_each_launch(rank: int, world_size: int) -> list[int]:
+    """How many prepared inputs U are alive when each exchange out is launched, with one matrix per bucket."""
+    import gc
+    import weakref
+
+    from dtensor_muon.engine.context import StepContext
+    from dtensor_muon.engine.strategies import owned
+
+    inputs: list[weakref.ref] = []
+    alive: list[int] = []
+    prepare_many, launch_out = StepContext.prepare_many, owned._launch_out
+
+    def recording_prepare(*args, **kwargs):
+        result = prepare_many(*args, **kwargs)
+        inputs.extend(weakref.ref(u) for u in result)
+        return result
+
+    def counting_launch(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(r() is not None for r in inputs))
+        return launch_out(*args, **kwargs)
+
+    StepContext.prepare_many, owned._launch_out = recording_prepare, counting_launch
+    try:
+        params = scenarios.distributed_params("shard0", world_size)
+        opt = Muon(params, bucket_size_mb=1e-6, **scenarios.OPTIONS)  # a bucket per matrix
+        scenarios.set_gradients(params, 0)
+        opt.step()
+    finally:
+        StepContext.prepare_many, owned._launch_out = prepare_many, launch_out
+    return alive
+
+
+@pytest.mark.slow
+def test_each_input_is_let_go_once_its_last_piece_is_packed():
+    """U of a parameter is freed as soon as the last bucket with a piece of it is launched, not after every
+    bucket: the count of live inputs falls from launch to launch."""
+    for alive in run_distributed(inputs_alive_at_each_launch, 2, timeout=DEADLINE_S):
+        assert len(alive) > 2, alive
+        assert all(a >= b for a, b in itertools.pairwise(alive)), alive
+        assert alive[-1] < alive[0], alive

@@ -23,24 +23,39 @@ from ..pending import BackExchange
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
-    """Exchange out, compute owned units, launch the return exchanges (see the module docstring). Once every
-    bucket's pieces are on their way, U of the parameters that no tensor-parallel unit still reads is let go."""
+    """Exchange out, compute owned units, launch the return exchanges (see the module docstring). U of a
+    parameter that no tensor-parallel unit reads is let go as soon as the last bucket with a piece of it is
+    launched: the send buffers then hold those pieces."""
+    plan, me = work.plan, work.comm.mesh_rank
     tensor_parallel = {
-        work.plan.routes[i].spec.param_index
-        for u in work.plan.units_placed(TensorParallelGroup)
-        for i in work.plan.units[u].members
+        plan.routes[i].spec.param_index for u in plan.units_placed(TensorParallelGroup) for i in plan.units[u].members
     }
-    done = [e.index for e in work.entries if e.index not in tensor_parallel]
+    last: dict[int, int] = {}
+    for k, bucket in enumerate(plan.buckets):
+        for i in bucket:
+            route = plan.routes[i]
+            if any(source == me for _, source in route.pieces):
+                last[route.spec.param_index] = k
     return exchange_buckets(
         ctx,
         work,
-        work.plan.buckets,
+        plan.buckets,
         _launch_out,
         _compute_owned,
         _launch_back,
         _unpack_back,
-        lambda: ctx.release_inputs(done),
+        inputs_sent_through(ctx, last, tensor_parallel),
     )
+
+
+def inputs_sent_through(ctx: StepContext, last: dict[int, int], keep: set[int]) -> Callable[[int], None]:
+    """A callback for :func:`exchange_buckets`: after bucket k is launched, let go of the U of the parameters
+    whose last bucket (``last``: parameter index → the last bucket with a piece it sends) is k, except ``keep``."""
+    after: dict[int, list[int]] = defaultdict(list)
+    for index, k in last.items():
+        if index not in keep:
+            after[k].append(index)
+    return lambda k: ctx.release_inputs(after.get(k, []))
 
 
 def exchange_buckets(
@@ -51,19 +66,21 @@ def exchange_buckets(
     compute: Callable[[StepContext, MeshWork, list[int], dict[int, Tensor], torch.device], dict[int, Tensor]],
     launch_back: Callable[[StepContext, MeshWork, list[MatrixRoute], dict[int, Tensor], torch.device], PendingExchange],
     unpack_back: Callable[[StepContext, MeshWork, list[MatrixRoute], dict[int, Tensor]], None],
-    inputs_sent: Callable[[], None],
+    sent: Callable[[int], None],
 ) -> list[BackExchange]:
-    """Every bucket's exchange out launched at once (then ``inputs_sent``: the pieces of U are packed into the
-    send buffers), then per bucket: wait, compute, launch the exchange back (left in flight as a
+    """Every bucket's exchange out launched at once (after bucket k, ``sent(k)``: its pieces of U are packed
+    into its send buffer), then per bucket: wait, compute, launch the exchange back (left in flight as a
     :class:`BackExchange` that ``unpack_back`` completes; with ``ctx.hold_backs`` left for the engine to launch
     once every rank's directions succeeded). A bucket's received pieces are let go once it is computed. Shared
     by the owned and the tensor-parallel strategies, which differ in what they send, compute and send back."""
     if not buckets:
         return []
     device = local(work.entries[0].param).device
+    pending_out: list[PendingExchange | None] = []
     with ctx.timer.phase("exchange_out_launch"):
-        pending_out: list[PendingExchange | None] = [launch_out(ctx, work, bucket, device) for bucket in buckets]
-    inputs_sent()
+        for k, bucket in enumerate(buckets):
+            pending_out.append(launch_out(ctx, work, bucket, device))
+            sent(k)
     backs: list[BackExchange] = []
     for k, bucket in enumerate(buckets):
         pending, pending_out[k] = pending_out[k], None

@@ -24,22 +24,28 @@ from ...plan.placement import TensorParallelGroup
 from ...plan.views import matrix_shape_of_box
 from ..context import MeshWork, StepContext
 from ..pending import BackExchange
-from .owned import active_routes, exchange_buckets, sent_bytes
+from .owned import active_routes, exchange_buckets, inputs_sent_through, sent_bytes
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
-    """Exchange out, compute this rank's share of each TP unit, launch the return exchanges; U of this mesh's
-    parameters is let go once every bucket's pieces are on their way (this is the last strategy to read it)."""
-    done = [e.index for e in work.entries]
+    """Exchange out, compute this rank's share of each TP unit, launch the return exchanges; U of a parameter is
+    let go once the last bucket with a piece of it is launched (this is the last strategy to read U)."""
+    plan, me = work.plan, work.comm.mesh_rank
+    last: dict[int, int] = {}
+    for k, bucket in enumerate(plan.tensor_parallel_buckets):
+        for i in bucket:
+            route = plan.routes[i]
+            if any(source == me for _, _, pieces in route.targets for _, source in pieces):
+                last[route.spec.param_index] = k
     return exchange_buckets(
         ctx,
         work,
-        work.plan.tensor_parallel_buckets,
+        plan.tensor_parallel_buckets,
         _launch_out,
         _compute,
         _launch_back,
         _unpack_back,
-        lambda: ctx.release_inputs(done),
+        inputs_sent_through(ctx, last, set()),
     )
 
 
