@@ -178,8 +178,9 @@ def test_offloaded_terms_by_hand():
         assert got.host_state == 2 * 4 * (16 + 12) + 2 * 4 * 5
         assert got.offload_staging == 4 * (16 + 12) + 2 * 4 * 5
         assert got.optimizer == before.optimizer - before.shard_state - before.adamw_state + 4 + got.offload_staging
-    assert staging_bytes([64, 48, 40, 100, 100], 50) == 300  # three buckets of the largest state
-    assert staging_bytes([64, 48], 1000) == 112  # all of it
+    assert staging_bytes([64, 48], [40, 100, 100], 50) == 192  # three buckets of the largest momentum
+    assert staging_bytes([20], [40, 1000], 50) == 150  # AdamW's moments go in pieces of a bucket
+    assert staging_bytes([64, 48], [], 1000) == 112  # all of it
 
 
 @pytest.mark.parametrize("dtype, expected", [("float32", 4 * 28), ("bfloat16", 2 * 28), ("int8", 28 + 4 * (2 + 3))])

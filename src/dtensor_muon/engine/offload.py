@@ -5,7 +5,8 @@ AdamW's moments (``exp_avg``, ``exp_avg_sq``), each in its parameter's layout (a
 pinned host memory, :mod:`dtensor_muon.distributed.host_memory`). Owner state (NorMuon's row moments, SOAP's
 factors and bases) stays on the device, whole on each matrix's owner; step counts stay where they were.
 
-Each step the state passes through the device bucket by bucket (at most ``bucket_bytes`` of state each): a
+Each step the state passes through the device bucket by bucket (at most ``bucket_bytes`` of state each, or
+one parameter's momentum where that is larger; AdamW's moments go in pieces of at most a bucket): a
 bucket is copied in on a copy stream while the one before it computes, updated there by the same kernels as
 without offload (so the bits are the same), and copied back on a second stream, so transfers in both
 directions overlap with the work. On the device: at most three buckets at a time (one copied in, one updated,

@@ -550,37 +550,53 @@ class Engine:
             if not e.use_muon and e.index in active:
                 by_group[id(e.group)].append(e)
         for entries in by_group.values():
+            group = entries[0].group
             params = [local(e.param) for e in entries]
             before = [p.detach().clone() for p in params] if diagnostics else None
+            gradients = [
+                local(grads[e.index]) if grads[e.index] is not None else torch.zeros_like(p)
+                for e, p in zip(entries, params)
+            ]
             moments = [{key: local(self.state[e.param][key]) for key in adamw_rule.MOMENTS} for e in entries]
+            steps = [self.state[e.param]["step"] for e in entries]
             if self.offload is None:
-                self._adamw(entries, grads, moments)
-            else:  # bucket by bucket on device copies, copied back in place
-                for span, copies in self.offload.staged(moments):
-                    self._adamw([entries[i] for i in span], grads, copies)
-                    self.offload.write_back(copies, [moments[i] for i in span])
+                _adamw(group, params, gradients, moments, steps)
+            else:
+                self._adamw_offloaded(group, params, gradients, moments, steps)
             if before is not None:
                 for p, b in zip(params, before):
                     stats.add_update("adamw", p - b)
 
-    def _adamw(self, entries: list[Entry], grads: dict[int, Tensor | None], moments: list[dict[str, Tensor]]) -> None:
-        """torch's AdamW on these parameters of one group, with these (local) moments."""
-        group = entries[0].group
-        params = [local(e.param) for e in entries]
-        adamw_rule.step(
-            params,
-            [
-                local(grads[e.index]) if grads[e.index] is not None else torch.zeros_like(p)
-                for e, p in zip(entries, params)
-            ],
-            [m["exp_avg"] for m in moments],
-            [m["exp_avg_sq"] for m in moments],
-            [self.state[e.param]["step"] for e in entries],
-            lr=group["lr"],
-            betas=tuple(group["adamw_betas"]),
-            eps=group["adamw_eps"],
-            weight_decay=group["weight_decay"],
-        )
+    def _adamw_offloaded(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        gradients: list[Tensor],
+        moments: list[dict[str, Tensor]],
+        steps: list[Tensor],
+    ) -> None:
+        """AdamW with host-resident moments, bucket by bucket on device copies that are copied back in place. A
+        parameter whose moments exceed a bucket goes in pieces of consecutive entries (AdamW is element-wise:
+        the same bits); every piece reads a copy of its parameter's step count, which advances once at the end."""
+        assert self.offload is not None
+        per_element = 2 * max((p.element_size() for p in params), default=4)
+        piece = max(1, self.offload.bucket_bytes // per_element)
+        pieces: list[tuple[Tensor, Tensor, dict[str, Tensor], Tensor]] = []
+        for p, g, m, step in zip(params, gradients, moments, steps):
+            flat = [p, g, *m.values()]
+            if p.numel() <= piece or not all(t.is_contiguous() for t in flat):
+                pieces.append((p, g, m, step.clone()))
+                continue
+            p, g, *ms = (t.view(-1) for t in flat)
+            for start in range(0, p.numel(), piece):
+                cut = slice(start, start + piece)
+                pieces.append((p[cut], g[cut], dict(zip(m, (t[cut] for t in ms))), step.clone()))
+        hosts = [m for _, _, m, _ in pieces]
+        for span, copies in self.offload.staged(hosts):
+            chosen = [pieces[i] for i in span]
+            _adamw(group, [c[0] for c in chosen], [c[1] for c in chosen], copies, [c[3] for c in chosen])
+            self.offload.write_back(copies, [hosts[i] for i in span])
+        torch._foreach_add_(steps, 1)
 
     def _prepare(self, ctx: StepContext) -> None:
         """U on the shards of the parameters that are not fully local, their update buffers and apply scalars."""
@@ -590,6 +606,27 @@ class Engine:
                 ctx.inputs[e.index] = u
                 ctx.updates[e.index] = torch.empty_like(local(e.param), dtype=self.update_dtype(work, e))
                 ctx.scalars[e.index] = self.rule.scalars(e.group, e.regions)
+
+
+def _adamw(
+    group: dict[str, Any],
+    params: list[Tensor],
+    gradients: list[Tensor],
+    moments: list[dict[str, Tensor]],
+    steps: list[Tensor],
+) -> None:
+    """torch's AdamW under ``group``'s settings on these (local) tensors, their moments and step counts."""
+    adamw_rule.step(
+        params,
+        gradients,
+        [m["exp_avg"] for m in moments],
+        [m["exp_avg_sq"] for m in moments],
+        steps,
+        lr=group["lr"],
+        betas=tuple(group["adamw_betas"]),
+        eps=group["adamw_eps"],
+        weight_decay=group["weight_decay"],
+    )
 
 
 def _check_same_plan_everywhere(plan: Plan, comm: MeshGroup, device: torch.device) -> None:

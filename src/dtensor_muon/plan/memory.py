@@ -42,7 +42,7 @@ elements. Per rank r:
   ``shard_state`` keeps only the scalars s and ``adamw_state`` only the steps, and
   ``offload_staging`` = min(S, 3·max(b, S₁)) holds their device copies: a bucket being copied in, one being
   updated, one being copied back, each at most the state bucket b (the optimizer's ``bucket_size_mb``) or one
-  parameter's state S₁ where that is larger; S: all of them. ``host_state`` (host memory, not in the
+  parameter's momentum S₁ where that is larger (AdamW's moments go in pieces of at most b); S: all of them. ``host_state`` (host memory, not in the
   optimizer's device total) = 2·momentum (the state and its spare: a step over several ranks writes the new
   momentum beside the old) + 2·p·Σ numel over the AdamW parameters.
 - ``cuda_graphs`` = Σ over the distinct unit signatures (B, m, n) r computes through the owner's runner
@@ -277,17 +277,19 @@ def memory_per_rank(
                 exchange=exchange[rank],
                 ns_workspace=max((ns_workspace_bytes(b, s, ns) for b, s, _ in computed[rank]), default=0),
                 cuda_graphs=graphs_bytes(computed[rank], ns) if optimizer.cuda_graphs else 0,
-                offload_staging=staging_bytes([*momenta, *moments], optimizer.bucket_bytes) if optimizer.offload else 0,
+                offload_staging=staging_bytes(momenta, moments, optimizer.bucket_bytes) if optimizer.offload else 0,
                 host_state=2 * sum(momenta) + sum(moments) if optimizer.offload else 0,
             )
         )
     return out
 
 
-def staging_bytes(states: Sequence[int], bucket_bytes: int) -> int:
-    """min(S, 3·max(b, S₁)): the device copies of streamed state of these per-parameter sizes (see the module
-    docstring)."""
-    return min(sum(states), 3 * max(bucket_bytes, max(states, default=0)))
+def staging_bytes(whole: Sequence[int], in_pieces: Sequence[int], bucket_bytes: int) -> int:
+    """min(S, 3·max(b, S₁)): the device copies of streamed state, ``whole`` the per-parameter sizes streamed
+    whole (momentum), ``in_pieces`` those streamed in pieces of at most b (AdamW's moments); see the module
+    docstring."""
+    total = sum(whole) + sum(in_pieces)
+    return min(total, 3 * max(bucket_bytes, max(whole, default=0)))
 
 
 ComputedUnit = tuple[int, tuple[int, int], bool]
