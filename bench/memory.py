@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dtensor_muon import exit_without_finalization
 from dtensor_muon.distributed.layout import box_shape
+from dtensor_muon.engine.offload import offloaded_keys
 from dtensor_muon.kernels.low_precision import MOMENTUM_DTYPES
 from dtensor_muon.plan.memory import OptimizerMemory, memory_per_rank
 from dtensor_muon.plan.simulate import FRONT_ENDS, fsdp_layout, model_parameters, optimizer_rule, plan_model
@@ -53,10 +54,6 @@ def local_dtensor(shape: tuple[int, ...], world: int, rank: int, mesh, device: t
     piece = torch.randn(box_shape(fsdp_layout("", shape, world).boxes[rank]), device=device) * 0.02
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
-
-
-OFFLOADED = ("momentum_buffer", "momentum_codes", "momentum_scale", "exp_avg", "exp_avg_sq")
-"""The state keys offload="host" keeps in host memory."""
 
 
 def state_bytes(opt: torch.optim.Optimizer, offload: str) -> dict[str, int]:
@@ -74,7 +71,7 @@ def state_bytes(opt: torch.optim.Optimizer, offload: str) -> dict[str, int]:
             for key, value in opt.state[p].items():
                 if key == "owner_state":
                     held["owner_state"] += sum(nbytes(t) for matrix in value.values() for t in matrix.values())
-                elif offload == "host" and key in OFFLOADED:
+                elif offload == "host" and key in offloaded_keys(opt.rule, group):
                     held["host_state"] += nbytes(value)
                 else:
                     held["shard_state" if group["use_muon"] else "adamw_state"] += nbytes(value)

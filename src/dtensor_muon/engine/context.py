@@ -171,7 +171,7 @@ class StepContext:
     def _streams(self, group: dict[str, Any]) -> bool:
         """Whether the shard state of ``group``'s parameters is in host memory and streamed (offload, and every
         key of it offloaded: SOAP's shard state is only a step count, which stays where it is)."""
-        return self.offload is not None and streamed(self.rule.state_keys(group))
+        return self.offload is not None and streamed(self.rule, group)
 
     def _prepare_offloaded(self, grads: list[Tensor], hosts: list[State], group: dict[str, Any]) -> list[Tensor]:
         """U from host-resident shard states, bucket by bucket on their device copies, which advance there (the
@@ -299,7 +299,7 @@ class StepContext:
         for members, grads, shard_states in self._shards_by_group(self._prepared):
             self.rule.advance_many(grads, shard_states, members[0].group)
         if self._written_beside:
-            HostOffload.exchange(*map(list, zip(*self._written_beside)))
+            HostOffload.exchange(self._written_beside)
         factors = [self.rule.region_factors(e.group, shape) for e, _, _, shape in self._local_updates]
         decay_and_add_many(
             [target for _, target, _, _ in self._local_updates],

@@ -26,12 +26,14 @@ Reading the state on the host: the last copies back may still be in flight when 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..distributed.host_memory import pinned_empty_like, swap_storage
 from ..rules.adamw import MOMENTS
+from ..rules.base import MatrixRule
 
 OFFLOAD_MODES = ("none", "host")
 
@@ -39,16 +41,19 @@ OFFLOAD_MODES = ("none", "host")
 State = dict[str, Tensor]
 
 
-def offloaded_keys(rule_keys: tuple[str, ...], use_muon: bool) -> tuple[str, ...]:
-    """The state keys of a parameter that ``offload="host"`` keeps on the host: the rule's shard-state keys
-    (``rule_keys``, its step count excepted) for a matrix-rule parameter, AdamW's moments otherwise."""
-    return tuple(k for k in rule_keys if k != "step") if use_muon else MOMENTS
+def offloaded_keys(rule: MatrixRule, group: dict[str, Any]) -> tuple[str, ...]:
+    """The state keys that ``offload="host"`` keeps on the host for a parameter of ``group``: ``rule``'s
+    shard-state keys (its step count excepted) for a matrix-rule group, AdamW's moments otherwise."""
+    if not group["use_muon"]:
+        return MOMENTS
+    return tuple(k for k in rule.state_keys(group) if k != "step")
 
 
-def streamed(rule_keys: tuple[str, ...]) -> bool:
-    """Whether a matrix-rule parameter with these shard-state keys has its shard state streamed: every key of it
-    offloaded (SOAP's shard state is only a step count, which stays where it is)."""
-    return bool(rule_keys) and offloaded_keys(rule_keys, True) == rule_keys
+def streamed(rule: MatrixRule, group: dict[str, Any]) -> bool:
+    """Whether the shard state of a matrix-rule parameter of ``group`` is streamed: every key of it offloaded
+    (SOAP's shard state is only a step count, which stays where it is)."""
+    keys = rule.state_keys(group)
+    return bool(keys) and offloaded_keys(rule, group) == keys
 
 
 class HostOffload:
@@ -117,9 +122,10 @@ class HostOffload:
         return out
 
     @staticmethod
-    def exchange(hosts: list[State], spares: list[State]) -> None:
-        """Make each spare's values the state's (and the state's former values the spare), by storage."""
-        for host, spare in zip(hosts, spares):
+    def exchange(pairs: list[tuple[State, State]]) -> None:
+        """For each (state, spare): make the spare's values the state's (and the state's former values the
+        spare), by storage."""
+        for host, spare in pairs:
             for key, t in host.items():
                 swap_storage(t, spare[key])
 

@@ -186,7 +186,7 @@ class Engine:
                     [
                         {key: local(self.state[e.param][key]) for key in self.rule.state_keys(e.group)}
                         for e in entries
-                        if e.use_muon and streamed(self.rule.state_keys(e.group))
+                        if e.use_muon and streamed(self.rule, e.group)
                     ]
                 )
 
@@ -289,8 +289,7 @@ class Engine:
         end puts it there when it creates or loads it)."""
         for e in self.entries:
             held = self.state[e.param]
-            keys = offloaded_keys(self.rule.state_keys(e.group) if e.use_muon else (), e.use_muon)
-            for key in keys:
+            for key in offloaded_keys(self.rule, e.group):
                 if key in held and not on_host(held[key]):
                     raise RuntimeError(
                         f"parameter {e.name!r}: offload='host' keeps its {key!r} in host memory, but it is on "

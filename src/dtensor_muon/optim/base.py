@@ -238,10 +238,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _offloaded_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The state keys of ``group``'s parameters kept in host memory (none without ``offload="host"``)."""
-        if not self._offloaded:
-            return ()
-        use_muon = group["use_muon"]
-        return offloaded_keys(self.rule.state_keys(group) if use_muon else (), use_muon)
+        return offloaded_keys(self.rule, group) if self._offloaded else ()
 
     @staticmethod
     def _build_qk_clip(keywords: dict[str, Any]) -> QKClip | None:
