@@ -1031,9 +1031,14 @@ def parse_args() -> Any:
         args.world_size = world_sizes(args.world_size)
     except ValueError as exc:
         parser.error(str(exc))
-    args.benchmark = (
-        f"optimizer_step_{args.model}"  # one result file per model: bench/results/optimizer_step_MODEL.json
-    )
+    # one result file per model and study: bench/results/optimizer_step_MODEL.json, and apart from it the runs
+    # that add QK-clip (qk_clip_step_MODEL.json) or the state modes (optimizer_step_state_modes_MODEL.json)
+    if args.qk_clip:
+        args.benchmark = f"qk_clip_step_{args.model}"
+    elif args.offload or args.momentum_dtypes:
+        args.benchmark = f"optimizer_step_state_modes_{args.model}"
+    else:
+        args.benchmark = f"optimizer_step_{args.model}"
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     if args.quick:

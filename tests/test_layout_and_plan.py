@@ -102,6 +102,25 @@ def test_unit_sizes_follow_the_largest_power_of_two_within_both_limits(experts, 
     assert sizes == [size] * (experts // size) + ([experts % size] if experts % size else [])
 
 
+def test_the_same_matrices_stack_into_the_same_units_at_every_world_size():
+    """Batched products do not give a matrix the same bits in every batch size (cuBLAS on an H200, and a
+    multi-threaded CPU, differ already between a stack of 1 and of 8), so a matrix's result is the same at every
+    world size only because its unit is: the same members in the same order, whatever the ranks and shards."""
+
+    def units(world_size: int) -> list[list[tuple[int, str, tuple]]]:
+        layouts = [fsdp_layout("experts", (128, 8, 16), world_size), fsdp_layout("w", (40, 24, 16), world_size)]
+        plan = build_plan(layouts, [0, 1], 1 << 12, 2)
+        return [
+            [(r.spec.param_index, r.spec.key, r.spec.box) for r in map(plan.routes.__getitem__, u.members)]
+            for u in plan.units
+        ]
+
+    alone = units(1)
+    assert sorted(len(u) for u in alone) == [4] * 10 + [8] * 16  # 40 matrices in units of 4, 128 in units of 8
+    for world_size in (2, 3, 8, 64):
+        assert units(world_size) == alone, world_size
+
+
 @pytest.mark.parametrize("option", ["max_batch", "units_per_parameter"])
 def test_a_unit_size_limit_below_one_is_refused_by_name(option):
     with pytest.raises(ValueError, match=f"{option} must be an int >= 1, got 0"):
