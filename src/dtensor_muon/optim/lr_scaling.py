@@ -4,9 +4,9 @@ From AdamW to Muon. With ``adjust_lr_fn="match_rms_adamw"`` (each matrix's updat
 AdamW update's) one lr γ serves the Muon matrices and the AdamW parameters (embeddings, head, norms). Measured
 on one H200 (``bench/lr_study.py``, docs/lr_study.md: a 4-layer MoE of 32 experts and a 4-layer dense model of
 dim 1024, 500 steps, held-out loss, lrs on half-decades), Muon's best γ was 3e-3 on both models (NorMuon's too,
-on both) where AdamW's best was 3e-4 (each one's loss worse a half-decade below and above its best), and Muon at 3e-3
-ended 0.49 (MoE) and 0.26 (dense) nats below AdamW at 3e-4 (3 seeds each); at 3.3× AdamW's lr Muon already
-beats AdamW on both, and at AdamW's own lr it is 0.22–0.30 nats behind it. Hence
+on both) where AdamW's best was 3e-4 (each one's loss worse a half-decade below and above its best), and Muon
+at 3e-3 ended 0.49 (MoE) and 0.26 (dense) nats below AdamW at 3e-4 (3 seeds each); at 3.3× AdamW's lr Muon
+already beats AdamW on both, and at AdamW's own lr it is 0.22–0.30 nats behind it. Hence
 
     γ_Muon = :data:`MUON_LR_PER_ADAMW_LR` · γ_AdamW
 

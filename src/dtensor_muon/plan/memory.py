@@ -42,9 +42,9 @@ elements. Per rank r:
   ``shard_state`` keeps only the scalars s and ``adamw_state`` only the steps, and
   ``offload_staging`` = min(S, 3·max(b, S₁)) holds their device copies: a bucket being copied in, one being
   updated, one being copied back, each at most the state bucket b (the optimizer's ``bucket_size_mb``) or one
-  parameter's momentum S₁ where that is larger (AdamW's moments go in pieces of at most b); S: all of them. ``host_state`` (host memory, not in the
-  optimizer's device total) = 2·momentum (the state and its spare: a step over several ranks writes the new
-  momentum beside the old) + 2·p·Σ numel over the AdamW parameters.
+  parameter's momentum S₁ where that is larger (AdamW's moments go in pieces of at most b); S: all of them.
+  ``host_state`` (host memory, not in the optimizer's device total) = 2·momentum (the state and its spare: a
+  step over several ranks writes the new momentum beside the old) + 2·p·Σ numel over the AdamW parameters.
 - ``cuda_graphs`` = Σ over the distinct unit signatures (B, m, n) r computes through the owner's runner
   (not ``tp_mode="distributed"``) with B·m²·n ≤ :data:`~..linalg.ns_graphs.MAX_GRAPH_WORK` of B·ω·(3mn + 4m²):
   per captured graph its start buffer outside its private pool, and the pool, which keeps the capture's

@@ -30,12 +30,6 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
     tensor_parallel = {
         plan.routes[i].spec.param_index for u in plan.units_placed(TensorParallelGroup) for i in plan.units[u].members
     }
-    last: dict[int, int] = {}
-    for k, bucket in enumerate(plan.buckets):
-        for i in bucket:
-            route = plan.routes[i]
-            if any(source == me for _, source in route.pieces):
-                last[route.spec.param_index] = k
     return exchange_buckets(
         ctx,
         work,
@@ -44,13 +38,28 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
         _compute_owned,
         _launch_back,
         _unpack_back,
-        inputs_sent_through(ctx, last, tensor_parallel),
+        inputs_sent_through(
+            ctx, work, plan.buckets, lambda route: any(source == me for _, source in route.pieces), tensor_parallel
+        ),
     )
 
 
-def inputs_sent_through(ctx: StepContext, last: dict[int, int], keep: set[int]) -> Callable[[int], None]:
-    """A callback for :func:`exchange_buckets`: after bucket k is launched, let go of the U of the parameters
-    whose last bucket (``last``: parameter index → the last bucket with a piece it sends) is k, except ``keep``."""
+def inputs_sent_through(
+    ctx: StepContext,
+    work: MeshWork,
+    buckets: list[list[int]],
+    sends: Callable[[MatrixRoute], bool],
+    keep: set[int],
+) -> Callable[[int], None]:
+    """A callback for :func:`exchange_buckets`: after bucket k of ``buckets`` (indices into the plan's routes)
+    is launched, let go of the U of the parameters whose last route this rank ``sends`` a piece of is in bucket
+    k, except those in ``keep``."""
+    last: dict[int, int] = {}
+    for k, bucket in enumerate(buckets):
+        for i in bucket:
+            route = work.plan.routes[i]
+            if sends(route):
+                last[route.spec.param_index] = k
     after: dict[int, list[int]] = defaultdict(list)
     for index, k in last.items():
         if index not in keep:

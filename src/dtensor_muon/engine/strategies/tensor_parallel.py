@@ -31,12 +31,6 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
     """Exchange out, compute this rank's share of each TP unit, launch the return exchanges; U of a parameter is
     let go once the last bucket with a piece of it is launched (this is the last strategy to read U)."""
     plan, me = work.plan, work.comm.mesh_rank
-    last: dict[int, int] = {}
-    for k, bucket in enumerate(plan.tensor_parallel_buckets):
-        for i in bucket:
-            route = plan.routes[i]
-            if any(source == me for _, _, pieces in route.targets for _, source in pieces):
-                last[route.spec.param_index] = k
     return exchange_buckets(
         ctx,
         work,
@@ -45,7 +39,13 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
         _compute,
         _launch_back,
         _unpack_back,
-        inputs_sent_through(ctx, last, set()),
+        inputs_sent_through(
+            ctx,
+            work,
+            plan.tensor_parallel_buckets,
+            lambda route: any(source == me for _, _, pieces in route.targets for _, source in pieces),
+            set(),
+        ),
     )
 
 
