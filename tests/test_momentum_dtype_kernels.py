@@ -91,15 +91,17 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 @pytest.mark.parametrize("mode", ["bfloat16", "int8"])
 @pytest.mark.parametrize("momentum,nesterov", CASES)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_gpu_kernels_give_the_torch_operations_bits(mode, momentum, nesterov, grad_dtype):
-    """A shard above MIN_KERNEL_NUMEL takes the kernel, a copy of it the torch operations: the same U, buffer and
-    scales, for a step that writes the buffer and one that does not."""
+@pytest.mark.parametrize("shape", [(MIN_KERNEL_NUMEL // 1000 + 3, 1000), (37, 300)])  # 8 blocks a row, the last of 104
+def test_gpu_kernels_give_the_torch_operations_bits(mode, momentum, nesterov, grad_dtype, shape):
+    """A CUDA shard of any size (above and far below the float32 passes' MIN_KERNEL_NUMEL) takes the kernel, a
+    copy of it the torch operations: the same U, buffer and scales, for a step that writes the buffer and one that
+    does not."""
     gen = torch.Generator().manual_seed(1)
-    shape = (MIN_KERNEL_NUMEL // 1000 + 3, 1000)  # 8 blocks a row, the last of 104
     g = torch.randn(shape, generator=gen).to(grad_dtype).cuda()
     buffer, scales = stored(mode, torch.randn(shape, generator=gen).cuda())
-    from dtensor_muon.kernels.stored_momentum import _stored_momentum_step_torch
+    from dtensor_muon.kernels.stored_momentum import _stored_kernel_applies, _stored_momentum_step_torch
 
+    assert _stored_kernel_applies(g, buffer, scales)  # the comparison below is kernel against torch
     for write in (True, False):
         ref = buffer.clone(), None if scales is None else scales.clone()
         mine = buffer.clone(), None if scales is None else scales.clone()
