@@ -89,11 +89,13 @@ def newton_schulz_reference(
 def normuon_normalize(o: Tensor, v: Tensor, beta2: float, eps: float) -> Tensor:
     """NorMuon's row normalization of a batch O [B, m, n] with its state v [B, m] (updated in place).
 
-    v ← β₂·v + (1 − β₂)·mean_j O²_ij;  Ô = O / (√v + eps) row by row;  returns Ô·(‖O‖_F / ‖Ô‖_F) per matrix.
+    v ← β₂·v + (1 − β₂)·mean_j O²_ij;  Ô = O / (√v + eps) row by row;  returns Ô·(‖O‖_F / ‖Ô‖_F) per matrix, and
+    0 for a matrix whose O is 0.
     """
     v.mul_(beta2).add_((1 - beta2) * (o * o).mean(-1))
     o_hat = o / (v.sqrt() + eps).unsqueeze(-1)
-    ratio = torch.linalg.matrix_norm(o) / torch.linalg.matrix_norm(o_hat)
+    hat_norm = torch.linalg.matrix_norm(o_hat)
+    ratio = torch.linalg.matrix_norm(o) / torch.where(hat_norm > 0, hat_norm, 1.0)
     return o_hat * ratio[:, None, None]
 
 
@@ -301,6 +303,28 @@ def test_normuon_one_process_equals_float64_reference(nesterov, adjust_lr_fn, be
         assert relative_error(a - p0, m_ref - p0.double()) > 1e-2, f"{name}: NorMuon's update is Muon's"
         assert relative_error(b - p0.double(), nm - p0.double()) > 1e-3, f"{name}: v does not matter here"
         assert relative_error(a - p0, nm - p0.double()) > 1e-3, f"{name}: v is not accumulated"
+
+
+def test_normuon_expert_with_a_zero_gradient_is_only_decayed_and_the_others_follow_the_reference():
+    """A MoE expert that no token reaches has a zero gradient, so its U and O are zero and NorMuon's renormalization
+    ‖O‖/‖Ô‖ is 0/0. Here expert 1 of 3 gets no gradient for two steps, then one: it must stay finite, take only the
+    weight decay while its momentum is zero (θ·(1 − γλ)ᵏ, the same float32 operations as the library's: bitwise),
+    and every parameter must follow the float64 reference (tolerances of the test above)."""
+    torch.manual_seed(0)
+    init = [("layers.0.moe.experts", torch.randn(3, 6, 4))]
+    grads = [[torch.randn(3, 6, 4)] for _ in range(3)]
+    for step in (0, 1):
+        grads[step][0][1] = 0.0
+    options = dict(lr=0.1, weight_decay=0.1, momentum=0.95, nesterov=True, beta2=0.95)
+    fp32 = dict(ns_dtype=torch.float32, wire_dtype=None)
+    after_two = run_library(NorMuon, init, grads[:2], **options, **fp32)[0]
+    assert torch.isfinite(after_two).all()
+    decayed = init[0][1][1] * (1 - 0.1 * 0.1) * (1 - 0.1 * 0.1)
+    assert torch.equal(after_two[1], decayed)
+    got = run_library(NorMuon, init, grads, **options, **fp32)
+    want = normuon_reference([init[0][1]], [[g[0]] for g in grads], **options)
+    assert torch.isfinite(got[0]).all()
+    assert_matrices_close(got, want, [init[0][1]], ["experts"], param_rtol=1e-5, delta_rtol=3e-5)
 
 
 # ------------------------------------------------------------------------- distributed (Shard(0)) = one process

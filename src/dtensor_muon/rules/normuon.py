@@ -4,11 +4,12 @@ Per m×n matrix, after Muon's B, U and O = NS(U) (:mod:`.muon`), in float32 (β�
 
     v ← β₂·v + (1 − β₂)·mean_cols(O²)           (v ∈ ℝᵐ, one entry per row; owner state, starts at 0)
     Ô = O / (√v + ε)                             (each row divided by its own scale)
-    Ô ← Ô · ‖O‖_F / ‖Ô‖_F                        (back to O's Frobenius norm)
+    Ô ← Ô · ‖O‖_F / ‖Ô‖_F                        (back to O's Frobenius norm; Ô = 0 where O = 0)
     θ ← θ·(1 − γλ) − γ'·Ô,  γ' = Muon's adjust_lr(γ, matrix shape)
 
 This follows NorMuon (arXiv 2510.05491) with the renormalization to ‖O‖_F of its modded-nanogpt form, so
-the learning rate keeps Muon's meaning. Emerging-Optimizers' AdaptiveMuon ``moment2_method="normuon"``
+the learning rate keeps Muon's meaning. A matrix whose O is zero (its momentum is still zero: a MoE expert that no
+token has reached yet has a zero gradient) gets Ô = 0, not the 0/0 of the ratio, which would turn it into NaN. Emerging-Optimizers' AdaptiveMuon ``moment2_method="normuon"``
 renormalizes to ‖O‖_F too from 0.3.0 on (its PR #187, ``orthogonalized_optimizers/adaptive_muon.py``; 0.2.0
 did not), before Muon's scale; it differs in keeping one v entry per row only when m ≥ n (per column
 otherwise) and in Ô = O/√max(v, ε). Ô is returned in O's dtype (the Newton–Schulz dtype), as Muon's O is.
@@ -44,7 +45,9 @@ class NorMuonRule(MuonRule):
         v = owner_states[0]["v"] if o.ndim == 2 else torch.stack([s["v"] for s in owner_states])
         v = v * beta2 + (1 - beta2) * o32.square().mean(-1)
         normalized = o32 / (v.sqrt() + eps).unsqueeze(-1)
-        ratio = torch.linalg.vector_norm(o32, dim=(-2, -1)) / torch.linalg.vector_norm(normalized, dim=(-2, -1))
+        o_norm = torch.linalg.vector_norm(o32, dim=(-2, -1))
+        normalized_norm = torch.linalg.vector_norm(normalized, dim=(-2, -1))
+        ratio = torch.where(normalized_norm > 0, o_norm / normalized_norm, 0.0)  # O = 0 (module docstring)
         normalized = normalized * ratio[..., None, None]
         for i, s in enumerate(owner_states):
             s["v"].copy_(v if o.ndim == 2 else v[i])
