@@ -9,10 +9,11 @@ Per m×n matrix, after Muon's B, U and O = NS(U) (:mod:`.muon`), in float32 (β�
 
 This follows NorMuon (arXiv 2510.05491) with the renormalization to ‖O‖_F of its modded-nanogpt form, so
 the learning rate keeps Muon's meaning. A matrix whose O is zero (its momentum is still zero: a MoE expert that no
-token has reached yet has a zero gradient) gets Ô = 0, not the 0/0 of the ratio, which would turn it into NaN. Emerging-Optimizers' AdaptiveMuon ``moment2_method="normuon"``
-renormalizes to ‖O‖_F too from 0.3.0 on (its PR #187, ``orthogonalized_optimizers/adaptive_muon.py``; 0.2.0
-did not), before Muon's scale; it differs in keeping one v entry per row only when m ≥ n (per column
-otherwise) and in Ô = O/√max(v, ε). Ô is returned in O's dtype (the Newton–Schulz dtype), as Muon's O is.
+token has reached yet has a zero gradient) gets Ô = 0, not the 0/0 of the ratio, which would turn it into NaN.
+Emerging-Optimizers' AdaptiveMuon ``moment2_method="normuon"`` renormalizes to ‖O‖_F too from 0.3.0 on (its PR
+#187, ``orthogonalized_optimizers/adaptive_muon.py``; 0.2.0 did not), before Muon's scale; it differs in keeping
+one v entry per row only when m ≥ n (per column otherwise) and in Ô = O/√max(v, ε). Ô is returned in O's dtype
+(the Newton–Schulz dtype), as Muon's O is.
 """
 
 from __future__ import annotations
