@@ -169,11 +169,13 @@ def stored_momentum_step(
 
 def _stored_kernel_applies(grad: Tensor, buffer: Tensor, scales: Tensor | None) -> bool:
     """Whether the stored-momentum kernels take these tensors: Triton present, one CUDA device, one shape, a
-    floating gradient, all contiguous (any size: module docstring)."""
+    floating gradient, all contiguous, at least one entry (any size above: module docstring; an empty shard, a
+    rank's piece of an unevenly sharded parameter, takes the torch operations, which do nothing to it)."""
     tensors = (grad, buffer) if scales is None else (grad, buffer, scales)
     return (
         triton is not None
         and grad.is_cuda
+        and grad.numel() > 0
         and grad.is_floating_point()
         and grad.shape == buffer.shape
         and all(t.is_contiguous() and t.device == grad.device for t in tensors)
