@@ -11,7 +11,9 @@ Per shape, ``--total`` matrices split into units of ``--unit``; each unit is one
 - ``serial``: the units one after another on one stream, one graph per signature (today's order);
 - ``streams K``: unit i on side stream i mod K, one ``NewtonSchulzGraphs`` (its own graph and buffers) per
   stream, every stream waiting for the inputs once and the main stream for every stream at the end; the row also
-  says whether each unit's result is bitwise the serial one;
+  says whether each unit's result is bitwise the serial one. Each runner's graphs are captured on a capture
+  stream of its own; with ``--shared-capture-stream`` all on torch's default capture stream, whose cuBLAS
+  workspace they then share and race on when replayed together (other bits: docs/kernels.md);
 - ``stack``: the ``--total`` matrices as one call, and whether its result is bitwise the units' results.
 
 Times are medians of 15 replays of the whole set (CUDA events), against the symmetric floor
@@ -65,9 +67,21 @@ def symmetric_floor_flops(matrices: int, m: int, n: int) -> int:
     return matrices * 5 * (3 * m * m * n + m**3)
 
 
-def in_flight(units: list[Tensor], runners: list[NewtonSchulzGraphs], algorithm: str) -> Callable[[], list[Tensor]]:
-    """A call that runs unit i on side stream i mod K (K = len(runners)) and returns the units' results."""
+def in_flight(
+    units: list[Tensor], runners: list[NewtonSchulzGraphs], algorithm: str, shared_capture: bool
+) -> Callable[[], list[Tensor]]:
+    """A call that runs unit i on side stream i mod K (K = len(runners)) and returns the units' results. Each
+    runner captures its graphs first, one after another, on a capture stream of its own (``torch.cuda.graph``'s
+    default capture stream replaced for it) unless ``shared_capture``."""
     streams = [torch.cuda.Stream() for _ in runners]
+    default_capture = torch.cuda.graph.default_capture_stream
+    for runner, stream, unit in zip(runners, streams, units):
+        if not shared_capture:
+            torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            runner(unit, algorithm=algorithm)
+        torch.cuda.synchronize()
+    torch.cuda.graph.default_capture_stream = default_capture
 
     def call() -> list[Tensor]:
         main = torch.cuda.current_stream()
@@ -85,7 +99,9 @@ def in_flight(units: list[Tensor], runners: list[NewtonSchulzGraphs], algorithm:
     return call
 
 
-def measure(g: Tensor, unit: int, streams: list[int], backend: str | None, algorithm: str, floor_ms: float) -> dict:
+def measure(
+    g: Tensor, unit: int, streams: list[int], backend: str | None, algorithm: str, floor_ms: float, shared: bool
+) -> dict:
     """One row: serial units, units in flight on each stream count, the whole stack."""
     units = [g[i : i + unit].contiguous() for i in range(0, g.size(0), unit)]
     row: dict = {"backend": backend or "dispatch", "algorithm": algorithm, "floor_ms": floor_ms}
@@ -94,7 +110,7 @@ def measure(g: Tensor, unit: int, streams: list[int], backend: str | None, algor
         serial = [runner(u, algorithm=algorithm) for u in units]
         row["serial_ms"] = time_ms(lambda: [runner(u, algorithm=algorithm) for u in units])
         for k in streams:
-            call = in_flight(units, [NewtonSchulzGraphs() for _ in range(k)], algorithm)
+            call = in_flight(units, [NewtonSchulzGraphs() for _ in range(k)], algorithm, shared)
             outs = call()
             torch.cuda.synchronize()
             row[f"streams{k}_same_bits"] = all(torch.equal(a, b) for a, b in zip(serial, outs))
@@ -139,6 +155,9 @@ def main() -> None:
     parser.add_argument("--streams", default="2,4,8")
     parser.add_argument("--backends", default="dispatch,syrk", help="dispatch (the optimizer's) and/or syrk (forced)")
     parser.add_argument("--algorithms", default="auto,standard,gram")
+    parser.add_argument(
+        "--shared-capture-stream", action="store_true", help="capture every runner's graphs on torch's one stream"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     streams = [int(k) for k in args.streams.split(",")]
@@ -152,10 +171,9 @@ def main() -> None:
         floor_ms = symmetric_floor_flops(args.total, m, n) / rate / 1e9
         for backend in args.backends.split(","):
             for algorithm in args.algorithms.split(","):
-                row = {
-                    "shape": f"{args.total}x{m}x{n}",
-                    **measure(g, args.unit, streams, None if backend == "dispatch" else backend, algorithm, floor_ms),
-                }
+                forced = None if backend == "dispatch" else backend
+                measured = measure(g, args.unit, streams, forced, algorithm, floor_ms, args.shared_capture_stream)
+                row = {"shape": f"{args.total}x{m}x{n}", **measured}
                 rows.append(row)
                 cells = " ".join(
                     f"{k.removesuffix('_x_floor')} {v:.2f}" for k, v in row.items() if k.endswith("_x_floor")
