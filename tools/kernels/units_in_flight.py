@@ -16,8 +16,9 @@ Per shape, ``--total`` matrices split into units of ``--unit``; each unit is one
   workspace they then share and race on when replayed together (other bits: docs/kernels.md);
 - ``stack``: the ``--total`` matrices as one call, and whether its result is bitwise the units' results.
 
-Times are medians of 15 replays of the whole set (CUDA events), against the symmetric floor
-5·(3m²n + m³) FLOPs per matrix (m ≤ n) at the bf16 8192³ rate measured in the same run. The last table says, per
+Times are medians of the whole set's replays, timed as ``bench/bench_newton_schulz.py`` times (its ``time_ms``;
+the recorded run took the median of 15 CUDA-event timings), against the symmetric floor 5·(3m²n + m³) FLOPs per
+matrix (m ≤ n) at the bf16 8192³ rate measured the same way in the same run. The last table says, per
 shape, whether the Triton SYRK kernel's Gram product and polynomial, and cuBLAS's ``bmm`` apply, give a matrix
 the same bits alone, in a batch of ``--unit`` and in one of ``--total``.
 """
@@ -27,38 +28,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from bench_newton_schulz import matmul_ceiling_tflops, time_ms
+
 from dtensor_muon.kernels import use_backend
 from dtensor_muon.kernels.triton_matmuls import symmetric_kernel
 from dtensor_muon.linalg.ns_graphs import NewtonSchulzGraphs
-
-
-def time_ms(fn: Callable[[], object], reps: int = 15) -> float:
-    """Median CUDA-event time of ``fn`` over ``reps`` calls after one untimed call."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def matmul_tflops() -> float:
-    """TFLOP/s of a bf16 8192³ matmul."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    return 2 * 8192**3 / time_ms(lambda: a @ b) / 1e9
 
 
 def symmetric_floor_flops(matrices: int, m: int, n: int) -> int:
@@ -108,16 +90,16 @@ def measure(
     with use_backend(backend) if backend else contextlib.nullcontext():
         runner = NewtonSchulzGraphs()
         serial = [runner(u, algorithm=algorithm) for u in units]
-        row["serial_ms"] = time_ms(lambda: [runner(u, algorithm=algorithm) for u in units])
+        row["serial_ms"] = time_ms(lambda: [runner(u, algorithm=algorithm) for u in units], True)
         for k in streams:
             call = in_flight(units, [NewtonSchulzGraphs() for _ in range(k)], algorithm, shared)
             outs = call()
             torch.cuda.synchronize()
             row[f"streams{k}_same_bits"] = all(torch.equal(a, b) for a, b in zip(serial, outs))
-            row[f"streams{k}_ms"] = time_ms(call)
+            row[f"streams{k}_ms"] = time_ms(call, True)
         whole = NewtonSchulzGraphs()
         row["stack_same_bits"] = torch.equal(whole(g, algorithm=algorithm), torch.cat(serial))
-        row["stack_ms"] = time_ms(lambda: whole(g, algorithm=algorithm))
+        row["stack_ms"] = time_ms(lambda: whole(g, algorithm=algorithm), True)
     for key in [k for k in row if k.endswith("_ms") and k != "floor_ms"]:
         row[key.removesuffix("_ms") + "_x_floor"] = row[key] / floor_ms
     return row
@@ -161,7 +143,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     streams = [int(k) for k in args.streams.split(",")]
-    rate = matmul_tflops()
+    rate = matmul_ceiling_tflops(True)
     print(f"bf16 8192^3: {rate:.0f} TFLOP/s; {args.total} matrices per shape in units of {args.unit}", flush=True)
     rows, bits = [], []
     for spec in args.shapes.split(","):
