@@ -103,9 +103,10 @@ def test_unit_sizes_follow_the_largest_power_of_two_within_both_limits(experts, 
 
 
 def test_the_same_matrices_stack_into_the_same_units_at_every_world_size():
-    """Batched products do not give a matrix the same bits in every batch size (cuBLAS on an H200, and a
-    multi-threaded CPU, differ already between a stack of 1 and of 8), so a matrix's result is the same at every
-    world size only because its unit is: the same members in the same order, whatever the ranks and shards."""
+    """Newton–Schulz does not give a matrix the same bits in every batch size (on an H200 the dispatch picks the
+    backend and the form by the call's batch, and a multi-threaded CPU's BLAS differs between a stack of 1 and of
+    8: docs/kernels.md), so a matrix's result is the same at every world size only because its unit is: the same
+    members in the same order, whatever the ranks and shards."""
 
     def units(world_size: int) -> list[list[tuple[int, str, tuple]]]:
         layouts = [fsdp_layout("experts", (128, 8, 16), world_size), fsdp_layout("w", (40, 24, 16), world_size)]
