@@ -33,6 +33,8 @@ the same seeds, and each optimizer's state is freed before the next. Optimizers:
   E Newton–Schulz problems, one at a time.
 - ``torch.optim.AdamW`` (fused on CUDA) on every parameter.
 - with ``--momentum-dtypes bfloat16 int8``: ``dtensor_muon.Muon(..., momentum_dtype=...)`` in each format;
+- with ``--units-per-stack N ...``: ``dtensor_muon.Muon`` computing up to N same-size units of one shape in one
+  Newton–Schulz call (``dtensor_muon.kernels.batching.stack_units``), one row per N;
 - with ``--offload``: ``dtensor_muon.Muon(..., offload="host")`` (momentum and AdamW moments in pinned host
   memory, streamed through the GPU each step), and on CUDA the card's pinned copy rates (host to device,
   device to host, both at once on two streams: :func:`copy_rates`) with the bytes the offload moves each way.
@@ -105,6 +107,7 @@ from torch.autograd import DeviceType
 
 from dtensor_muon import AttentionHeads, Muon
 from dtensor_muon.distributed.layout import box_shape
+from dtensor_muon.kernels.batching import stack_units
 from dtensor_muon.kernels.elementwise import decay_and_add_many, momentum_steps
 from dtensor_muon.linalg.newton_schulz import newton_schulz
 from dtensor_muon.linalg.ns_graphs import NewtonSchulzGraphs
@@ -565,6 +568,19 @@ class MuonClippingHalfTheHeads(Muon):
         return super().step(closure)
 
 
+class MuonInStacks(Muon):
+    """``dtensor_muon.Muon`` whose steps compute up to ``units_per_stack`` same-size units of one shape in one call
+    (:func:`dtensor_muon.kernels.batching.stack_units`; the optimizer's default is ``MAX_STACK``)."""
+
+    def __init__(self, *args: Any, units_per_stack: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.units_per_stack = units_per_stack
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        with stack_units(self.units_per_stack):
+            return super().step(closure)
+
+
 def build_optimizer(kind: str, params: ParameterSet) -> list[torch.optim.Optimizer]:
     fused = params.device.type == "cuda"
     if kind == "dtensor_muon":
@@ -579,6 +595,9 @@ def build_optimizer(kind: str, params: ParameterSet) -> list[torch.optim.Optimiz
         return [opt]
     if kind == "dtensor_muon_offload":
         return [Muon(params.named, **MUON_ARGS, adamw_betas=BETAS, adamw_eps=ADAM_EPS, offload="host")]
+    if kind.startswith("dtensor_muon_stacks_"):
+        units = int(kind.removeprefix("dtensor_muon_stacks_"))
+        return [MuonInStacks(params.named, **MUON_ARGS, adamw_betas=BETAS, adamw_eps=ADAM_EPS, units_per_stack=units)]
     if kind.startswith("dtensor_muon_momentum_"):
         dtype = kind.removeprefix("dtensor_muon_momentum_")
         return [Muon(params.named, **MUON_ARGS, adamw_betas=BETAS, adamw_eps=ADAM_EPS, momentum_dtype=dtype)]
@@ -606,6 +625,13 @@ LABELS = {
     "torch_muon_adamw": "torch.optim.Muon + AdamW{}",
     "adamw": "AdamW{} on everything",
 }
+
+
+def optimizer_label(kind: str) -> str:
+    """The table's name of optimizer ``kind`` (a ``{}`` left for " (fused)")."""
+    if kind.startswith("dtensor_muon_stacks_"):
+        return f"dtensor_muon.Muon, stacks of ≤ {kind.removeprefix('dtensor_muon_stacks_')} units"
+    return LABELS[kind]
 
 
 def copy_rates(device: torch.device, nbytes: int, reps: int = 5) -> dict[str, float]:
@@ -746,7 +772,7 @@ def run_optimizer(kind: str, params: ParameterSet, warmup: int, steps: int) -> d
             flush()
     del optimizers
     free(device)
-    label = LABELS[kind].format(" (fused)" if device.type == "cuda" else "")
+    label = optimizer_label(kind).format(" (fused)" if device.type == "cuda" else "")
     return {
         "optimizer": label,
         "key": kind,
@@ -1026,15 +1052,27 @@ def parse_args() -> Any:
         action="store_true",
         help='also dtensor_muon.Muon with offload="host", and the card\'s host<->device copy rates (CUDA)',
     )
+    parser.add_argument(
+        "--units-per-stack",
+        nargs="*",
+        type=int,
+        default=[],
+        help="also dtensor_muon.Muon computing up to N same-size units of one shape per call (one row per N)",
+    )
     args = parser.parse_args()
+    if any(units < 1 for units in args.units_per_stack):
+        parser.error(f"--units-per-stack: each N must be >= 1, got {args.units_per_stack}")
     try:
         args.world_size = world_sizes(args.world_size)
     except ValueError as exc:
         parser.error(str(exc))
     # one result file per model and study: bench/results/optimizer_step_MODEL.json, and apart from it the runs
-    # that add QK-clip (qk_clip_step_MODEL.json) or the state modes (optimizer_step_state_modes_MODEL.json)
+    # that add QK-clip (qk_clip_step_MODEL.json), stacks (optimizer_step_stacks_MODEL.json) or the state modes
+    # (optimizer_step_state_modes_MODEL.json)
     if args.qk_clip:
         args.benchmark = f"qk_clip_step_{args.model}"
+    elif args.units_per_stack:
+        args.benchmark = f"optimizer_step_stacks_{args.model}"
     elif args.offload or args.momentum_dtypes:
         args.benchmark = f"optimizer_step_state_modes_{args.model}"
     else:
@@ -1091,6 +1129,7 @@ def whole_step(args: Any, params: ParameterSet, floor: dict[str, float] | None) 
         *(("dtensor_muon_qk_clip",) if args.qk_clip else ()),
         *(f"dtensor_muon_momentum_{dtype}" for dtype in args.momentum_dtypes),
         *(("dtensor_muon_offload",) if args.offload else ()),
+        *(f"dtensor_muon_stacks_{units}" for units in args.units_per_stack),
         "torch_muon_adamw",
         "adamw",
     )

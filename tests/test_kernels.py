@@ -528,7 +528,8 @@ def test_dispatcher_picks_torch_on_cpu(make: Callable[[], torch.Tensor]) -> None
     ],
 )
 def test_routing_by_shape(shape: tuple[int, ...], syrk: bool, syrk_on_gluon: bool, gpu_backend: bool) -> None:
-    from dtensor_muon.kernels.dispatch import MIN_GPU_BACKEND_WORK, gram_work
+    from dtensor_muon.kernels.dispatch import MIN_GPU_BACKEND_WORK
+    from dtensor_muon.kernels.shapes import gram_work
     from dtensor_muon.kernels.triton_matmuls import syrk_floors_met, syrk_pays
 
     x = torch.empty(shape, device="meta")

@@ -171,9 +171,9 @@ def test_one_process_metrics_off_the_gpu_take_each_unit_s_norms_from_torch(monke
     applied_at_once: list[str] = []
     compute_and_apply = StepContext.compute_and_apply
 
-    def count(self, e, specs, stacked, target):  # type: ignore[no-untyped-def]
+    def count(self, e, specs, stacked, target, decide_as=None):  # type: ignore[no-untyped-def]
         applied_at_once.append(e.name)
-        compute_and_apply(self, e, specs, stacked, target)
+        compute_and_apply(self, e, specs, stacked, target, decide_as)
 
     monkeypatch.setattr(StepStats, "add_orthogonal_norms", record)
     monkeypatch.setattr(StepContext, "compute_and_apply", count)

@@ -16,6 +16,7 @@ agrees on the outcome across ranks and either :meth:`StepContext.commit` s all o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from torch import Tensor
 from ..distributed.exchange import MeshGroup
 from ..distributed.layout import ParamLayout, local
 from ..kernels.elementwise import decay_and_add_many
+from ..kernels.shapes import decide_as_batch
 from ..linalg.ns_graphs import NewtonSchulzGraphs
 from ..plan import MatrixSpec, Plan
 from ..plan.views import MatrixSplit
@@ -207,14 +209,15 @@ class StepContext:
         out = self.compute_unit([spec for spec, _ in jobs], mats[0] if len(mats) == 1 else torch.stack(mats))
         return [out] if len(mats) == 1 else list(out.unbind(0))
 
-    def compute_unit(self, specs: list[MatrixSpec], stacked: Tensor) -> Tensor:
+    def compute_unit(self, specs: list[MatrixSpec], stacked: Tensor, decide_as: int | None = None) -> Tensor:
         """The rule's direction for one unit given whole: ``stacked`` is ``[m, n]`` (one matrix) or ``[B, m, n]``
-        (B same-shape matrices of one parameter, ``specs`` in order); returns O shaped like ``stacked``. Host
-        work is per unit: one owner-state lookup per matrix, one norm over the batch for the metrics.
+        (B same-shape matrices of one parameter, ``specs`` in order; or a stack of such units of one param group,
+        :mod:`.stacks`, with ``decide_as`` matrices per unit); returns O shaped like ``stacked``. Host work is per
+        call: one owner-state lookup per matrix, one norm over the batch for the metrics.
 
         The ``[P, r, c]`` parts of one grouped-split matrix (``specs[0].parts == P > 1``) are computed as the one
         ``[P·r, c]`` matrix their rows stack into, with its one owner state and γ'."""
-        computed = self._direction(specs, stacked, borrow=False)
+        computed = self._direction(specs, stacked, borrow=False, decide_as=decide_as)
         if computed is None:  # the step fails anyway: zeros keep the exchanges going
             return torch.zeros(stacked.shape, dtype=stacked.dtype, device=stacked.device)
         out, matrices = computed
@@ -223,17 +226,19 @@ class StepContext:
         self.stats.add_orthogonal(out, lr_adjusted, [spec.name for spec in matrices])
         return out.reshape(stacked.shape)
 
-    def compute_and_apply(self, e: Entry, specs: list[MatrixSpec], stacked: Tensor, target: Tensor) -> None:
-        """:meth:`compute_unit` for a unit of the fully local parameter ``e`` in a step that is not
-        transactional, its O applied at once to ``target``, the unit's region of the local shard (``stacked``'s
-        entries in the same order). O is applied before another unit is computed, so it may be the CUDA graph's
+    def compute_and_apply(
+        self, e: Entry, specs: list[MatrixSpec], stacked: Tensor, target: Tensor, decide_as: int | None = None
+    ) -> None:
+        """:meth:`compute_unit` for a unit (or a stack of units) of the fully local parameter ``e`` in a step
+        that is not transactional, its O applied at once to ``target``, the unit's region of the local shard
+        (``stacked``'s entries in the same order). O is applied before another unit is computed, so it may be the CUDA graph's
         own output buffer (:class:`~..linalg.ns_graphs.NewtonSchulzGraphs`, ``borrow``), not a copy of it. The metrics'
         norm of each matrix comes from the apply's own pass where it computes them
         (:meth:`MatrixRule.apply_region`, ``return_norms``: one launch where a norm and the apply took two),
         else from one norm over the batch, as in :meth:`compute_unit`."""
         if self.transactional:
             raise RuntimeError("compute_and_apply: a transactional step applies what it computed at its commit")
-        computed = self._direction(specs, stacked, borrow=True)
+        computed = self._direction(specs, stacked, borrow=True, decide_as=decide_as)
         assert computed is not None  # only a transactional step records a failure instead of raising it
         out, matrices = computed
         shape = matrices[0].whole_shape
@@ -246,12 +251,13 @@ class StepContext:
             self.stats.add_orthogonal_norms(norms, lr_adjusted, names, out)
 
     def _direction(
-        self, specs: list[MatrixSpec], stacked: Tensor, *, borrow: bool
+        self, specs: list[MatrixSpec], stacked: Tensor, *, borrow: bool, decide_as: int | None = None
     ) -> tuple[Tensor, list[MatrixSpec]] | None:
         """The rule's direction for one unit (:meth:`compute_unit`), its FLOPs counted: O shaped as the matrices
         it computed, with their specs (a grouped split's parts: the one spec of their matrix). None in a
         transactional step that has failed, here (recorded in :attr:`failure`) or before (the work is
-        skipped). ``borrow``: O may be the CUDA graph's own output buffer."""
+        skipped). ``borrow``: O may be the CUDA graph's own output buffer. ``decide_as``: the dispatch decides as
+        for that many matrices (a stack of units, :mod:`.stacks`)."""
         first = specs[0]
         if first.parts > 1:
             specs, stacked = [first], stacked.reshape(first.whole_shape)
@@ -266,7 +272,8 @@ class StepContext:
         if borrow and isinstance(runner, NewtonSchulzGraphs):
             runner = functools.partial(runner, borrow=True)
         try:
-            out = self.rule.direction(stacked, states, group, runner)
+            with decide_as_batch(decide_as) if decide_as is not None else contextlib.nullcontext():
+                out = self.rule.direction(stacked, states, group, runner)
         except Exception as exc:
             if not self.transactional:
                 raise

@@ -4,13 +4,13 @@ from .dispatch import (
     NS_ALGORITHMS,
     Backend,
     forced_backend,
-    gram_work,
     resolve_ns_algorithm,
     select_backend,
     triton_eligible,
     use_backend,
     use_gram,
 )
+from .shapes import gram_work
 from .torch_matmuls import TORCH_MATMULS, TorchMatmuls
 
 __all__ = [

@@ -2,11 +2,20 @@
 
 A batch of small matrices shares its launches, which bound each matrix's Newton–Schulz; a large matrix keeps
 the GPU busy alone, and stacking it gains nothing. Stack a shape only when it has at most
-:data:`BATCH_MAX_NUMEL` elements, and at most :data:`MAX_BATCH` matrices in one batch.
+:data:`BATCH_MAX_NUMEL` elements, and at most :data:`MAX_BATCH` matrices in one batch (a unit of the plan).
 Chosen by measurement: docs/kernels.md "Batching small matrices" (re-measure: tools/kernels/ns_variants.py).
+
+Beyond units, the engine may compute several same-size units of one shape in one call, a *stack*
+(:mod:`dtensor_muon.engine.stacks`): up to :func:`units_per_stack` units, the dispatch deciding as for one unit
+(:func:`.shapes.decide_as_batch`), so that each matrix keeps the bits of its unit alone.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
 
 BATCH_MAX_NUMEL = 2048 * 7168
 """Largest matrix (elements) that is stacked with others of its shape (Kimi K2's 2048×7168 experts)."""
@@ -15,7 +24,38 @@ MAX_BATCH = 8
 """Most matrices in one batch: the gain per matrix flattens there, and smaller units balance better across
 ranks (docs/kernels.md "Batching small matrices"; re-measure the balance: ``python -m dtensor_muon.plan``)."""
 
+MAX_STACK = 1
+"""Most units in one stack on a CUDA device; 1: each unit is its own call. Stacks pay where a stack runs
+faster than its units one after another: 128 Qwen3-30B-A3B experts (768×2048) took 1.22× the symmetric floor as
+one stack against 1.75× as units of 8, with the SYRK kernels forced (docs/kernels.md "Expert stacks"); the
+engine's stacks, which keep each unit's kernels, are yet to be measured end to end, so none is formed by default
+(measure: ``bench/optimizer_step.py --units-per-stack``). Never on CPU, where a batched matmul's bits may
+depend on its batch count."""
+
+_forced_stack: list[int] = []
+
 
 def batching_pays(shape: tuple[int, int]) -> bool:
     """Whether matrices of ``shape`` are computed in batches (see the module docstring)."""
     return shape[0] * shape[1] <= BATCH_MAX_NUMEL
+
+
+def units_per_stack(device: torch.device) -> int:
+    """Most units the engine stacks into one call on ``device``: the innermost :func:`stack_units`'s count,
+    else :data:`MAX_STACK` on CUDA and 1 elsewhere."""
+    if _forced_stack:
+        return _forced_stack[-1]
+    return MAX_STACK if device.type == "cuda" else 1
+
+
+@contextlib.contextmanager
+def stack_units(count: int) -> Iterator[None]:
+    """Within the block the engine stacks up to ``count`` units into one call on every device (tests on CPU,
+    benchmarks); 1 turns stacks off."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ValueError(f"stack_units: count must be an int >= 1, got {count!r}")
+    _forced_stack.append(count)
+    try:
+        yield
+    finally:
+        _forced_stack.pop()

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .shapes import gram_work, matrix_count
+from .shapes import decision_count, decision_work
 from .torch_matmuls import TORCH_MATMULS
 
 try:
@@ -85,11 +85,11 @@ def select_backend(x: Tensor) -> Backend:
     """Backend for the (already transposed to wide) working matrix ``x`` of shape [m, n] or [B, m, n].
 
     By default the GPU backend takes eligible inputs with at least MIN_GPU_BACKEND_WORK multiply-adds per
-    Gram matrix. Below that the products take microseconds, Newton–Schulz is bound by kernel launches, and
+    Gram matrix (counted over :func:`.shapes.decision_count` matrices, as every floor of the dispatch is). Below that the products take microseconds, Newton–Schulz is bound by kernel launches, and
     the GPU backend gains nothing over plain torch (docs/kernels.md "Measured constants").
     """
     forced = forced_backend()
-    if forced == "torch" or (forced is None and gram_work(x) < MIN_GPU_BACKEND_WORK):
+    if forced == "torch" or (forced is None and decision_work(x) < MIN_GPU_BACKEND_WORK):
         return TORCH_MATMULS  # decided before any CUDA query: small inputs pay nothing for the choice
     if not triton_eligible(x):
         return TORCH_MATMULS
@@ -128,7 +128,7 @@ def use_gram(algorithm: str, x: Tensor, backend: Backend, schedule_validated: bo
         min_aspect, min_work = GRAM_MIN_ASPECT, 0  # the Gluon kernel's own floor (2³³) is the work floor
     else:
         min_aspect, min_work = GRAM_MIN_ASPECT, MIN_GRAM_PRODUCT_WORK
-    return x.size(-1) >= min_aspect * m and matrix_count(x) * m**3 >= min_work
+    return x.size(-1) >= min_aspect * m and decision_count(x) * m**3 >= min_work
 
 
 def forced_backend() -> str | None:

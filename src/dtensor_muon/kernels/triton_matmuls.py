@@ -29,7 +29,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .normalize import cast_and_scale_into, normalize_into, scale_cast_applies
-from .shapes import matrix_count
+from .shapes import decision_count
 from .torch_matmuls import TORCH_MATMULS, scaled
 from .triton_syrk import is_transposed_view, lower_tile_count, symmetric_product, syrk
 from .ws_syrk import ws_syrk_pays, ws_syrk_runs_products, ws_syrk_supported
@@ -75,8 +75,9 @@ def syrk_floors_met(m: int, matrices: int, gluon: bool) -> bool:
 
 def syrk_pays(x: Tensor) -> bool:
     """Whether the SYRK kernels beat cuBLAS on the Gram matrix and the m×m products of ``x`` ([m, k] or
-    [B, m, k]): :func:`syrk_floors_met` for the kernel that would run the m×m products."""
-    return syrk_floors_met(x.size(-2), matrix_count(x), ws_syrk_runs_products(x))
+    [B, m, k]): :func:`syrk_floors_met` for the kernel that would run the m×m products, over
+    :func:`.shapes.decision_count` matrices."""
+    return syrk_floors_met(x.size(-2), decision_count(x), ws_syrk_runs_products(x))
 
 
 class TritonMatmuls:

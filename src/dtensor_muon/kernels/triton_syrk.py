@@ -37,6 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .normalize import require_scale
+from .shapes import decision_count
 
 # The autotuner's candidates, (RATIO, BLOCK_N, BLOCK_K, num_warps, num_stages, maxnreg).
 # Chosen by measurement: docs/kernels.md "Measured constants" (re-measure: tools/kernels/syrk_configs.py)
@@ -438,9 +439,10 @@ def _launch(
     )
     tuning_key = None
     if config is None:
-        # The autotuner's own key; once it has chosen, launch its choice directly (its dispatch costs host
-        # time at every launch).
-        tuning_key = (m, k, batch, transposed, mode, epilogue, c is not None, x.dtype, x.device)
+        # The autotuner's own key, the batch counted as the dispatch counts it (a stack of units takes the
+        # config of one unit: the same per-matrix arithmetic); once it has chosen, launch its choice directly
+        # (its dispatch costs host time at every launch).
+        tuning_key = (m, k, decision_count(x3), transposed, mode, epilogue, c is not None, x.dtype, x.device)
         launch_options = dict(_TUNED.get(tuning_key, {}))
     known = bool(launch_options)
     descs = (

@@ -39,7 +39,7 @@ import triton
 from torch import Tensor
 
 from .normalize import require_scale
-from .shapes import gram_work, matrix_count
+from .shapes import decision_count, decision_work
 from .triton_syrk import capability_major, is_transposed_view, lower_tile_count, tma_aligned
 
 try:
@@ -117,7 +117,9 @@ def ws_syrk_runs_products(x: Tensor) -> bool:
     [B, m, n]): enabled, Gluon's Hopper API present, x bf16/fp16 on a compute-capability-9 GPU, 8 | m ≤
     WS_MAX_DIM and B·m³ ≥ WS_MIN_WORK (the products are new contiguous [B, m, m] tensors, which TMA reads)."""
     m = x.size(-2)
-    return _enabled and m <= WS_MAX_DIM and m % 8 == 0 and matrix_count(x) * m**3 >= WS_MIN_WORK and _kernel_runs_on(x)
+    return (
+        _enabled and m <= WS_MAX_DIM and m % 8 == 0 and decision_count(x) * m**3 >= WS_MIN_WORK and _kernel_runs_on(x)
+    )
 
 
 def _tma_reads_c(c: Tensor, x: Tensor) -> bool:
@@ -132,7 +134,7 @@ def ws_syrk_pays(x: Tensor, y: Tensor | None = None, c: Tensor | None = None) ->
     return (
         _enabled
         and x.size(-2) <= WS_MAX_DIM
-        and gram_work(x) >= WS_MIN_WORK
+        and decision_work(x) >= WS_MIN_WORK
         and (c is None or _tma_reads_c(c, x))
         and ws_syrk_supports(x, y)
     )

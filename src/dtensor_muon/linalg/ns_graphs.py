@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import Backend, forced_backend, gram_work
+from ..kernels.shapes import decision_batch
 from .newton_schulz import (
     KELLER_COEFFICIENTS,
     CoefficientSpec,
@@ -58,7 +59,8 @@ class _Captured:
 
 class NewtonSchulzGraphs:
     """Callable like :func:`.newton_schulz.newton_schulz`; replays a CUDA graph per input signature (shape,
-    strides, dtype, device, schedule, working dtype, algorithm, forced backend) where one pays.
+    strides, dtype, device, schedule, working dtype, algorithm, forced backend, the dispatch's decision batch)
+    where one pays.
 
     Each captured graph holds its intermediates (a few matrices of the input's size) for the life of this
     object. Inputs off CUDA, above MAX_GRAPH_WORK, or arriving while the current stream is itself being
@@ -89,7 +91,18 @@ class NewtonSchulzGraphs:
         schedule = iteration_schedule(g, coefficients, steps)
         if not g.is_cuda or torch.cuda.is_current_stream_capturing():
             return newton_schulz(g, coefficients, steps, eps, dtype, algorithm)
-        key = (tuple(g.shape), g.stride(), g.dtype, g.device, schedule, eps, dtype, algorithm, forced_backend())
+        key = (
+            tuple(g.shape),
+            g.stride(),
+            g.dtype,
+            g.device,
+            schedule,
+            eps,
+            dtype,
+            algorithm,
+            forced_backend(),
+            decision_batch(),
+        )
         if key not in self._captured:
             return self._first_call(key, g, schedule, eps, dtype, algorithm)
         captured = self._captured[key]

@@ -94,6 +94,11 @@ class MatrixRule(ABC):
         """Fresh owner state of one ``shape`` matrix (none by default)."""
         return {}
 
+    stacks_units: bool = False
+    """Whether ``direction`` gives each matrix of a batch the bits it gets in any other batch of the same shape
+    when the dispatch decides alike (:func:`dtensor_muon.kernels.shapes.decide_as_batch`): Newton–Schulz and
+    nothing else batched. The engine then may compute several units in one call (:mod:`..engine.stacks`)."""
+
     def can_batch(self, group: Group) -> bool:
         """Whether ``direction`` may take several same-shape matrices of a parameter as one [B, m, n] batch."""
         return True

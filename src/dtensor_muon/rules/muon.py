@@ -141,6 +141,7 @@ class MuonRule(MomentumRule):
     """Muon (see the module formula); shard state ``momentum_buffer``, no owner state."""
 
     name = "muon"
+    stacks_units = True
 
     def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
         return MatrixCost(int(group["ns_steps"]) * ns_iteration_flops(shape))

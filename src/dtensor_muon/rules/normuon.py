@@ -30,6 +30,7 @@ class NorMuonRule(MuonRule):
 
     name = "normuon"
     has_owner_state = True
+    stacks_units = False  # the row and matrix reductions over a batch are torch's, whose order may follow B
 
     def init_owner_state(self, shape: tuple[int, int], group: Group, device: torch.device) -> dict[str, Tensor]:
         return {"v": torch.zeros(shape[0], dtype=torch.float32, device=device)}

@@ -1,10 +1,11 @@
 """Strategy for :class:`~dtensor_muon.plan.placement.Local` units: each holder computes its whole matrices itself.
 
-Units are processed in chunks of at most ``bucket_bytes`` of direction input. Matrices of fully local
-parameters are applied as soon as they are computed (at the step's commit when other ranks could still
-fail), and such a parameter's U lives only until its last matrix is done, so on one process peak memory is
-about one chunk, not the model. A unit that is one matrix or a run of whole experts is one view of the
-shard: it is read, computed and written back as one ``[B, m, n]`` tensor, with no per-matrix operation.
+Matrices of fully local parameters are applied as soon as they are computed (at the step's commit when other
+ranks could still fail), and such a parameter's U lives only until its last matrix is done, so on one process
+peak memory is about the largest parameter's U and one call's working buffers, not the model. A unit that is
+one matrix or a run of whole experts is one view of the shard: it is read, computed and written back as one
+``[B, m, n]`` tensor, with no per-matrix operation; so is a stack of such units of one parameter that one view
+holds, where :mod:`..stacks` allows one.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from collections import defaultdict
 from torch import Tensor
 
 from ...distributed.layout import Box, local, relative_slices, stacked_box
-from ...plan import MatrixSpec, chunk_by_budget
+from ...kernels.batching import units_per_stack
+from ...plan import MatrixSpec
 from ...plan.placement import Local
 from ..context import Entry, MeshWork, StepContext
 from ..pending import BackExchange
+from ..stacks import group_into_stacks
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
@@ -36,41 +39,55 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
             left[plan.routes[i].spec.param_index] += 1
     inputs: dict[int, Tensor] = {}  # U of fully local parameters, while some of their matrices are left
 
-    def unit_bytes(members: list[int]) -> int:
-        return sum(plan.routes[i].spec.numel * ctx.input_itemsize(plan.routes[i].spec) for i in members)
+    def specs_of(members: list[int]) -> list[MatrixSpec]:
+        return [plan.routes[i].spec for i in members]
 
+    def one_view(stack: list[list[int]], members: list[int]) -> bool:  # the stack and the unit: one run of experts
+        boxes = [spec.box for unit in (*stack, members) for spec in specs_of(unit)]
+        return specs_of(stack[0])[0].param_index == specs_of(members)[0].param_index and stacked_box(boxes) is not None
+
+    limit = units_per_stack(local(ctx.entries[specs_of(units[0])[0].param_index].param).device)
     with ctx.timer.phase("local_compute"):
-        for chunk in chunk_by_budget(units, ctx.bucket_bytes, unit_bytes):
-            for members in chunk:
-                specs = [plan.routes[i].spec for i in members]
-                e = ctx.entries[specs[0].param_index]
-                if e.index in work.fully_local:
-                    if e.index not in inputs:
-                        inputs[e.index] = ctx.prepare(e)
-                    u = inputs[e.index]
-                else:
-                    u = ctx.inputs[e.index]
-                block = stacked_box([spec.box for spec in specs]) if len(specs) > 1 else specs[0].box
-                if block is not None:  # one view of the unit, one write of its O
-                    _compute_block(ctx, work, e, specs, u, block)
-                else:
-                    _compute_pieces(ctx, work, e, specs, u)
-                if e.index in work.fully_local:
-                    left[e.index] -= len(specs)
-                    if left[e.index] == 0:
-                        del inputs[e.index]
+        for stack in group_into_stacks(ctx, units, specs_of, limit, one_view):
+            specs = [spec for members in stack for spec in specs_of(members)]
+            e = ctx.entries[specs[0].param_index]
+            if e.index in work.fully_local:
+                if e.index not in inputs:
+                    inputs[e.index] = ctx.prepare(e)
+                u = inputs[e.index]
+            else:
+                u = ctx.inputs[e.index]
+            block = stacked_box([spec.box for spec in specs]) if len(specs) > 1 else specs[0].box
+            decide_as = len(stack[0]) if len(stack) > 1 else None
+            if block is not None:  # one view of the unit (or stack), one write of its O
+                _compute_block(ctx, work, e, specs, u, block, decide_as)
+            else:
+                _compute_pieces(ctx, work, e, specs, u)
+            if e.index in work.fully_local:
+                left[e.index] -= len(specs)
+                if left[e.index] == 0:
+                    del inputs[e.index]
     return []
 
 
-def _compute_block(ctx: StepContext, work: MeshWork, e: Entry, specs: list[MatrixSpec], u: Tensor, block: Box) -> None:
-    """A unit whose matrices fill ``block`` of the local shard (one matrix, or a run of whole experts)."""
+def _compute_block(
+    ctx: StepContext,
+    work: MeshWork,
+    e: Entry,
+    specs: list[MatrixSpec],
+    u: Tensor,
+    block: Box,
+    decide_as: int | None,
+) -> None:
+    """A unit whose matrices fill ``block`` of the local shard (one matrix, or a run of whole experts), or a stack
+    of such units (``decide_as``: matrices per unit, :mod:`..stacks`)."""
     sl = relative_slices(block, e.layout.local_box)
     shape = specs[0].shape
     stacked = u[sl].reshape((len(specs), *shape) if len(specs) > 1 else shape).contiguous()
     if e.index in work.fully_local and not ctx.transactional:  # applied before the next unit is computed
-        ctx.compute_and_apply(e, specs, stacked, local(e.param)[sl])
+        ctx.compute_and_apply(e, specs, stacked, local(e.param)[sl], decide_as)
     else:
-        _deliver(ctx, work, e, sl, ctx.compute_unit(specs, stacked), shape)
+        _deliver(ctx, work, e, sl, ctx.compute_unit(specs, stacked, decide_as), shape)
 
 
 def _compute_pieces(ctx: StepContext, work: MeshWork, e: Entry, specs: list[MatrixSpec], u: Tensor) -> None:

@@ -1,7 +1,8 @@
 """Strategy for :class:`~dtensor_muon.plan.placement.Owned` units: gathered whole to one owner, computed once there.
 
 Per bucket of the plan: one variable-size all-to-all carries every source rank's pieces of U to their
-owners, each owner assembles its matrices (pieces in route order per source), computes its units, and one
+owners, each owner assembles its matrices (pieces in route order per source), computes its units (several
+same-size units of one shape in one call where :mod:`..stacks` allows), and one
 all-to-all back carries each holder's part of O. The return exchanges are left in flight: the engine's
 pending updates unpack and apply them (at once, or in the next forward with overlap).
 """
@@ -16,10 +17,12 @@ from torch import Tensor
 
 from ...distributed.exchange import PendingExchange, start_all_to_all
 from ...distributed.layout import box_numel, box_shape, contiguous_offset, local, relative_slices
+from ...kernels.batching import units_per_stack
 from ...plan import MatrixRoute
 from ...plan.placement import TensorParallelGroup
 from ..context import MeshWork, StepContext
 from ..pending import BackExchange
+from ..stacks import group_into_stacks
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
@@ -168,26 +171,31 @@ class CopyRuns:
 def _compute_owned(
     ctx: StepContext, work: MeshWork, bucket: list[int], received: dict[int, Tensor], device: torch.device
 ) -> dict[int, Tensor]:
-    """Assemble each owned unit from its pieces into one ``[B, m, n]`` buffer, compute it; O per ``id(route)``,
-    in the box's shape (views of the unit's output)."""
+    """Assemble each owned unit, or stack of units (:mod:`..stacks`), from its pieces into one ``[B, m, n]``
+    buffer, compute it; O per ``id(route)``, in the box's shape (views of the call's output)."""
     me = work.comm.mesh_rank
     members: dict[int, list[int]] = defaultdict(list)
     for i in bucket:
         route = work.plan.routes[i]
         if route.spec.param_index in ctx.active and route.owner == me:
             members[route.unit].append(i)
-    buffers = {
-        unit: torch.empty(len(ids) * work.plan.routes[ids[0]].spec.numel, dtype=work.wire_dtype, device=device)
-        for unit, ids in members.items()
-    }
-    position = {i: j for ids in members.values() for j, i in enumerate(ids)}
+    calls = group_into_stacks(
+        ctx, list(members.values()), lambda ids: [work.plan.routes[i].spec for i in ids], units_per_stack(device)
+    )
+    call_ids = [[i for ids in stack for i in ids] for stack in calls]
+    buffers = [
+        torch.empty(len(ids) * work.plan.routes[ids[0]].spec.numel, dtype=work.wire_dtype, device=device)
+        for ids in call_ids
+    ]
+    slot = {i: (c, j) for c, ids in enumerate(call_ids) for j, i in enumerate(ids)}
     offsets: dict[int, int] = defaultdict(int)
     runs = CopyRuns()
     for i in bucket:  # pieces arrive from each source in route order
-        if i not in position:
+        if i not in slot:
             continue
         route = work.plan.routes[i]
-        buffer, base = buffers[route.unit], position[i] * route.spec.numel
+        call, position = slot[i]
+        buffer, base = buffers[call], position * route.spec.numel
         for box, source in route.pieces:
             n = box_numel(box)
             chunk, start = received[source], offsets[source]
@@ -201,10 +209,11 @@ def _compute_owned(
                 target.copy_(chunk[start : start + n].view(target.shape))
     runs.flush()
     out: dict[int, Tensor] = {}
-    for unit, ids in members.items():
+    for stack, ids, buffer in zip(calls, call_ids, buffers):
         specs = [work.plan.routes[i].spec for i in ids]
         shape = specs[0].shape
-        o = ctx.compute_unit(specs, buffers[unit].view((len(ids), *shape) if len(ids) > 1 else shape))
+        stacked = buffer.view((len(ids), *shape) if len(ids) > 1 else shape)
+        o = ctx.compute_unit(specs, stacked, decide_as=len(stack[0]) if len(stack) > 1 else None)
         for j, i in enumerate(ids):
             route = work.plan.routes[i]
             out[id(route)] = (o[j] if len(ids) > 1 else o).reshape(box_shape(route.spec.box))

@@ -1,0 +1,60 @@
+"""Stacks: several same-size units of one shape computed in one Newton–Schulz call.
+
+A unit (the plan's batch of at most ``MAX_BATCH`` same-shape matrices of one parameter) is what every world size
+computes alike, so its bits never depend on how the matrices were spread over ranks. A rank that holds several
+units of one shape may still run them as one call: the stack ``[k·B, m, n]`` of k units of B matrices, with the
+dispatch deciding as for B (:func:`dtensor_muon.kernels.shapes.decide_as_batch`) and kernels that compute each
+matrix of a batch alike whatever the batch count, gives every matrix the bits of its unit alone, in fewer and
+larger launches (docs/kernels.md "Expert stacks"). Units stack when
+
+    the rule's direction allows it (``MatrixRule.stacks_units``: Newton–Schulz and nothing else batched),
+    they hold the same number B ≥ 2 of matrices of one shape, of one param group (the same settings, γ'), and
+    at most ``units_per_stack(device)`` of them share a call (:mod:`dtensor_muon.kernels.batching`).
+
+One matrix alone never joins a stack: a matrix and a batch of one may take different kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
+
+from ..plan import MatrixSpec
+from .context import StepContext
+
+U = TypeVar("U")
+
+
+def stack_key(ctx: StepContext, specs: Sequence[MatrixSpec]) -> Hashable | None:
+    """What units must share to stack (see the module docstring), None for a unit that computes alone."""
+    first = specs[0]
+    if len(specs) < 2 or first.parts > 1 or not ctx.rule.stacks_units:
+        return None
+    return (id(ctx.entries[first.param_index].group), first.shape, len(specs))
+
+
+def group_into_stacks(
+    ctx: StepContext,
+    units: Sequence[U],
+    specs_of: Callable[[U], Sequence[MatrixSpec]],
+    limit: int,
+    joins: Callable[[list[U], U], bool] | None = None,
+) -> list[list[U]]:
+    """``units`` in stacks of at most ``limit`` units with one :func:`stack_key`, each stack in the order of its
+    units, stacks in the order of their first unit. ``joins(stack, unit)``, when given, must also hold for a unit
+    to join a stack (the local strategy stacks only runs that one view of a shard holds); a unit that joins no
+    open stack opens a new one."""
+    if limit <= 1:
+        return [[unit] for unit in units]
+    stacks: list[list[U]] = []
+    open_stack: dict[Hashable, list[U]] = {}
+    for unit in units:
+        key = stack_key(ctx, specs_of(unit))
+        current = open_stack.get(key) if key is not None else None
+        if current is not None and len(current) < limit and (joins is None or joins(current, unit)):
+            current.append(unit)
+            continue
+        stacks.append([unit])
+        if key is not None:
+            open_stack[key] = stacks[-1]
+    return stacks

@@ -1,0 +1,194 @@
+"""Stacks: several same-size units of one shape computed in one call, each matrix as its unit alone would get it.
+
+The engine's plumbing is checked bit for bit on CPU with a rule whose direction is exact arithmetic (O = U/2,
+the same bits whatever the batch): a stacked step must hand every matrix its own O, in every strategy (local
+runs of experts, owners across ranks), and take fewer, larger calls. Muon's Newton–Schulz on CPU is compared
+against its unstacked run within a bound from fp32 rounding (CPU batched products may round by batch count,
+which is why stacks are off on CPU by default). On the GPU, where stacks are meant to run, the same comparison
+is bitwise (the dispatch decides as for one unit, and the kernels compute each matrix of a batch alike).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from dist_harness import full_tensor, one_thread, requires_cuda, run_distributed
+from torch import Tensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from dtensor_muon import Muon, NorMuon
+from dtensor_muon.kernels.batching import MAX_STACK, stack_units, units_per_stack
+from dtensor_muon.kernels.shapes import decide_as_batch, decision_count, decision_work, gram_work
+from dtensor_muon.rules.muon import MuonRule
+from dtensor_muon.rules.normuon import NorMuonRule
+
+EXPERTS = [("layers.0.moe.experts.w1", (32, 6, 8)), ("layers.0.moe.experts.w3", (32, 6, 8))]
+DENSE = [("layers.0.attention.wq", (12, 8))]
+OPTIONS: dict[str, Any] = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, wire_dtype=torch.float32)
+STEPS = 2
+
+
+class HalvingRule(MuonRule):
+    """Muon's momentum with O = U/2: exact in any batch, so a stack must give each matrix exactly its unit's O.
+    Records the shape of every call."""
+
+    calls: ClassVar[list[tuple[int, ...]]] = []
+
+    def direction(self, u: Tensor, owner_states, group, runner) -> Tensor:
+        HalvingRule.calls.append(tuple(u.shape))
+        return u * 0.5
+
+
+class HalvingMuon(Muon):
+    rule = HalvingRule()
+
+
+def initial(shapes: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(name, torch.randn(shape, generator=g)) for name, shape in shapes]
+
+
+def gradient(shapes: list[tuple[str, tuple[int, ...]]], step: int) -> list[Tensor]:
+    g = torch.Generator().manual_seed(50 + step)
+    return [torch.randn(shape, generator=g) for _, shape in shapes]
+
+
+def one_process(front_end: type, shapes: list, units: int, device: str = "cpu") -> tuple[list[Tensor], list]:
+    """Parameters after STEPS steps on one process with stacks of up to ``units`` units; the calls' shapes."""
+    HalvingRule.calls = []
+    params = [(n, p.to(device).requires_grad_()) for n, p in initial(shapes)]
+    opt = front_end(params, **OPTIONS)
+    with stack_units(units):
+        for step in range(STEPS):
+            for (_, p), g in zip(params, gradient(shapes, step)):
+                p.grad = g.to(device)
+            opt.step()
+    return [p.detach().cpu() for _, p in params], HalvingRule.calls
+
+
+def test_units_per_stack_defaults_and_override() -> None:
+    assert units_per_stack(torch.device("cpu")) == 1
+    assert units_per_stack(torch.device("cuda")) == MAX_STACK
+    with stack_units(16):
+        assert units_per_stack(torch.device("cpu")) == 16
+    with pytest.raises(ValueError, match="stack_units"), stack_units(0):
+        pass
+
+
+def test_a_stack_is_decided_as_its_units() -> None:
+    """Every floor of the dispatch counts the decision batch: a stack of 4 units of 2 matrices of 1408×2048 takes
+    the SYRK products exactly where one unit of 2 does not (2·66 lower tiles < MIN_SYRK_TILES = 264 ≤ 8·66)."""
+    from dtensor_muon.kernels.triton_matmuls import syrk_pays
+
+    unit, stack = torch.empty(2, 1408, 2048, device="meta"), torch.empty(8, 1408, 2048, device="meta")
+    assert not syrk_pays(unit) and syrk_pays(stack)
+    with decide_as_batch(2):
+        assert decision_count(stack) == 2 and decision_work(stack) == gram_work(unit)
+        assert syrk_pays(stack) is syrk_pays(unit) is False
+    assert decision_count(stack) == 8
+    with pytest.raises(ValueError, match="decide_as_batch"), decide_as_batch(0):
+        pass
+
+
+def test_local_runs_of_experts_stack_and_keep_each_units_bits() -> None:
+    """32 experts per parameter form units of 4 (min(8, 32/8)); stacks of 4 units take 16 experts per call."""
+    shapes = EXPERTS + DENSE
+    want, alone = one_process(HalvingMuon, shapes, units=1)
+    got, stacked = one_process(HalvingMuon, shapes, units=4)
+    for (name, _), a, b in zip(shapes, got, want):
+        assert torch.equal(a, b), name
+    assert sorted(set(alone)) == [(4, 6, 8), (12, 8)]
+    assert sorted(set(stacked)) == [(12, 8), (16, 6, 8)]
+    assert len(stacked) == STEPS * (2 * 2 + 1)  # per step: 2 stacks per expert parameter, the dense matrix
+
+
+def test_rules_that_do_not_stack_keep_their_units() -> None:
+    """NorMuon's batched reductions are torch's, so its units never stack: one call per unit of 4."""
+    calls: ClassVar[list[tuple[int, ...]]] = []
+
+    class RecordingNorMuonRule(NorMuonRule):
+        def direction(self, u: Tensor, owner_states, group, runner) -> Tensor:
+            calls.append(tuple(u.shape))
+            return super().direction(u, owner_states, group, runner)
+
+    class RecordingNorMuon(NorMuon):
+        rule = RecordingNorMuonRule()
+
+    params = [(n, p.requires_grad_()) for n, p in initial(EXPERTS)]
+    opt = RecordingNorMuon(params, **OPTIONS)
+    with stack_units(4):
+        for (_, p), g in zip(params, gradient(EXPERTS, 0)):
+            p.grad = g
+        opt.step()
+    assert calls == [(4, 6, 8)] * 16
+
+
+def test_muon_stacked_on_cpu_is_within_fp32_rounding_of_its_units() -> None:
+    """Real Newton–Schulz (fp32) in stacks of 4 units against units alone. Only the products' accumulation order
+    may differ: each entry of a product of normalized matrices by at most k·2⁻²⁴ (k ≤ 8, the inner size), and
+    five iterations of p(σ) = aσ + bσ³ + cσ⁵ magnify a difference at most a⁵ times (a = 3.4445, p's slope at
+    0); over 15 products that bounds |ΔO| by 15·a⁵·8·2⁻²⁴, so |Δθ| ≤ γ'·that per step."""
+    with one_thread():
+        want, _ = one_process(Muon, EXPERTS, units=1)
+        got, _ = one_process(Muon, EXPERTS, units=4)
+    lr_scale = OPTIONS["lr"] * max(1.0, 6 / 8) ** 0.5  # γ' = γ·√max(1, rows/cols) (torch.optim.Muon's default)
+    bound = STEPS * lr_scale * 15 * 3.4445**5 * 8 * 2.0**-24
+    for (name, _), a, b in zip(EXPERTS, got, want):
+        assert float((a - b).abs().max()) <= bound, name
+
+
+# ---------------------------------------------------------------- owners across ranks
+def owned_run(rank: int, world_size: int, units: int, device: str) -> dict[str, Any]:
+    """Experts split along their rows (Shard(1)): every expert travels to an owner, which stacks its units."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh(device, (world_size,))
+    HalvingRule.calls = []
+    params = [(n, torch.nn.Parameter(distribute_tensor(p.to(device), mesh, [Shard(1)]))) for n, p in initial(EXPERTS)]
+    opt = HalvingMuon(params, **OPTIONS)
+    with stack_units(units):
+        for step in range(STEPS):
+            for (_, p), g in zip(params, gradient(EXPERTS, step)):
+                p.grad = distribute_tensor(g.to(device), mesh, [Shard(1)])
+            opt.step()
+    return {"params": [full_tensor(p) for _, p in params], "calls": list(HalvingRule.calls)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_owners_stack_units_and_equal_one_process(world_size: int) -> None:
+    with one_thread():
+        want, _ = one_process(HalvingMuon, EXPERTS, units=1)
+    results = run_distributed(owned_run, world_size, 8, "cpu")
+    for (name, _), got, expected in zip(EXPERTS, results[0]["params"], want):
+        assert torch.equal(got, expected), name
+    calls = [shape for r in results for shape in r["calls"]]
+    assert sum(shape[0] for shape in calls) == STEPS * 64  # every expert computed once per step
+    assert max(shape[0] for shape in calls) > 4  # owners took several units of 4 in one call
+    assert len(calls) < STEPS * 16  # fewer calls than units
+
+
+# ---------------------------------------------------------------- on one GPU: Newton–Schulz, bitwise
+GPU_EXPERTS = [("layers.0.moe.experts.w1", (32, 768, 2048)), ("layers.0.moe.experts.w2", (32, 2048, 768))]
+
+
+def gpu_run(units: int) -> list[Tensor]:
+    params = [(n, p.cuda().requires_grad_()) for n, p in initial(GPU_EXPERTS)]
+    opt = Muon(params)  # defaults: bf16 Newton–Schulz from CUDA graphs
+    with stack_units(units):
+        for step in range(STEPS):
+            for (_, p), g in zip(params, gradient(GPU_EXPERTS, step)):
+                p.grad = g.cuda()
+            opt.step()
+    return [p.detach().cpu() for _, p in params]
+
+
+@requires_cuda
+def test_stacks_on_the_gpu_equal_units_alone_bitwise() -> None:
+    """Qwen3-30B-A3B-sized experts, wide and tall, in units of 4: stacks of 8 units (32 experts) against units
+    one after another."""
+    want = gpu_run(1)
+    got = gpu_run(8)
+    for (name, _), a, b in zip(GPU_EXPERTS, got, want):
+        assert torch.equal(a, b), f"{name}: max |Δ| {float((a - b).abs().max()):.3e}"
