@@ -77,7 +77,9 @@ device, with real random data and no communication. Its share per step, in the o
   at once as the optimizer runs them (``momentum_steps``: a fused pass per large shard, multi-tensor lerps for the rest);
 - every unit it computes (owned and local), as one tensor ``[B, m, n]`` or ``[m, n]``: bf16 for an owned unit
   (it arrives on the bf16 wire), fp32 for a local one (read from the shard), through ``MuonRule.direction``
-  with the optimizer's Newton–Schulz runner (``NewtonSchulzGraphs`` on CUDA, ``newton_schulz`` elsewhere);
+  with the optimizer's Newton–Schulz runner (``NewtonSchulzGraphs`` on CUDA, ``newton_schulz`` elsewhere); with
+  ``--units-per-stack N``, also a row per N whose same-size units of one shape and origin run N to a call
+  (:func:`stacked_calls`, the dispatch deciding as for one unit);
 - the apply (``θ·(1 − γλ) − γ'·O``) on its shard of every Muon parameter, O taken from a preallocated buffer;
 - ``torch.optim.AdamW`` (fused on CUDA, foreach elsewhere, as the optimizer runs it) on its shard of every other parameter.
 
@@ -91,6 +93,7 @@ the same rank's FSDP shard of every parameter (about 1/W of each): AdamW share m
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
@@ -109,6 +112,7 @@ from dtensor_muon import AttentionHeads, Muon
 from dtensor_muon.distributed.layout import box_shape
 from dtensor_muon.kernels.batching import stack_units
 from dtensor_muon.kernels.elementwise import decay_and_add_many, momentum_steps
+from dtensor_muon.kernels.shapes import decide_as_batch
 from dtensor_muon.linalg.newton_schulz import newton_schulz
 from dtensor_muon.linalg.ns_graphs import NewtonSchulzGraphs
 from dtensor_muon.plan import Plan, build_plan, matrix_shape
@@ -891,10 +895,32 @@ def rank_share(shapes: Shapes, muon_names: set[str], group: dict[str, Any], worl
     return RankShare(world_size, rank, units, planned, plan.rank_flops, plan.lower_bound, muon_shards, other_shards)
 
 
+def stacked_calls(
+    units: list[tuple[tuple[int, ...], bool]], units_per_stack: int
+) -> list[tuple[tuple[int, ...], bool, int | None]]:
+    """The share's units as calls with stacks of up to ``units_per_stack`` units: (call shape, owned, matrices
+    per unit when the call is a stack of several, else None). Batched units of one shape and origin stack k at a
+    time in their order: as many as a rank's stacks can hold (the engine stacks an owner's units within one
+    exchange bucket, a holder's local units within one run of experts of a parameter)."""
+    calls: list[tuple[tuple[int, ...], bool, int | None]] = []
+    open_calls: dict[tuple, int] = {}
+    for shape, owned in units:
+        key = (shape, owned)
+        at = open_calls.get(key) if len(shape) == 3 else None
+        if at is not None and calls[at][0][0] < units_per_stack * shape[0]:
+            call = calls[at][0]
+            calls[at] = ((call[0] + shape[0], *shape[1:]), owned, shape[0])
+            continue
+        calls.append((shape, owned, None))
+        if len(shape) == 3:
+            open_calls[key] = len(calls) - 1
+    return calls
+
+
 class ShareWork:
     """The busiest rank's share on this device: its tensors and one step of its work (see the module docstring)."""
 
-    def __init__(self, share: RankShare, group: dict[str, Any], device: torch.device) -> None:
+    def __init__(self, share: RankShare, group: dict[str, Any], device: torch.device, units_per_stack: int = 1) -> None:
         self.group, self.rule = group, MuonRule()
         self.runner = NewtonSchulzGraphs() if device.type == "cuda" else newton_schulz
         gen = torch.Generator(device=device).manual_seed(0)
@@ -902,7 +928,9 @@ class ShareWork:
         def randn(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.randn(shape, generator=gen, device=device).to(dtype)
 
-        self.inputs = [randn(shape, torch.bfloat16 if owned else torch.float32) for shape, owned in share.units]
+        calls = stacked_calls(share.units, units_per_stack)
+        self.inputs = [randn(shape, torch.bfloat16 if owned else torch.float32) for shape, owned, _ in calls]
+        self.decide_as = [per_unit for _, _, per_unit in calls]
         self.shards = [
             (randn(s), randn(s), torch.zeros(s, device=device), randn(s), self.rule.adjusted_lr(group, m))
             for s, m in share.muon_shards
@@ -918,9 +946,10 @@ class ShareWork:
         )
 
     def newton_schulz(self) -> None:
-        """The direction of every unit, through the optimizer's runner."""
-        for u in self.inputs:
-            self.rule.direction(u, [{}] * (u.shape[0] if u.ndim == 3 else 1), self.group, self.runner)
+        """The direction of every unit (or stack of units), through the optimizer's runner."""
+        for u, per_unit in zip(self.inputs, self.decide_as):
+            with decide_as_batch(per_unit) if per_unit is not None else contextlib.nullcontext():
+                self.rule.direction(u, [{}] * (u.shape[0] if u.ndim == 3 else 1), self.group, self.runner)
 
     def step(self) -> None:
         """Momentum on the shards, the units' directions, the apply on the shards, AdamW on the other shards."""
@@ -974,9 +1003,12 @@ def run_share(
     warmup: int,
     steps: int,
     rate: float | None,
+    units_per_stack: int = 1,
 ) -> dict[str, Any]:
-    """Time the busiest rank's share and an AdamW step over its shards; one result row."""
-    work = ShareWork(share, group, device)
+    """Time the busiest rank's share (stacks of up to ``units_per_stack`` units) and an AdamW step over its shards;
+    one result row."""
+    work = ShareWork(share, group, device, units_per_stack)
+    calls = len(work.inputs)
     share_ms = median_ms(work.step, device, warmup, steps)
     ns_ms = median_ms(work.newton_schulz, device, 1, steps)
     del work
@@ -991,6 +1023,8 @@ def run_share(
         "world_size": share.world_size,
         "rank": share.rank,
         "units": len(share.units),
+        "units_per_stack": units_per_stack,
+        "calls": calls,
         "units_owned": share.units_owned,
         "matrices": share.matrices,
         "planned_gflop": share.planned_flops / 1e9,
@@ -1103,6 +1137,8 @@ SHARE_COLUMNS = [
     ("world_size", "ranks", "{}"),
     ("rank", "busiest rank", "{}"),
     ("units", "units", "{}"),
+    ("units_per_stack", "units per stack", "{}"),
+    ("calls", "NS calls", "{}"),
     ("units_owned", "owned", "{}"),
     ("matrices", "matrices", "{}"),
     ("planned_gflop", "planned GFLOP", "{:,.4g}"),
@@ -1209,8 +1245,13 @@ def main() -> None:
         group = muon_group()
         for world in args.world_size:
             share = rank_share(shapes, muon_names, group, world)
-            per_rank.append(run_share(share, shapes, group, device, args.warmup, args.steps, rate))
-            print(f"  {world} ranks: busiest rank {share.rank}, {per_rank[-1]['share_ms']:.2f} ms", flush=True)
+            for units in sorted({1, *args.units_per_stack}):
+                per_rank.append(run_share(share, shapes, group, device, args.warmup, args.steps, rate, units))
+                print(
+                    f"  {world} ranks: busiest rank {share.rank}, stacks of ≤ {units} units: "
+                    f"{per_rank[-1]['share_ms']:.2f} ms",
+                    flush=True,
+                )
         print("Busiest FSDP rank's share (no exchange; see the module docstring):")
         print(markdown_table(per_rank, SHARE_COLUMNS))
 

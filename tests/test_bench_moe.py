@@ -108,6 +108,7 @@ def test_quick_run_writes_overhead_and_per_rank_fields(model, tmp_path):
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
     }
     flags = ["--quick", "--json", str(out), "--model", model, "--steps", "2", "--warmup", "1", "--world-size", "8"]
+    flags += ["--units-per-stack", "2"]
     proc = subprocess.run(
         [sys.executable, str(BENCH / "optimizer_step.py"), *flags],
         cwd=ROOT,
@@ -118,14 +119,32 @@ def test_quick_run_writes_overhead_and_per_rank_fields(model, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [r["key"] for r in result["rows"]] == ["dtensor_muon", "torch_muon_adamw", "adamw"]
+    assert [r["key"] for r in result["rows"]] == ["dtensor_muon", "dtensor_muon_stacks_2", "torch_muon_adamw", "adamw"]
     for row in result["rows"]:
         assert row["launches"] > 0 and row["launches_counted"] == "top-level aten ops (CPU proxy)"
         assert 0 < row["host_ms"] <= row["wall_ms"] and row["device_ms"] is None  # CPU: no device time
     for kind in ("matrices", "experts", "adamw"):  # two extra steps each: the Muons still agree bit for bit
         assert result[f"max_rel_update_diff_{kind}"] == 0.0, kind
-    (share,) = result["per_rank"]
+    share, stacked = result["per_rank"]
+    assert (share["units_per_stack"], stacked["units_per_stack"]) == (1, 2)
+    assert share["calls"] == share["units"] and share["units"] / 2 <= stacked["calls"] <= share["units"]
     assert share["world_size"] == 8 and share["share_ms"] > 0 and share["adamw_share_ms"] > 0
     assert share["ns_floor_ms"] is None  # CPU: no matmul rate measured
     most, computed = independent_max_rank_flops(quick_shapes(model), 8)
     assert share["planned_flops"] == share["max_rank_flops"] == most == computed
+
+
+def test_stacked_calls_keep_every_matrix_and_stack_only_like_units():
+    o = bench_module("optimizer_step")
+    units = [((8, 6, 4), False)] * 5 + [((8, 6, 4), True)] * 3 + [((2, 6, 4), False)] * 2 + [((6, 4), False)] * 3
+    calls = o.stacked_calls(units, 4)
+    assert calls == [
+        ((32, 6, 4), False, 8),
+        ((8, 6, 4), False, None),  # the fifth local unit of 8 alone: no stack
+        ((24, 6, 4), True, 8),
+        ((4, 6, 4), False, 2),
+        ((6, 4), False, None),
+        ((6, 4), False, None),
+        ((6, 4), False, None),
+    ]
+    assert o.stacked_calls(units, 1) == [(shape, owned, None) for shape, owned in units]
