@@ -69,6 +69,16 @@ def one_process(front_end: type, shapes: list, units: int, device: str = "cpu") 
     return [p.detach().cpu() for _, p in params], HalvingRule.calls
 
 
+def test_only_muon_stacks_and_on_cuda_only_on_the_gpu_backend() -> None:
+    from dtensor_muon.rules.muon import gpu_backend_runs
+
+    group = Muon([("layers.0.attention.wq", torch.nn.Parameter(torch.zeros(8, 8)))]).param_groups[0]
+    cpu = torch.device("cpu")
+    assert MuonRule().stacks_units(group, (768, 2048), 8, cpu)
+    assert not NorMuonRule().stacks_units(group, (768, 2048), 8, cpu)
+    assert not gpu_backend_runs(torch.bfloat16, (768, 2048), 8, cpu)  # the GPU backend needs CUDA
+
+
 def test_units_per_stack_defaults_and_override() -> None:
     assert units_per_stack(torch.device("cpu")) == 1
     assert units_per_stack(torch.device("cuda")) == MAX_STACK
@@ -170,25 +180,55 @@ def test_owners_stack_units_and_equal_one_process(world_size: int) -> None:
 
 
 # ---------------------------------------------------------------- on one GPU: Newton–Schulz, bitwise
-GPU_EXPERTS = [("layers.0.moe.experts.w1", (32, 768, 2048)), ("layers.0.moe.experts.w2", (32, 2048, 768))]
+GPU_EXPERTS = [("layers.0.moe.experts.w1", (64, 768, 2048)), ("layers.0.moe.experts.w2", (64, 2048, 768))]
 
 
-def gpu_run(units: int) -> list[Tensor]:
+class RecordingMuonRule(MuonRule):
+    """Muon's rule, recording the shape of every direction call."""
+
+    calls: ClassVar[list[tuple[int, ...]]] = []
+
+    def direction(self, u: Tensor, owner_states, group, runner) -> Tensor:
+        RecordingMuonRule.calls.append(tuple(u.shape))
+        return super().direction(u, owner_states, group, runner)
+
+
+class RecordingMuon(Muon):
+    rule = RecordingMuonRule()
+
+
+def gpu_run(units: int) -> tuple[list[Tensor], list[tuple[int, ...]]]:
+    RecordingMuonRule.calls = []
     params = [(n, p.cuda().requires_grad_()) for n, p in initial(GPU_EXPERTS)]
-    opt = Muon(params)  # defaults: bf16 Newton–Schulz from CUDA graphs
+    opt = RecordingMuon(params)  # defaults: bf16 Newton–Schulz from CUDA graphs
     with stack_units(units):
         for step in range(STEPS):
             for (_, p), g in zip(params, gradient(GPU_EXPERTS, step)):
                 p.grad = g.cuda()
             opt.step()
-    return [p.detach().cpu() for _, p in params]
+    return [p.detach().cpu() for _, p in params], RecordingMuonRule.calls
 
 
 @requires_cuda
 def test_stacks_on_the_gpu_equal_units_alone_bitwise() -> None:
-    """Qwen3-30B-A3B-sized experts, wide and tall, in units of 4: stacks of 8 units (32 experts) against units
-    one after another."""
-    want = gpu_run(1)
-    got = gpu_run(8)
+    """Qwen3-30B-A3B-sized experts, wide and tall, 64 per parameter in units of 8 (the GPU backend's size: 8·768²·2048
+    multiply-adds ≥ MIN_GPU_BACKEND_WORK): one stack of 8 units per parameter against units one after another."""
+    want, alone = gpu_run(1)
+    got, stacked = gpu_run(8)
+    assert sorted(alone) == sorted([(8, 768, 2048), (8, 2048, 768)] * 8 * STEPS)
+    assert sorted(stacked) == sorted([(64, 768, 2048), (64, 2048, 768)] * STEPS)
     for (name, _), a, b in zip(GPU_EXPERTS, got, want):
         assert torch.equal(a, b), f"{name}: max |Δ| {float((a - b).abs().max()):.3e}"
+
+
+@requires_cuda
+def test_units_on_the_torch_backend_do_not_stack_on_the_gpu() -> None:
+    """Units of 4 such experts stay below MIN_GPU_BACKEND_WORK: torch's batched norm and cuBLAS's batched
+    products may round by batch count there, so each unit keeps its own call."""
+    params = [(n, p.cuda().requires_grad_()) for n, p in initial([("layers.0.moe.experts.w1", (32, 768, 2048))])]
+    RecordingMuonRule.calls = []
+    opt = RecordingMuon(params)
+    with stack_units(8):
+        params[0][1].grad = torch.randn(32, 768, 2048, device="cuda")
+        opt.step()
+    assert RecordingMuonRule.calls == [(4, 768, 2048)] * 8

@@ -7,7 +7,7 @@ dispatch deciding as for B (:func:`dtensor_muon.kernels.shapes.decide_as_batch`)
 matrix of a batch alike whatever the batch count, gives every matrix the bits of its unit alone, in fewer and
 larger launches (docs/kernels.md "Expert stacks"). Units stack when
 
-    the rule's direction allows it (``MatrixRule.stacks_units``: Newton–Schulz and nothing else batched),
+    the rule allows it for the unit (``MatrixRule.stacks_units``: Muon's Newton–Schulz on the GPU backend),
     they hold the same number B ≥ 2 of matrices of one shape, of one param group (the same settings, γ'), and
     at most ``units_per_stack(device)`` of them share a call (:mod:`dtensor_muon.kernels.batching`).
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
+from ..distributed.layout import local
 from ..plan import MatrixSpec
 from .context import StepContext
 
@@ -28,9 +29,12 @@ U = TypeVar("U")
 def stack_key(ctx: StepContext, specs: Sequence[MatrixSpec]) -> Hashable | None:
     """What units must share to stack (see the module docstring), None for a unit that computes alone."""
     first = specs[0]
-    if len(specs) < 2 or first.parts > 1 or not ctx.rule.stacks_units:
+    if len(specs) < 2 or first.parts > 1:
         return None
-    return (id(ctx.entries[first.param_index].group), first.shape, len(specs))
+    e = ctx.entries[first.param_index]
+    if not ctx.rule.stacks_units(e.group, first.shape, len(specs), local(e.param).device):
+        return None
+    return (id(e.group), first.shape, len(specs))
 
 
 def group_into_stacks(

@@ -94,10 +94,12 @@ class MatrixRule(ABC):
         """Fresh owner state of one ``shape`` matrix (none by default)."""
         return {}
 
-    stacks_units: bool = False
-    """Whether ``direction`` gives each matrix of a batch the bits it gets in any other batch of the same shape
-    when the dispatch decides alike (:func:`dtensor_muon.kernels.shapes.decide_as_batch`): Newton–Schulz and
-    nothing else batched. The engine then may compute several units in one call (:mod:`..engine.stacks`)."""
+    def stacks_units(self, group: Group, shape: tuple[int, int], unit_size: int, device: torch.device) -> bool:
+        """Whether units of ``unit_size`` ``shape`` matrices may be computed several in one call
+        (:mod:`dtensor_muon.engine.stacks`): only where ``direction`` gives each matrix of a batch the bits it gets
+        in its unit alone when the dispatch decides as for the unit
+        (:func:`dtensor_muon.kernels.shapes.decide_as_batch`). No rule's units stack by default."""
+        return False
 
     def can_batch(self, group: Group) -> bool:
         """Whether ``direction`` may take several same-shape matrices of a parameter as one [B, m, n] batch."""

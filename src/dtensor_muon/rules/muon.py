@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
-from ..kernels import resolve_ns_algorithm
+from ..kernels import resolve_ns_algorithm, select_backend
 from ..kernels.elementwise import momentum_step, momentum_steps
 from ..kernels.stored_momentum import stored_momentum_step
 from ..linalg.distributed_ns import distributed_newton_schulz
@@ -68,6 +68,13 @@ def newton_schulz_settings(group: Group) -> tuple:
         resolve_ns_dtype(group["ns_dtype"]),
         resolve_ns_algorithm(group["ns_algorithm"]),
     )
+
+
+def gpu_backend_runs(dtype: torch.dtype, shape: tuple[int, int], matrices: int, device: torch.device) -> bool:
+    """Whether the dispatch puts Newton–Schulz of ``matrices`` ``shape`` matrices in ``dtype`` on ``device`` on
+    the GPU backend (:func:`dtensor_muon.kernels.select_backend` on a stand-in of that batch's wide shape)."""
+    stand_in = torch.empty((), dtype=dtype, device=device).expand(matrices, min(shape), max(shape))
+    return select_backend(stand_in).name != "torch"
 
 
 class MomentumRule(MatrixRule):
@@ -141,13 +148,20 @@ class MuonRule(MomentumRule):
     """Muon (see the module formula); shard state ``momentum_buffer``, no owner state."""
 
     name = "muon"
-    stacks_units = True
 
     def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
         return MatrixCost(int(group["ns_steps"]) * ns_iteration_flops(shape))
 
     def input_dtype(self, group: Group) -> torch.dtype:
         return resolve_ns_dtype(group["ns_dtype"])
+
+    def stacks_units(self, group: Group, shape: tuple[int, int], unit_size: int, device: torch.device) -> bool:
+        """Newton–Schulz alone is batched, so units stack off CUDA (the engine forms stacks there only when asked:
+        :func:`dtensor_muon.kernels.batching.units_per_stack`) and on CUDA where the GPU backend runs the unit: its
+        kernels compute each matrix of a batch alike whatever the batch count (measured: docs/kernels.md "Expert
+        stacks"), while the torch backend's batched norm and products are torch's and cuBLAS's, whose
+        configuration may follow the batch count."""
+        return device.type != "cuda" or gpu_backend_runs(resolve_ns_dtype(group["ns_dtype"]), shape, unit_size, device)
 
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner

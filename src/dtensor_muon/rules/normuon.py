@@ -30,13 +30,16 @@ class NorMuonRule(MuonRule):
 
     name = "normuon"
     has_owner_state = True
-    stacks_units = False  # the row and matrix reductions over a batch are torch's, whose order may follow B
 
     def init_owner_state(self, shape: tuple[int, int], group: Group, device: torch.device) -> dict[str, Tensor]:
         return {"v": torch.zeros(shape[0], dtype=torch.float32, device=device)}
 
     def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
         return MatrixCost(super().cost(group, shape).flops + 6 * shape[0] * shape[1], 4 * shape[0])
+
+    def stacks_units(self, group: Group, shape: tuple[int, int], unit_size: int, device: torch.device) -> bool:
+        """Never: the row and matrix reductions over a batch are torch's, whose order may follow the batch count."""
+        return False
 
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner
