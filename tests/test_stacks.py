@@ -232,3 +232,30 @@ def test_units_on_the_torch_backend_do_not_stack_on_the_gpu() -> None:
         params[0][1].grad = torch.randn(32, 768, 2048, device="cuda")
         opt.step()
     assert RecordingMuonRule.calls == [(4, 768, 2048)] * 8
+
+
+def gpu_owned_run(rank: int, world_size: int, units: int) -> dict[str, Any]:
+    """One bucket for all (512 MB of bf16 matrices): each owner receives half the units of each parameter at once."""
+    mesh = init_device_mesh("cuda", (world_size,))
+    params = [(n, torch.nn.Parameter(distribute_tensor(p.cuda(), mesh, [Shard(1)]))) for n, p in initial(GPU_EXPERTS)]
+    RecordingMuonRule.calls = []
+    opt = RecordingMuon(params, bucket_size_mb=512)
+    with stack_units(units):
+        for step in range(STEPS):
+            for (_, p), g in zip(params, gradient(GPU_EXPERTS, step)):
+                p.grad = distribute_tensor(g.cuda(), mesh, [Shard(1)])
+            opt.step()
+    return {"params": [full_tensor(p) for _, p in params], "calls": list(RecordingMuonRule.calls)}
+
+
+@requires_cuda
+@pytest.mark.slow
+def test_owners_sharing_one_gpu_stack_and_equal_one_process_unstacked_bitwise() -> None:
+    """The experts split along their rows over 2 ranks on one GPU (bf16 wire): each owner stacks the units of a
+    bucket, and the result is one process's with every unit alone."""
+    want, _ = gpu_run(1)
+    results = run_distributed(gpu_owned_run, 2, 8, device="cuda")
+    calls = [shape for r in results for shape in r["calls"]]
+    assert sum(shape[0] for shape in calls) == 2 * 64 * STEPS and max(shape[0] for shape in calls) > 8
+    for (name, _), a, b in zip(GPU_EXPERTS, results[0]["params"], want):
+        assert torch.equal(a, b), f"{name}: max |Δ| {float((a - b).abs().max()):.3e}"
