@@ -151,13 +151,13 @@ def test_muon_stacked_on_cpu_is_within_fp32_rounding_of_its_units() -> None:
 
 
 # ---------------------------------------------------------------- owners across ranks
-def owned_run(rank: int, world_size: int, units: int, device: str) -> dict[str, Any]:
+def owned_run(rank: int, world_size: int, units: int, device: str, bucket_size_mb: float = 64.0) -> dict[str, Any]:
     """Experts split along their rows (Shard(1)): every expert travels to an owner, which stacks its units."""
     torch.set_num_threads(1)
     mesh = init_device_mesh(device, (world_size,))
     HalvingRule.calls = []
     params = [(n, torch.nn.Parameter(distribute_tensor(p.to(device), mesh, [Shard(1)]))) for n, p in initial(EXPERTS)]
-    opt = HalvingMuon(params, **OPTIONS)
+    opt = HalvingMuon(params, **OPTIONS, bucket_size_mb=bucket_size_mb)
     with stack_units(units):
         for step in range(STEPS):
             for (_, p), g in zip(params, gradient(EXPERTS, step)):
@@ -166,11 +166,16 @@ def owned_run(rank: int, world_size: int, units: int, device: str) -> dict[str, 
     return {"params": [full_tensor(p) for _, p in params], "calls": list(HalvingRule.calls)}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_owners_stack_units_and_equal_one_process(world_size: int) -> None:
+@pytest.mark.parametrize(
+    "world_size,bucket_size_mb",
+    [(2, 64.0), (3, 64.0), (2, 1e-4)],
+    ids=["2 ranks", "3 ranks", "2 ranks, a bucket per unit"],
+)
+def test_owners_stack_units_and_equal_one_process(world_size: int, bucket_size_mb: float) -> None:
+    """With one bucket per unit (104 bytes a bucket), an owner computes consecutive buckets together to stack."""
     with one_thread():
         want, _ = one_process(HalvingMuon, EXPERTS, units=1)
-    results = run_distributed(owned_run, world_size, 8, "cpu")
+    results = run_distributed(owned_run, world_size, 8, "cpu", bucket_size_mb)
     for (name, _), got, expected in zip(EXPERTS, results[0]["params"], want):
         assert torch.equal(got, expected), name
     calls = [shape for r in results for shape in r["calls"]]

@@ -1,9 +1,10 @@
 """Strategy for :class:`~dtensor_muon.plan.placement.Owned` units: gathered whole to one owner, computed once there.
 
 Per bucket of the plan: one variable-size all-to-all carries every source rank's pieces of U to their
-owners, each owner assembles its matrices (pieces in route order per source), computes its units (several
-same-size units of one shape in one call where :mod:`..stacks` allows), and one
-all-to-all back carries each holder's part of O. The return exchanges are left in flight: the engine's
+owners, each owner assembles its matrices (pieces in route order per source), computes its units, and one
+all-to-all back carries each holder's part of O. Where units stack (:mod:`..stacks`), an owner computes
+consecutive buckets together until it holds a stack's worth of units, several same-size units of one shape in
+one call. The return exchanges are left in flight: the engine's
 pending updates unpack and apply them (at once, or in the next forward with overlap).
 """
 
@@ -18,11 +19,11 @@ from torch import Tensor
 from ...distributed.exchange import PendingExchange, start_all_to_all
 from ...distributed.layout import box_numel, box_shape, contiguous_offset, local, relative_slices
 from ...kernels.batching import units_per_stack
-from ...plan import MatrixRoute
+from ...plan import MatrixRoute, MatrixSpec
 from ...plan.placement import TensorParallelGroup
 from ..context import MeshWork, StepContext
 from ..pending import BackExchange
-from ..stacks import group_into_stacks
+from ..stacks import group_into_stacks, stack_key
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
@@ -44,6 +45,7 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
         inputs_sent_through(
             ctx, work, plan.buckets, lambda route: any(source == me for _, source in route.pieces), tensor_parallel
         ),
+        computed_together(ctx, work, plan.buckets),
     )
 
 
@@ -75,18 +77,25 @@ def exchange_buckets(
     work: MeshWork,
     buckets: list[list[int]],
     launch_out: Callable[[StepContext, MeshWork, list[int], torch.device], PendingExchange],
-    compute: Callable[[StepContext, MeshWork, list[int], dict[int, Tensor], torch.device], dict[int, Tensor]],
+    compute: Callable[
+        [StepContext, MeshWork, list[list[int]], list[dict[int, Tensor]], torch.device], dict[int, Tensor]
+    ],
     launch_back: Callable[[StepContext, MeshWork, list[MatrixRoute], dict[int, Tensor], torch.device], PendingExchange],
     unpack_back: Callable[[StepContext, MeshWork, list[MatrixRoute], dict[int, Tensor]], None],
     sent: Callable[[int], None],
+    groups: list[list[int]] | None = None,
 ) -> list[BackExchange]:
     """Every bucket's exchange out launched at once (after bucket k, ``sent(k)``: its pieces of U are packed
-    into its send buffer), then per bucket: wait, compute, launch the exchange back (left in flight as a
+    into its send buffer), then per group of consecutive buckets (``groups``, by default each bucket alone):
+    wait for each, compute them together, launch each one's exchange back (left in flight as a
     :class:`BackExchange` that ``unpack_back`` completes; with ``ctx.hold_backs`` left for the engine to launch
-    once every rank's directions succeeded). A bucket's received pieces are let go once it is computed. Shared
-    by the owned and the tensor-parallel strategies, which differ in what they send, compute and send back."""
+    once every rank's directions succeeded), in bucket order on every rank. A group's received pieces are let go
+    once it is computed. Shared by the owned and the tensor-parallel strategies, which differ in what they send,
+    compute and send back."""
     if not buckets:
         return []
+    if groups is None:
+        groups = [[k] for k in range(len(buckets))]
     device = local(work.entries[0].param).device
     pending_out: list[PendingExchange | None] = []
     with ctx.timer.phase("exchange_out_launch"):
@@ -94,27 +103,57 @@ def exchange_buckets(
             pending_out.append(launch_out(ctx, work, bucket, device))
             sent(k)
     backs: list[BackExchange] = []
-    for k, bucket in enumerate(buckets):
-        pending, pending_out[k] = pending_out[k], None
-        assert pending is not None
-        with ctx.timer.phase("exchange_out_wait"):
-            received = pending.wait()
-        del pending
+    for group in groups:
+        received = []
+        for k in group:
+            pending, pending_out[k] = pending_out[k], None
+            assert pending is not None
+            with ctx.timer.phase("exchange_out_wait"):
+                received.append(pending.wait())
+            del pending
         with ctx.timer.phase("owner_compute"):
-            outputs = compute(ctx, work, bucket, received, device)
+            outputs = compute(ctx, work, [buckets[k] for k in group], received, device)
         del received
-        with ctx.timer.phase("exchange_back_launch"):
-            routes = active_routes(ctx, work, bucket)
-            indices = tuple(dict.fromkeys(r.spec.param_index for r in routes))
-            back = BackExchange(
-                lambda routes=routes, outputs=outputs: launch_back(ctx, work, routes, outputs, device),
-                indices,
-                lambda got, routes=routes: unpack_back(ctx, work, routes, got),
-            )
-            if not ctx.hold_backs:
-                back.start()
-            backs.append(back)
+        for k in group:
+            with ctx.timer.phase("exchange_back_launch"):
+                routes = active_routes(ctx, work, buckets[k])
+                indices = tuple(dict.fromkeys(r.spec.param_index for r in routes))
+                back = BackExchange(
+                    lambda routes=routes, outputs=outputs: launch_back(ctx, work, routes, outputs, device),
+                    indices,
+                    lambda got, routes=routes: unpack_back(ctx, work, routes, got),
+                )
+                if not ctx.hold_backs:
+                    back.start()
+                backs.append(back)
     return backs
+
+
+def computed_together(ctx: StepContext, work: MeshWork, buckets: list[list[int]]) -> list[list[int]] | None:
+    """Consecutive buckets whose owned units this rank computes together, so that they can stack
+    (:mod:`..stacks`): each group closes once it holds ``units_per_stack`` units that stack; None (each bucket
+    alone) where stacks are off. Only the time this rank launches a group's exchanges back changes: every rank
+    still launches them in bucket order."""
+    if not buckets:
+        return None
+    limit = units_per_stack(local(work.entries[0].param).device)
+    if limit <= 1:
+        return None
+    me = work.comm.mesh_rank
+    groups: list[list[int]] = [[]]
+    stacking = 0
+    for k, bucket in enumerate(buckets):
+        units: dict[int, list[MatrixSpec]] = defaultdict(list)
+        for i in bucket:
+            route = work.plan.routes[i]
+            if route.spec.param_index in ctx.active and route.owner == me:
+                units[route.unit].append(route.spec)
+        groups[-1].append(k)
+        stacking += sum(stack_key(ctx, specs) is not None for specs in units.values())
+        if stacking >= limit and k + 1 < len(buckets):
+            groups.append([])
+            stacking = 0
+    return groups
 
 
 def active_routes(ctx: StepContext, work: MeshWork, bucket: list[int]) -> list[MatrixRoute]:
@@ -169,16 +208,22 @@ class CopyRuns:
 
 
 def _compute_owned(
-    ctx: StepContext, work: MeshWork, bucket: list[int], received: dict[int, Tensor], device: torch.device
+    ctx: StepContext,
+    work: MeshWork,
+    buckets: list[list[int]],
+    receiveds: list[dict[int, Tensor]],
+    device: torch.device,
 ) -> dict[int, Tensor]:
-    """Assemble each owned unit, or stack of units (:mod:`..stacks`), from its pieces into one ``[B, m, n]``
-    buffer, compute it; O per ``id(route)``, in the box's shape (views of the call's output)."""
+    """Assemble each owned unit of ``buckets``, or stack of units (:mod:`..stacks`), from its pieces (``receiveds``:
+    per bucket, what each source sent) into one ``[B, m, n]`` buffer, compute it; O per ``id(route)``, in the
+    box's shape (views of the call's output)."""
     me = work.comm.mesh_rank
     members: dict[int, list[int]] = defaultdict(list)
-    for i in bucket:
-        route = work.plan.routes[i]
-        if route.spec.param_index in ctx.active and route.owner == me:
-            members[route.unit].append(i)
+    for bucket in buckets:
+        for i in bucket:
+            route = work.plan.routes[i]
+            if route.spec.param_index in ctx.active and route.owner == me:
+                members[route.unit].append(i)
     calls = group_into_stacks(
         ctx, list(members.values()), lambda ids: [work.plan.routes[i].spec for i in ids], units_per_stack(device)
     )
@@ -188,25 +233,26 @@ def _compute_owned(
         for ids in call_ids
     ]
     slot = {i: (c, j) for c, ids in enumerate(call_ids) for j, i in enumerate(ids)}
-    offsets: dict[int, int] = defaultdict(int)
     runs = CopyRuns()
-    for i in bucket:  # pieces arrive from each source in route order
-        if i not in slot:
-            continue
-        route = work.plan.routes[i]
-        call, position = slot[i]
-        buffer, base = buffers[call], position * route.spec.numel
-        for box, source in route.pieces:
-            n = box_numel(box)
-            chunk, start = received[source], offsets[source]
-            offsets[source] += n
-            at = contiguous_offset(box, route.spec.box)
-            if at is not None:
-                runs.add(buffer, base + at, chunk, start, n)
-            else:
-                whole = buffer[base : base + route.spec.numel].view(box_shape(route.spec.box))
-                target = whole[relative_slices(box, route.spec.box)]
-                target.copy_(chunk[start : start + n].view(target.shape))
+    for bucket, received in zip(buckets, receiveds):
+        offsets: dict[int, int] = defaultdict(int)
+        for i in bucket:  # pieces arrive from each source in route order
+            if i not in slot:
+                continue
+            route = work.plan.routes[i]
+            call, position = slot[i]
+            buffer, base = buffers[call], position * route.spec.numel
+            for box, source in route.pieces:
+                n = box_numel(box)
+                chunk, start = received[source], offsets[source]
+                offsets[source] += n
+                at = contiguous_offset(box, route.spec.box)
+                if at is not None:
+                    runs.add(buffer, base + at, chunk, start, n)
+                else:
+                    whole = buffer[base : base + route.spec.numel].view(box_shape(route.spec.box))
+                    target = whole[relative_slices(box, route.spec.box)]
+                    target.copy_(chunk[start : start + n].view(target.shape))
     runs.flush()
     out: dict[int, Tensor] = {}
     for stack, ids, buffer in zip(calls, call_ids, buffers):

@@ -66,9 +66,24 @@ def _launch_out(ctx: StepContext, work: MeshWork, bucket: list[int], device: tor
 
 
 def _compute(
+    ctx: StepContext,
+    work: MeshWork,
+    buckets: list[list[int]],
+    receiveds: list[dict[int, Tensor]],
+    device: torch.device,
+) -> dict[int, Tensor]:
+    """This rank's output on its target of each unit of ``buckets`` it is a member of, per ``id(route)``, in the
+    target's shape; bucket by bucket (``receiveds``: per bucket, what each source sent)."""
+    out: dict[int, Tensor] = {}
+    for bucket, received in zip(buckets, receiveds):
+        out.update(_compute_bucket(ctx, work, bucket, received, device))
+    return out
+
+
+def _compute_bucket(
     ctx: StepContext, work: MeshWork, bucket: list[int], received: dict[int, Tensor], device: torch.device
 ) -> dict[int, Tensor]:
-    """This rank's output on its target of each unit it is a member of, per ``id(route)``, in the target's shape."""
+    """:func:`_compute` on one bucket."""
     me = work.comm.mesh_rank
     offsets: dict[int, int] = defaultdict(int)
     by_unit: dict[int, list[tuple[MatrixRoute, Tensor]]] = defaultdict(list)
