@@ -900,8 +900,8 @@ def stacked_calls(
 ) -> list[tuple[tuple[int, ...], bool, int | None]]:
     """The share's units as calls with stacks of up to ``units_per_stack`` units: (call shape, owned, matrices
     per unit when the call is a stack of several, else None). Batched units of one shape and origin stack k at a
-    time in their order: as many as a rank's stacks can hold (the engine stacks an owner's units within one
-    exchange bucket, a holder's local units within one run of experts of a parameter)."""
+    time in their order, as the engine stacks an owner's units (over consecutive exchange buckets); a holder's
+    local units stack only within one run of experts of a parameter, so this is their most."""
     calls: list[tuple[tuple[int, ...], bool, int | None]] = []
     open_calls: dict[tuple, int] = {}
     for shape, owned in units:
