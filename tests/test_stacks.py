@@ -264,3 +264,33 @@ def test_owners_sharing_one_gpu_stack_and_equal_one_process_unstacked_bitwise() 
     assert sum(shape[0] for shape in calls) == 2 * 64 * STEPS and max(shape[0] for shape in calls) > 8
     for (name, _), a, b in zip(GPU_EXPERTS, results[0]["params"], want):
         assert torch.equal(a, b), f"{name}: max |Δ| {float((a - b).abs().max()):.3e}"
+
+
+def overlapped_owned_run(rank: int, world_size: int) -> list[Tensor]:
+    """Owners stacking over one bucket per unit with ``overlap=True``: the exchanges back are held until the engine
+    agrees and finished at the next step (or ``flush``)."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = torch.nn.Module()
+    params = []
+    for name, p in initial(EXPERTS):
+        param = torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(1)]))
+        model.register_parameter(name.replace(".", "_"), param)
+        params.append((name, param))
+    opt = HalvingMuon(params, **OPTIONS, bucket_size_mb=1e-4, overlap=True)
+    opt.attach(model)
+    with stack_units(8):
+        for step in range(STEPS):
+            for (_, p), g in zip(params, gradient(EXPERTS, step)):
+                p.grad = distribute_tensor(g, mesh, [Shard(1)])
+            opt.step()
+        opt.flush()
+    return [full_tensor(p) for _, p in params]
+
+
+def test_owners_stacking_with_overlap_equal_one_process() -> None:
+    with one_thread():
+        want, _ = one_process(HalvingMuon, EXPERTS, units=1)
+    got = run_distributed(overlapped_owned_run, 2)[0]
+    for (name, _), a, b in zip(EXPERTS, got, want):
+        assert torch.equal(a, b), name
