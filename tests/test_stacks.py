@@ -294,3 +294,24 @@ def test_owners_stacking_with_overlap_equal_one_process() -> None:
     got = run_distributed(overlapped_owned_run, 2)[0]
     for (name, _), a, b in zip(EXPERTS, got, want):
         assert torch.equal(a, b), name
+
+
+STACK_SHAPES = [(768, 2048), (2048, 768), (1408, 2048), (2048, 1408), (2048, 7168)]
+"""Qwen3-30B-A3B's experts, DeepSeek-V3-16B's, Kimi K2's (wide and tall where both occur)."""
+
+
+@requires_cuda
+@pytest.mark.parametrize("unit", [2, 8])
+@pytest.mark.parametrize("shape", STACK_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_newton_schulz_of_a_stack_equals_its_units_bitwise(shape: tuple[int, int], unit: int) -> None:
+    """Newton–Schulz as the optimizer runs it (bf16, from CUDA graphs) on 4 units at once, deciding as for one unit,
+    against each unit alone: the kernels must compute each matrix of a batch alike whatever the batch count."""
+    from dtensor_muon.linalg.ns_graphs import NewtonSchulzGraphs
+
+    g = torch.randn(4 * unit, *shape, device="cuda")
+    runner = NewtonSchulzGraphs()
+    alone = torch.cat([runner(g[k : k + unit]) for k in range(0, 4 * unit, unit)])
+    with decide_as_batch(unit):
+        stacked = runner(g)
+        stacked_again = runner(g)  # the replay of the stack's graph
+    assert torch.equal(stacked, alone) and torch.equal(stacked_again, alone)
