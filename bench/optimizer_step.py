@@ -34,7 +34,9 @@ the same seeds, and each optimizer's state is freed before the next. Optimizers:
 - ``torch.optim.AdamW`` (fused on CUDA) on every parameter.
 - with ``--momentum-dtypes bfloat16 int8``: ``dtensor_muon.Muon(..., momentum_dtype=...)`` in each format;
 - with ``--units-per-stack N ...``: ``dtensor_muon.Muon`` computing up to N same-size units of one shape in one
-  Newton–Schulz call (``dtensor_muon.kernels.batching.stack_units``), one row per N;
+  Newton–Schulz call (``dtensor_muon.kernels.batching.stack_units``), one row per N; ``N:NAME=VALUE`` also sets
+  a constant of the dispatch around its steps (``bench/dispatch_settings.py``), e.g.
+  ``16:MIN_SYRK_DIM=512:MIN_SYRK_TILES=1`` for the SYRK kernels on 768-wide stacks;
 - with ``--offload``: ``dtensor_muon.Muon(..., offload="host")`` (momentum and AdamW moments in pinned host
   memory, streamed through the GPU each step), and on CUDA the card's pinned copy rates (host to device,
   device to host, both at once on two streams: :func:`copy_rates`) with the bytes the offload moves each way.
@@ -105,6 +107,7 @@ from typing import Any
 
 import torch
 from common import benchmark_parser, markdown_table, median, write_result
+from dispatch_settings import TUNABLES, number, settings
 from torch import nn
 from torch.autograd import DeviceType
 
@@ -572,16 +575,33 @@ class MuonClippingHalfTheHeads(Muon):
         return super().step(closure)
 
 
+def stack_spec(text: str) -> tuple[int, dict[str, float]]:
+    """``N`` or ``N:NAME=VALUE:...``: up to N units per stack, with the dispatch's constants NAME set to VALUE
+    (:data:`dispatch_settings.TUNABLES`: ``16:MIN_SYRK_DIM=512:MIN_SYRK_TILES=1`` sends 768-wide stacks to SYRK)."""
+    head, *items = text.split(":")
+    units = int(head)
+    if units < 1:
+        raise ValueError(f"{text!r}: N must be >= 1")
+    constants = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in TUNABLES or not value:
+            raise ValueError(f"{text!r}: expected NAME=VALUE with NAME one of {sorted(TUNABLES)}, got {item!r}")
+        constants[name] = number(value)
+    return units, constants
+
+
 class MuonInStacks(Muon):
     """``dtensor_muon.Muon`` whose steps compute up to ``units_per_stack`` same-size units of one shape in one call
-    (:func:`dtensor_muon.kernels.batching.stack_units`; the optimizer's default is ``MAX_STACK``)."""
+    (:func:`dtensor_muon.kernels.batching.stack_units`; the optimizer's default is ``MAX_STACK``), with the
+    dispatch's ``constants`` set around each step."""
 
-    def __init__(self, *args: Any, units_per_stack: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, units_per_stack: int, constants: dict[str, float], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.units_per_stack = units_per_stack
+        self.units_per_stack, self.constants = units_per_stack, constants
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        with stack_units(self.units_per_stack):
+        with stack_units(self.units_per_stack), settings(self.constants):
             return super().step(closure)
 
 
@@ -600,8 +620,17 @@ def build_optimizer(kind: str, params: ParameterSet) -> list[torch.optim.Optimiz
     if kind == "dtensor_muon_offload":
         return [Muon(params.named, **MUON_ARGS, adamw_betas=BETAS, adamw_eps=ADAM_EPS, offload="host")]
     if kind.startswith("dtensor_muon_stacks_"):
-        units = int(kind.removeprefix("dtensor_muon_stacks_"))
-        return [MuonInStacks(params.named, **MUON_ARGS, adamw_betas=BETAS, adamw_eps=ADAM_EPS, units_per_stack=units)]
+        units, constants = stack_spec(kind.removeprefix("dtensor_muon_stacks_"))
+        return [
+            MuonInStacks(
+                params.named,
+                **MUON_ARGS,
+                adamw_betas=BETAS,
+                adamw_eps=ADAM_EPS,
+                units_per_stack=units,
+                constants=constants,
+            )
+        ]
     if kind.startswith("dtensor_muon_momentum_"):
         dtype = kind.removeprefix("dtensor_muon_momentum_")
         return [Muon(params.named, **MUON_ARGS, adamw_betas=BETAS, adamw_eps=ADAM_EPS, momentum_dtype=dtype)]
@@ -634,7 +663,8 @@ LABELS = {
 def optimizer_label(kind: str) -> str:
     """The table's name of optimizer ``kind`` (a ``{}`` left for " (fused)")."""
     if kind.startswith("dtensor_muon_stacks_"):
-        return f"dtensor_muon.Muon, stacks of ≤ {kind.removeprefix('dtensor_muon_stacks_')} units"
+        units, *constants = kind.removeprefix("dtensor_muon_stacks_").split(":")
+        return f"dtensor_muon.Muon, stacks of ≤ {units} units" + "".join(f", {c}" for c in constants)
     return LABELS[kind]
 
 
@@ -1003,14 +1033,16 @@ def run_share(
     warmup: int,
     steps: int,
     rate: float | None,
-    units_per_stack: int = 1,
+    spec: str = "1",
 ) -> dict[str, Any]:
-    """Time the busiest rank's share (stacks of up to ``units_per_stack`` units) and an AdamW step over its shards;
-    one result row."""
+    """Time the busiest rank's share (stacks as ``spec`` says: :func:`stack_spec`) and an AdamW step over its
+    shards; one result row."""
+    units_per_stack, constants = stack_spec(spec)
     work = ShareWork(share, group, device, units_per_stack)
     calls = len(work.inputs)
-    share_ms = median_ms(work.step, device, warmup, steps)
-    ns_ms = median_ms(work.newton_schulz, device, 1, steps)
+    with settings(constants):
+        share_ms = median_ms(work.step, device, warmup, steps)
+        ns_ms = median_ms(work.newton_schulz, device, 1, steps)
     del work
     free(device)
     adamw = adamw_share(share, shapes, device)
@@ -1024,6 +1056,7 @@ def run_share(
         "rank": share.rank,
         "units": len(share.units),
         "units_per_stack": units_per_stack,
+        "dispatch": ", ".join(spec.split(":")[1:]) or "default",
         "calls": calls,
         "units_owned": share.units_owned,
         "matrices": share.matrices,
@@ -1089,13 +1122,17 @@ def parse_args() -> Any:
     parser.add_argument(
         "--units-per-stack",
         nargs="*",
-        type=int,
         default=[],
-        help="also dtensor_muon.Muon computing up to N same-size units of one shape per call (one row per N)",
+        metavar="N[:NAME=VALUE...]",
+        help="also dtensor_muon.Muon computing up to N same-size units of one shape per call, the dispatch's "
+        "constants NAME set to VALUE (one row per spec; see stack_spec)",
     )
     args = parser.parse_args()
-    if any(units < 1 for units in args.units_per_stack):
-        parser.error(f"--units-per-stack: each N must be >= 1, got {args.units_per_stack}")
+    for spec in args.units_per_stack:
+        try:
+            stack_spec(spec)
+        except ValueError as exc:
+            parser.error(f"--units-per-stack: {exc}")
     try:
         args.world_size = world_sizes(args.world_size)
     except ValueError as exc:
@@ -1138,6 +1175,7 @@ SHARE_COLUMNS = [
     ("rank", "busiest rank", "{}"),
     ("units", "units", "{}"),
     ("units_per_stack", "units per stack", "{}"),
+    ("dispatch", "dispatch", "{}"),
     ("calls", "NS calls", "{}"),
     ("units_owned", "owned", "{}"),
     ("matrices", "matrices", "{}"),
@@ -1245,11 +1283,10 @@ def main() -> None:
         group = muon_group()
         for world in args.world_size:
             share = rank_share(shapes, muon_names, group, world)
-            for units in sorted({1, *args.units_per_stack}):
-                per_rank.append(run_share(share, shapes, group, device, args.warmup, args.steps, rate, units))
+            for spec in dict.fromkeys(["1", *args.units_per_stack]):
+                per_rank.append(run_share(share, shapes, group, device, args.warmup, args.steps, rate, spec))
                 print(
-                    f"  {world} ranks: busiest rank {share.rank}, stacks of ≤ {units} units: "
-                    f"{per_rank[-1]['share_ms']:.2f} ms",
+                    f"  {world} ranks: busiest rank {share.rank}, stacks {spec}: {per_rank[-1]['share_ms']:.2f} ms",
                     flush=True,
                 )
         print("Busiest FSDP rank's share (no exchange; see the module docstring):")

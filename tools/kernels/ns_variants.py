@@ -22,12 +22,10 @@ dispatch captures one), followed by ``:key=value`` settings applied around every
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -35,56 +33,10 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from bench_newton_schulz import COLUMNS, QUICK_SHAPES, measure_shape, plain_torch
 from common import machine, markdown_table
+from dispatch_settings import TUNABLES, number, settings
 
-from dtensor_muon.kernels import dispatch, triton_matmuls, use_backend, ws_syrk
 from dtensor_muon.linalg import ns_graphs
 from dtensor_muon.linalg.newton_schulz import newton_schulz
-
-TUNABLES: dict[str, ModuleType] = {
-    **dict.fromkeys(("WS_MIN_WORK", "WS_MAX_DIM", "TURN_LEAD", "STAGES"), ws_syrk),
-    **dict.fromkeys(("MIN_SYRK_DIM", "MIN_SYRK_TILES", "MIN_GLUON_SYRK_DIM", "MIN_GLUON_SYRK_TILES"), triton_matmuls),
-    **dict.fromkeys(
-        (
-            "MIN_GPU_BACKEND_WORK",
-            "GRAM_MIN_ASPECT",
-            "MIN_GRAM_PRODUCT_WORK",
-            "GRAM_SMALL_DIM",
-            "GRAM_MIN_ASPECT_SMALL",
-            "MIN_GRAM_PRODUCT_WORK_SMALL",
-        ),
-        dispatch,
-    ),
-    "MAX_GRAPH_WORK": ns_graphs,
-}
-
-
-def number(text: str) -> float:
-    """An integer, a float or ``a**b``."""
-    if "**" in text:
-        base, exponent = text.split("**")
-        return int(base) ** int(exponent)
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
-
-
-@contextlib.contextmanager
-def settings(constants: dict[str, float], backend: str | None, gluon: bool | None) -> Iterator[None]:
-    """The constants set on their modules, the backend forced and the Gluon kernel on or off, inside the block."""
-    saved = {name: getattr(TUNABLES[name], name) for name in constants}
-    with contextlib.ExitStack() as stack:
-        if backend is not None:
-            stack.enter_context(use_backend(backend))
-        if gluon is not None:
-            stack.enter_context(ws_syrk.ws_syrk_enabled(gluon))
-        try:
-            for name, value in constants.items():
-                setattr(TUNABLES[name], name, value)
-            yield
-        finally:
-            for name, value in saved.items():
-                setattr(TUNABLES[name], name, value)
 
 
 def parse_method(spec: str) -> Callable[[Tensor], Tensor]:
