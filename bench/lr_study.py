@@ -29,7 +29,8 @@ AdamW at the same lr; weight decay 0.1; AdamW's β = (0.9, 0.95), ε = 1e-8 ever
 - ``Muon``, ``NorMuon``: ``adjust_lr_fn="match_rms_adamw"`` (update RMS 0.2·lr: an AdamW lr carries over);
 - ``SOAP``, ``KLSOAP``: ``match_update_rms=0.2`` (the same), eigenbases refreshed every 10 steps;
 - variants: ``Muon-router-adamw`` (the router matrices on AdamW), ``Muon-bf16`` / ``Muon-int8``
-  (``momentum_dtype``).
+  (``momentum_dtype``); ``SOAP-cholqr`` / ``KLSOAP-cholqr`` (``basis="cholqr"``: each unit of expert matrices
+  refreshed in one batched pass, where the default ``"qr"`` refreshes one matrix at a time).
 
 Phases: ``sweep`` (seed 0, every optimizer at lr 3e-4, 1e-3, 3e-3, 1e-2: half-decades), ``seeds`` (seeds 1
 and 2 at each optimizer's best sweep lr), ``extras`` (on the MoE at Muon's best lr: the router on AdamW and
@@ -76,6 +77,8 @@ SWEEP_LRS = (3e-4, 1e-3, 3e-3, 1e-2)
 SEEDS = (0, 1, 2)
 OPTIMIZERS = ("AdamW", "Muon", "NorMuon", "SOAP", "KLSOAP")
 VARIANTS = ("Muon-router-adamw", "Muon-bf16", "Muon-int8")
+SOAP_VARIANTS = ("SOAP-cholqr", "KLSOAP-cholqr")
+"""The SOAP family with ``basis="cholqr"`` (a unit of expert matrices refreshed at once): runs of a ``list:`` phase."""
 UPDATE_RMS = 0.2
 
 
@@ -283,8 +286,9 @@ class Transformer(nn.Module):
 
 @dataclass(frozen=True)
 class Run:
-    """One training run: a model of :data:`MODELS`, an optimizer (:data:`OPTIMIZERS` or :data:`VARIANTS`), its lr,
-    the seed of the initialization, the batch in sequences, the steps, and the phase that asked for it."""
+    """One training run: a model of :data:`MODELS`, an optimizer (:data:`OPTIMIZERS`, :data:`VARIANTS` or
+    :data:`SOAP_VARIANTS`), its lr, the seed of the initialization, the batch in sequences, the steps, and the phase
+    that asked for it."""
 
     model: str
     optimizer: str
@@ -307,10 +311,13 @@ def build_optimizer(run: Run, model: Transformer, device: torch.device) -> torch
     cpu = {} if device.type == "cuda" else dict(ns_dtype=torch.float32)
     if run.optimizer == "AdamW":
         return torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda", **common)
-    if run.optimizer in ("SOAP", "KLSOAP"):
-        front = getattr(dtensor_muon, run.optimizer)
-        return front(model.named_parameters(), match_update_rms=UPDATE_RMS, precondition_frequency=10, **common)
     family, _, variant = run.optimizer.partition("-")
+    if family in ("SOAP", "KLSOAP"):
+        basis = {"basis": variant} if variant else {}
+        front = getattr(dtensor_muon, family)
+        return front(
+            model.named_parameters(), match_update_rms=UPDATE_RMS, precondition_frequency=10, **basis, **common
+        )
     front = getattr(dtensor_muon, family)
     options = dict(adjust_lr_fn="match_rms_adamw", **common, **cpu)
     if variant in ("bf16", "int8"):
@@ -545,7 +552,7 @@ def report(args: argparse.Namespace) -> None:
         )
     for model in sorted({m for m, _ in best}):
         groups = {}
-        for optimizer in (*OPTIMIZERS, *VARIANTS):
+        for optimizer in (*OPTIMIZERS, *VARIANTS, *SOAP_VARIANTS):
             lr = best.get((model, optimizer), best.get((model, "Muon")) if optimizer in VARIANTS else None)
             chosen = [
                 r

@@ -119,3 +119,19 @@ def test_steps_to_reach_interpolates_between_evaluations():
     assert study.steps_to_reach(curve, 3.5) == 37.5
     assert study.steps_to_reach(curve, 2.5) == 75
     assert study.steps_to_reach(curve, 2.0) is None
+
+
+def test_the_soap_variants_take_the_cholqr_refresh():
+    """``SOAP-cholqr`` and ``KLSOAP-cholqr`` are the front ends with ``basis="cholqr"`` and the study's other SOAP
+    settings; plain ``SOAP`` keeps the default refresh."""
+    study = bench_module("lr_study")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    for name, front, basis in (
+        ("SOAP-cholqr", "SOAP", "cholqr"),
+        ("KLSOAP-cholqr", "KLSOAP", "cholqr"),
+        ("SOAP", "SOAP", "qr"),
+    ):
+        opt = study.build_optimizer(study.Run("moe", name, 1e-3, 0), model, torch.device("cpu"))
+        groups = [g for g in opt.param_groups if g["use_muon"]]
+        assert type(opt).__name__ == front, name
+        assert {g["basis"] for g in groups} == {basis} and {g["precondition_frequency"] for g in groups} == {10}, name
