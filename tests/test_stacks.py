@@ -19,9 +19,10 @@ from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dtensor_muon import Muon, NorMuon
+from dtensor_muon import MOP, Muon, NorMuon
 from dtensor_muon.kernels.batching import MAX_STACK, stack_units, units_per_stack
 from dtensor_muon.kernels.shapes import decide_as_batch, decision_count, decision_work, gram_work
+from dtensor_muon.rules.mop import MOPRule
 from dtensor_muon.rules.muon import MuonRule
 from dtensor_muon.rules.normuon import NorMuonRule
 
@@ -69,13 +70,14 @@ def one_process(front_end: type, shapes: list, units: int, device: str = "cpu") 
     return [p.detach().cpu() for _, p in params], HalvingRule.calls
 
 
-def test_only_muon_stacks_and_on_cuda_only_on_the_gpu_backend() -> None:
+def test_newton_schulz_rules_stack_and_on_cuda_only_on_the_gpu_backend() -> None:
     from dtensor_muon.rules.muon import gpu_backend_runs
 
     group = Muon([("layers.0.attention.wq", torch.nn.Parameter(torch.zeros(8, 8)))]).param_groups[0]
     cpu = torch.device("cpu")
     assert MuonRule().stacks_units(group, (768, 2048), 8, cpu)
-    assert not NorMuonRule().stacks_units(group, (768, 2048), 8, cpu)
+    assert NorMuonRule().stacks_units(group, (768, 2048), 8, cpu)
+    assert not MOPRule().stacks_units(group, (768, 2048), 8, cpu)
     assert not gpu_backend_runs(torch.bfloat16, (768, 2048), 8, cpu)  # the GPU backend needs CUDA
 
 
@@ -116,24 +118,50 @@ def test_local_runs_of_experts_stack_and_keep_each_units_bits() -> None:
 
 
 def test_rules_that_do_not_stack_keep_their_units() -> None:
-    """NorMuon's batched reductions are torch's, so its units never stack: one call per unit of 4."""
-    calls: ClassVar[list[tuple[int, ...]]] = []
+    """MOP's batched SVD may round by batch count, so its units never stack: one call per unit of 4."""
+    calls: list[tuple[int, ...]] = []
 
-    class RecordingNorMuonRule(NorMuonRule):
+    class RecordingMOPRule(MOPRule):
         def direction(self, u: Tensor, owner_states, group, runner) -> Tensor:
             calls.append(tuple(u.shape))
             return super().direction(u, owner_states, group, runner)
 
-    class RecordingNorMuon(NorMuon):
-        rule = RecordingNorMuonRule()
+    class RecordingMOP(MOP):
+        rule = RecordingMOPRule()
 
     params = [(n, p.requires_grad_()) for n, p in initial(EXPERTS)]
-    opt = RecordingNorMuon(params, **OPTIONS)
+    opt = RecordingMOP(params, lr=0.02, weight_decay=0.1)
     with stack_units(4):
         for (_, p), g in zip(params, gradient(EXPERTS, 0)):
             p.grad = g
         opt.step()
     assert calls == [(4, 6, 8)] * 16
+
+
+class HalvingNewtonSchulz(MuonRule):
+    """Muon's rule with O = U/2 in place of Newton–Schulz (exact in any batch)."""
+
+    def direction(self, u: Tensor, owner_states, group, runner) -> Tensor:
+        HalvingRule.calls.append(tuple(u.shape))
+        return u * 0.5
+
+
+class HalvingNorMuonRule(NorMuonRule, HalvingNewtonSchulz):
+    """NorMuon's normalization of O = U/2: its reductions, owner state v and all, with an exact O."""
+
+
+class HalvingNorMuon(NorMuon):
+    rule = HalvingNorMuonRule()
+
+
+def test_normuon_stacks_with_its_reductions_unit_by_unit() -> None:
+    """NorMuon's Newton–Schulz takes a stack, its row and matrix reductions each unit alone: the same bits as units
+    one after another, owner state v included, in fewer calls."""
+    want, alone = one_process(HalvingNorMuon, EXPERTS, units=1)
+    got, stacked = one_process(HalvingNorMuon, EXPERTS, units=4)
+    for (name, _), a, b in zip(EXPERTS, got, want):
+        assert torch.equal(a, b), name
+    assert sorted(set(alone)) == [(4, 6, 8)] and sorted(set(stacked)) == [(16, 6, 8)]
 
 
 def test_muon_stacked_on_cpu_is_within_fp32_rounding_of_its_units() -> None:
@@ -202,10 +230,10 @@ class RecordingMuon(Muon):
     rule = RecordingMuonRule()
 
 
-def gpu_run(units: int) -> tuple[list[Tensor], list[tuple[int, ...]]]:
+def gpu_run(units: int, front_end: type = RecordingMuon) -> tuple[list[Tensor], list[tuple[int, ...]]]:
     RecordingMuonRule.calls = []
     params = [(n, p.cuda().requires_grad_()) for n, p in initial(GPU_EXPERTS)]
-    opt = RecordingMuon(params)  # defaults: bf16 Newton–Schulz from CUDA graphs
+    opt = front_end(params)  # defaults: bf16 Newton–Schulz from CUDA graphs
     with stack_units(units):
         for step in range(STEPS):
             for (_, p), g in zip(params, gradient(GPU_EXPERTS, step)):
@@ -222,6 +250,14 @@ def test_stacks_on_the_gpu_equal_units_alone_bitwise() -> None:
     got, stacked = gpu_run(8)
     assert sorted(alone) == sorted([(8, 768, 2048), (8, 2048, 768)] * 8 * STEPS)
     assert sorted(stacked) == sorted([(64, 768, 2048), (64, 2048, 768)] * STEPS)
+    for (name, _), a, b in zip(GPU_EXPERTS, got, want):
+        assert torch.equal(a, b), f"{name}: max |Δ| {float((a - b).abs().max()):.3e}"
+
+
+@requires_cuda
+def test_normuon_stacks_on_the_gpu_equal_units_alone_bitwise() -> None:
+    want, _ = gpu_run(1, NorMuon)
+    got, _ = gpu_run(8, NorMuon)
     for (name, _), a, b in zip(GPU_EXPERTS, got, want):
         assert torch.equal(a, b), f"{name}: max |Δ| {float((a - b).abs().max()):.3e}"
 

@@ -7,7 +7,7 @@ dispatch deciding as for B (:func:`dtensor_muon.kernels.shapes.decide_as_batch`)
 matrix of a batch alike whatever the batch count, gives every matrix the bits of its unit alone, in fewer and
 larger launches (docs/kernels.md "Expert stacks"). Units stack when
 
-    the rule allows it for the unit (``MatrixRule.stacks_units``: Muon's Newton–Schulz on the GPU backend),
+    the rule allows it for the unit (``MatrixRule.stacks_units``: Muon's and NorMuon's on the GPU backend),
     they hold the same number B ≥ 2 of matrices of one shape, of one param group (the same settings, γ'), and
     at most ``units_per_stack(device)`` of them share a call (:mod:`dtensor_muon.kernels.batching`).
 

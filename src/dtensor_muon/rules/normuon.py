@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.shapes import decision_batch
 from .base import Group, MatrixCost, NewtonSchulzRunner
 from .muon import MuonRule
 
@@ -37,14 +38,24 @@ class NorMuonRule(MuonRule):
     def cost(self, group: Group, shape: tuple[int, int]) -> MatrixCost:
         return MatrixCost(super().cost(group, shape).flops + 6 * shape[0] * shape[1], 4 * shape[0])
 
-    def stacks_units(self, group: Group, shape: tuple[int, int], unit_size: int, device: torch.device) -> bool:
-        """Never: the row and matrix reductions over a batch are torch's, whose order may follow the batch count."""
-        return False
-
     def direction(
         self, u: Tensor, owner_states: list[dict[str, Tensor]], group: Group, runner: NewtonSchulzRunner
     ) -> Tensor:
+        """Ô of each matrix (module formula). Newton–Schulz takes the whole call; in a stack of units (the
+        dispatch deciding as for :func:`~dtensor_muon.kernels.shapes.decision_batch` matrices) the row and matrix
+        reductions run unit by unit, on the tensors of a unit alone, since torch's reductions over a batch may
+        sum in an order that follows the batch count."""
         o = super().direction(u, owner_states, group, runner)
+        per_unit = decision_batch() if o.ndim == 3 else None
+        if per_unit is None or per_unit >= o.shape[0]:
+            return self._normalized(o, owner_states, group).to(o.dtype)
+        out = torch.empty_like(o)
+        for k in range(0, o.shape[0], per_unit):
+            out[k : k + per_unit].copy_(self._normalized(o[k : k + per_unit], owner_states[k : k + per_unit], group))
+        return out
+
+    def _normalized(self, o: Tensor, owner_states: list[dict[str, Tensor]], group: Group) -> Tensor:
+        """Ô in float32 for O (one matrix or a batch), v advanced in ``owner_states`` (module formula)."""
         o32 = o.to(torch.float32)
         beta2, eps = group["beta2"], group["normuon_eps"]
         v = owner_states[0]["v"] if o.ndim == 2 else torch.stack([s["v"] for s in owner_states])
@@ -56,4 +67,4 @@ class NorMuonRule(MuonRule):
         normalized = normalized * ratio[..., None, None]
         for i, s in enumerate(owner_states):
             s["v"].copy_(v if o.ndim == 2 else v[i])
-        return normalized.to(o.dtype)
+        return normalized
