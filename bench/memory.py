@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Shard
 from dtensor_muon import exit_without_finalization
 from dtensor_muon.distributed.layout import box_shape
 from dtensor_muon.engine.offload import offloaded_keys
+from dtensor_muon.kernels.batching import units_per_stack
 from dtensor_muon.kernels.low_precision import MOMENTUM_DTYPES
 from dtensor_muon.plan.memory import OptimizerMemory, memory_per_rank
 from dtensor_muon.plan.simulate import FRONT_ENDS, fsdp_layout, model_parameters, optimizer_rule, plan_model
@@ -96,6 +97,7 @@ def modelled(args, world: int) -> list[dict[str, int]]:
         momentum_dtype=args.momentum_dtype,
         cuda_graphs=args.device == "cuda",
         offload=args.offload == "host",
+        units_per_stack=units_per_stack(torch.device(args.device)),
     )
     return [vars(r) | {"optimizer": r.optimizer} for r in memory_per_rank(meshes, adamw, spec, world)]
 

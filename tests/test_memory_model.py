@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 
 import pytest
 import scenarios
@@ -261,3 +262,21 @@ def test_simulator_memory_table_and_json(capsys, tmp_path):
     assert host.memory.shard_state == 0 and host.memory.host_state > 2 * f32.memory.shard_state
     assert host.memory.offload_staging < (small.memory.shard_state + small.memory.adamw_state) / 2
     assert host.memory.optimizer < small.memory.optimizer
+
+
+def test_stacks_count_the_workspace_and_graphs_of_their_calls():
+    """Experts [16, 3, 5] on one rank form 8 units of 2 (min(8, 16 / 8)); in stacks of up to 3 units the rank makes
+    calls of 6, 6 and 4 matrices: the workspace is a call of 6 matrices', and the graphs are those of the two
+    distinct calls (6 and 4 matrices)."""
+    layout = fsdp_layout("experts", (16, 3, 5), 1)
+    plan = build_plan([layout], [0], 2**20, 2)
+    assert [len(u.members) for u in plan.units] == [2] * 8
+    alone = memory_per_rank([MeshPlan(plan, {0: layout})], [], MUON, 1)[0]
+    stacks = memory_per_rank([MeshPlan(plan, {0: layout})], [], replace(MUON, units_per_stack=3), 1)[0]
+    per_matrix_workspace, per_matrix_graph = 2 * (2 * 3 * 5 + 4 * 3 * 3), 2 * (3 * 3 * 5 + 4 * 3 * 3)
+    assert alone.ns_workspace == 2 * per_matrix_workspace and alone.cuda_graphs == 2 * per_matrix_graph
+    assert stacks.ns_workspace == 6 * per_matrix_workspace
+    assert stacks.cuda_graphs == (6 + 4) * per_matrix_graph
+    assert stacks.exchange == alone.exchange
+    assert OptimizerMemory.from_rule(*optimizer_rule("muon")[:2], 2, units_per_stack=4).units_per_stack == 4
+    assert OptimizerMemory.from_rule(*optimizer_rule("mop")[:2], 4, units_per_stack=4).units_per_stack == 1

@@ -34,8 +34,10 @@ elements. Per rank r:
   at a time) and the largest fully local parameter's U (the local units run first, one parameter's U at once).
   All of a step's exchange buffers counted as alive at once: an upper bound of their peak (NCCL frees a
   bucket's send buffer once it is waited for).
-- ``ns_workspace`` = max over the units r computes of B·ω·(2mn + 4m²), ω the Newton–Schulz working dtype's
-  bytes: the start X₀ and the current X, and the m×m matrices of the Gram form (R, Z, Q and a product; the
+- ``ns_workspace`` = max over the calls r makes of B·ω·(2mn + 4m²), ω the Newton–Schulz working dtype's
+  bytes (a call: a unit of B matrices, or with stacks, :mod:`..engine.stacks`, up to ``units_per_stack``
+  same-size units of one shape, B their matrices together; counted as if every such unit of r joined a stack,
+  an upper bound where a holder's local units stack only within one run of experts): the start X₀ and the current X, and the m×m matrices of the Gram form (R, Z, Q and a product; the
   standard form needs two: X·Xᵀ and b·A + c·A·A). 0 for a rule that runs no Newton–Schulz (MOP's SVD and
   SOAP's products: their direction workspace is not modelled).
 - with ``offload="host"`` (:mod:`..engine.offload`) the momentum and AdamW's moments leave the device:
@@ -45,7 +47,7 @@ elements. Per rank r:
   parameter's momentum S₁ where that is larger (AdamW's moments go in pieces of at most b); S: all of them.
   ``host_state`` (host memory, not in the optimizer's device total) = 2·momentum (the state and its spare: a
   step over several ranks writes the new momentum beside the old) + 2·p·Σ numel over the AdamW parameters.
-- ``cuda_graphs`` = Σ over the distinct unit signatures (B, m, n) r computes through the owner's runner
+- ``cuda_graphs`` = Σ over the distinct call signatures (B, m, n) r computes through the owner's runner
   (not ``tp_mode="distributed"``) with B·m²·n ≤ :data:`~..linalg.ns_graphs.MAX_GRAPH_WORK` of B·ω·(3mn + 4m²):
   per captured graph its start buffer outside its private pool, and the pool, which keeps the capture's
   peak (X, its next value, the m×m matrices). 0 without CUDA graphs or Newton–Schulz.
@@ -119,10 +121,14 @@ class OptimizerMemory:
     """The optimizer's ``offload="host"``: momentum and AdamW moments in host memory, streamed through buckets."""
     bucket_bytes: int = 64 * 2**20
     """b: the optimizer's bucket (``bucket_size_mb``), which also bounds each streamed bucket of state."""
+    units_per_stack: int = 1
+    """Most same-size units of one shape in one call (:func:`..kernels.batching.units_per_stack`); 1: none stack."""
 
     def __post_init__(self) -> None:
         if self.momentum_dtype not in MOMENTUM_DTYPES:
             raise ValueError(f"momentum_dtype: expected one of {MOMENTUM_DTYPES}, got {self.momentum_dtype!r}")
+        if self.units_per_stack < 1:
+            raise ValueError(f"units_per_stack: expected an int >= 1, got {self.units_per_stack!r}")
 
     @classmethod
     def from_rule(
@@ -135,11 +141,13 @@ class OptimizerMemory:
         cuda_graphs: bool = True,
         offload: bool = False,
         bucket_bytes: int = 64 * 2**20,
+        units_per_stack: int = 1,
     ) -> OptimizerMemory:
         """Read from the rule under ``group``'s settings: its shard state (``init_shard_state`` of a float32
         probe: entries of the probe's shape are the momentum buffer, the others per-parameter scalars), whether
-        ``prepare`` allocates U (it returns the probe gradient itself, or a new tensor), its input dtype (O's)
-        and, where the group holds ``ns_dtype``, Newton–Schulz's working dtype."""
+        ``prepare`` allocates U (it returns the probe gradient itself, or a new tensor), its input dtype (O's),
+        where the group holds ``ns_dtype``, Newton–Schulz's working dtype, and whether its units stack at all
+        (``units_per_stack`` where they do, else 1)."""
         probe = torch.zeros(2, 3)
         state = rule.init_shard_state(probe, dict(group), "probe")
         u = rule.prepare(probe, state, dict(group))
@@ -154,6 +162,7 @@ class OptimizerMemory:
             cuda_graphs=cuda_graphs,
             offload=offload,
             bucket_bytes=bucket_bytes,
+            units_per_stack=units_per_stack if rule.stacks_units(dict(group), (2, 3), 2, probe.device) else 1,
         )
 
 
@@ -256,6 +265,7 @@ def memory_per_rank(
         for rank, units in enumerate(units_per_rank(mesh.plan)):
             computed[rank].extend(units)
     ns = optimizer.ns_itemsize
+    calls = [stacked(units, optimizer.units_per_stack) for units in computed]
     out = []
     for rank in range(world_size):
         matrix_numels = [box_numel(layout.boxes[rank]) for layout in matrix_layouts]
@@ -275,8 +285,8 @@ def memory_per_rank(
                 adamw_state=device_state[1],
                 owner_state=sum(mesh.plan.rank_owner_state_bytes[rank] for mesh in meshes),
                 exchange=exchange[rank],
-                ns_workspace=max((ns_workspace_bytes(b, s, ns) for b, s, _ in computed[rank]), default=0),
-                cuda_graphs=graphs_bytes(computed[rank], ns) if optimizer.cuda_graphs else 0,
+                ns_workspace=max((ns_workspace_bytes(b, s, ns) for b, s, _ in calls[rank]), default=0),
+                cuda_graphs=graphs_bytes(calls[rank], ns) if optimizer.cuda_graphs else 0,
                 offload_staging=staging_bytes(momenta, moments, optimizer.bucket_bytes) if optimizer.offload else 0,
                 host_state=2 * sum(momenta) + sum(moments) if optimizer.offload else 0,
             )
@@ -322,6 +332,24 @@ def units_per_rank(plan: Plan) -> list[list[ComputedUnit]]:
         for rank in ranks:
             out[rank].append((batch, first.spec.whole_shape, True))
     return out
+
+
+def stacked(units: list[ComputedUnit], units_per_stack: int) -> list[ComputedUnit]:
+    """The calls that make ``units``: those of B ≥ 2 matrices run through the runner, in stacks of up to
+    ``units_per_stack`` units of one (B, shape) in their order, (k·B, shape); the others alone."""
+    if units_per_stack <= 1:
+        return list(units)
+    calls: list[ComputedUnit] = []
+    open_at: dict[tuple[int, tuple[int, int]], int] = {}
+    for batch, shape, runner in units:
+        at = open_at.get((batch, shape)) if runner and batch >= 2 else None
+        if at is not None and calls[at][0] < units_per_stack * batch:
+            calls[at] = (calls[at][0] + batch, shape, True)
+            continue
+        calls.append((batch, shape, runner))
+        if runner and batch >= 2:
+            open_at[(batch, shape)] = len(calls) - 1
+    return calls
 
 
 def graphs_bytes(computed: list[ComputedUnit], itemsize: int) -> int:
