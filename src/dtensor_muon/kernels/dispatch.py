@@ -85,8 +85,9 @@ def select_backend(x: Tensor) -> Backend:
     """Backend for the (already transposed to wide) working matrix ``x`` of shape [m, n] or [B, m, n].
 
     By default the GPU backend takes eligible inputs with at least MIN_GPU_BACKEND_WORK multiply-adds per
-    Gram matrix (counted over :func:`.shapes.decision_count` matrices, as every floor of the dispatch is). Below that the products take microseconds, Newton–Schulz is bound by kernel launches, and
-    the GPU backend gains nothing over plain torch (docs/kernels.md "Measured constants").
+    Gram matrix (counted over :func:`.shapes.decision_count` matrices, as every floor of the dispatch is). Below
+    that the products take microseconds, Newton–Schulz is bound by kernel launches, and the GPU backend gains
+    nothing over plain torch (docs/kernels.md "Measured constants").
     """
     forced = forced_backend()
     if forced == "torch" or (forced is None and decision_work(x) < MIN_GPU_BACKEND_WORK):

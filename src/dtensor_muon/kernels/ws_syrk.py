@@ -115,7 +115,8 @@ def ws_syrk_supports(x: Tensor, y: Tensor | None = None) -> bool:
 def ws_syrk_runs_products(x: Tensor) -> bool:
     """Whether :func:`ws_syrk_pays` holds for the m×m products of Newton–Schulz on the wide ``x`` ([m, n] or
     [B, m, n]): enabled, Gluon's Hopper API present, x bf16/fp16 on a compute-capability-9 GPU, 8 | m ≤
-    WS_MAX_DIM and B·m³ ≥ WS_MIN_WORK (the products are new contiguous [B, m, m] tensors, which TMA reads)."""
+    WS_MAX_DIM and B·m³ ≥ WS_MIN_WORK, B counted as the dispatch counts it (:func:`.shapes.decision_count`; the
+    products are new contiguous [B, m, m] tensors, which TMA reads)."""
     m = x.size(-2)
     return (
         _enabled and m <= WS_MAX_DIM and m % 8 == 0 and decision_count(x) * m**3 >= WS_MIN_WORK and _kernel_runs_on(x)
@@ -129,8 +130,9 @@ def _tma_reads_c(c: Tensor, x: Tensor) -> bool:
 
 def ws_syrk_pays(x: Tensor, y: Tensor | None = None, c: Tensor | None = None) -> bool:
     """Whether the backend should run the products on ``x``, ``y`` and ``c`` with this kernel rather than the
-    Triton one: enabled, m ≤ WS_MAX_DIM, at least WS_MIN_WORK multiply-adds (B·m²·k), supported, and C (if
-    any) contiguous, 16-byte aligned and in x's dtype, as its TMA reads need."""
+    Triton one: enabled, m ≤ WS_MAX_DIM, at least WS_MIN_WORK multiply-adds (B·m²·k, B as
+    :func:`.shapes.decision_count` counts it), supported, and C (if any) contiguous, 16-byte aligned and in x's
+    dtype, as its TMA reads need."""
     return (
         _enabled
         and x.size(-2) <= WS_MAX_DIM
