@@ -857,6 +857,8 @@ class RankShare:
     """Per Muon parameter with a non-empty shard on this rank: (shard shape, matrix shape for γ')."""
     other_shards: list[tuple[int, ...]]
     """Its non-empty shards of the other (AdamW) parameters."""
+    unit_params: list[int] = field(default_factory=list)
+    """Per unit, the index of its parameter (local units stack only within one parameter)."""
 
     @property
     def units_owned(self) -> int:
@@ -908,10 +910,11 @@ def rank_share(shapes: Shapes, muon_names: set[str], group: dict[str, Any], worl
     plan = fsdp_plan(muon, group, world_size)
     rank = plan.rank_flops.index(max(plan.rank_flops))
     rule = MuonRule()
-    units, planned = [], 0
+    units, unit_params, planned = [], [], 0
     for members, owned in busiest_units(plan, rank):
         mshape = plan.routes[members[0]].spec.shape
         units.append(((len(members), *mshape) if len(members) > 1 else mshape, owned))
+        unit_params.append(plan.routes[members[0]].spec.param_index)
         planned += sum(rule.cost(group, plan.routes[i].spec.shape).flops for i in members)
     muon_shards, other_shards = [], []
     for name, shape in shapes:
@@ -922,20 +925,23 @@ def rank_share(shapes: Shapes, muon_names: set[str], group: dict[str, Any], worl
             muon_shards.append((shard, matrix_shape(shape)))
         else:
             other_shards.append(shard)
-    return RankShare(world_size, rank, units, planned, plan.rank_flops, plan.lower_bound, muon_shards, other_shards)
+    return RankShare(
+        world_size, rank, units, planned, plan.rank_flops, plan.lower_bound, muon_shards, other_shards, unit_params
+    )
 
 
 def stacked_calls(
-    units: list[tuple[tuple[int, ...], bool]], units_per_stack: int
+    units: list[tuple[tuple[int, ...], bool]], units_per_stack: int, params: list[int] | None = None
 ) -> list[tuple[tuple[int, ...], bool, int | None]]:
     """The share's units as calls with stacks of up to ``units_per_stack`` units: (call shape, owned, matrices
     per unit when the call is a stack of several, else None). Batched units of one shape and origin stack k at a
-    time in their order, as the engine stacks an owner's units (over consecutive exchange buckets); a holder's
-    local units stack only within one run of experts of a parameter, so this is their most."""
+    time in their order, as the engine stacks an owner's units (over consecutive exchange buckets); local units
+    stack only with those of their own parameter (``params``: each unit's parameter), as a holder's do (one run
+    of experts of the shard)."""
     calls: list[tuple[tuple[int, ...], bool, int | None]] = []
     open_calls: dict[tuple, int] = {}
-    for shape, owned in units:
-        key = (shape, owned)
+    for i, (shape, owned) in enumerate(units):
+        key = (shape, owned) if owned or params is None else (shape, owned, params[i])
         at = open_calls.get(key) if len(shape) == 3 else None
         if at is not None and calls[at][0][0] < units_per_stack * shape[0]:
             call = calls[at][0]
@@ -958,7 +964,7 @@ class ShareWork:
         def randn(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.randn(shape, generator=gen, device=device).to(dtype)
 
-        calls = stacked_calls(share.units, units_per_stack)
+        calls = stacked_calls(share.units, units_per_stack, share.unit_params)
         self.inputs = [randn(shape, torch.bfloat16 if owned else torch.float32) for shape, owned, _ in calls]
         self.decide_as = [per_unit for _, _, per_unit in calls]
         self.shards = [

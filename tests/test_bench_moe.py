@@ -148,3 +148,10 @@ def test_stacked_calls_keep_every_matrix_and_stack_only_like_units():
         ((6, 4), False, None),
     ]
     assert o.stacked_calls(units, 1) == [(shape, owned, None) for shape, owned in units]
+    params = [0, 0, 1, 1, 1, 2, 3, 4, 5, 5, 6, 7, 8]  # local units stack only within their parameter
+    assert o.stacked_calls(units, 4, params)[:4] == [
+        ((16, 6, 4), False, 8),
+        ((24, 6, 4), False, 8),
+        ((24, 6, 4), True, 8),  # owned units of several parameters stack
+        ((4, 6, 4), False, 2),
+    ]
