@@ -73,3 +73,16 @@ def test_tp_modes_in_the_simulator():
     assert distributed.distributed_matrices + distributed.duplicated_matrices == distributed.matrices
     assert distributed.ns_gflop_max <= owned.ns_gflop_max * 1.01
     assert "distributed" in format_table([distributed])
+
+
+def test_all_to_alls_are_one_out_and_one_back_per_bucket():
+    """The debug model's matrices (bf16 on the wire) over 4 ranks, each split over the ranks, so all of them travel:
+    one all-to-all out and one back per bucket; a bucket per matrix (each its own unit) when a bucket holds at most
+    one, a single bucket when it holds them all."""
+    shapes = model_matrix_shapes("llama3:debugmodel")
+    travelling = sum(s[0] * s[1] * 2 for _, s in shapes)  # at 4 ranks every debug-model matrix is split: all travel
+    (tiny,) = simulate("llama3:debugmodel", [4], bucket_mb=1e-6)
+    (whole,) = simulate("llama3:debugmodel", [4], bucket_mb=travelling / 2**20)
+    assert tiny.local_matrices == 0
+    assert tiny.exchanges == 2 * tiny.matrices  # a bucket per unit of one matrix
+    assert whole.exchanges == 2

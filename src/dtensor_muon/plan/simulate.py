@@ -23,8 +23,10 @@ Each mesh gets its own plan, as in the optimizer, and the per-rank loads add up.
 planned GFLOP per step (max and mean: the rule's cost, Newton–Schulz's FLOPs for ``ns_steps`` iterations for
 Muon, SOAP's operations as TF32-product FLOPs), the imbalance max/mean, the busiest rank over the plan's lower
 bound (:attr:`.Plan.lower_bound`, 1.000: no assignment of these units does better) and over max(mean load,
-costliest unit), bytes sent and received per rank per step (max), and the estimated time of the busiest rank
-at the given TFLOP/s and GB/s; then the optimizer's memory per rank (:mod:`.memory`, each term's maximum over
+costliest unit), bytes sent and received per rank per step (max), the all-to-alls per step (one out and one
+back per bucket of ``--bucket-mb`` of whole matrices: each rank's share of a bucket shrinks as 1/W, so at large W
+many small all-to-alls, latency-bound, carry the step; raise ``--bucket-mb`` there), and the estimated time of the
+busiest rank at the given TFLOP/s and GB/s (bandwidth only: no per-collective latency); then the optimizer's memory per rank (:mod:`.memory`, each term's maximum over
 the ranks in GiB, the largest total of one rank, and that total with the rank's float32 parameters and
 gradients).
 """
@@ -256,6 +258,8 @@ class Summary:
     max_over_simple_bound: float
     bytes_sent_max: float
     bytes_received_max: float
+    exchanges: int
+    """All-to-alls per step: one out and one back per bucket of every plan (owned and tensor-parallel)."""
     est_ns_ms: float
     est_comm_ms: float
     plan_seconds: float
@@ -318,6 +322,7 @@ def summarize_plans(
         max_over_simple_bound=max(flops) / simple if simple > 0 else 1.0,
         bytes_sent_max=sent_max,
         bytes_received_max=received_max,
+        exchanges=sum(2 * (len(plan.buckets) + len(plan.tensor_parallel_buckets)) for plan in plans),
         est_ns_ms=max(gflop) / tflops,  # GFLOP / (TFLOP/s) = ms
         est_comm_ms=max(sent_max, received_max) / (gbps * 1e6),
         plan_seconds=seconds,
@@ -391,7 +396,8 @@ def simulate(
 def format_table(rows: list[Summary]) -> str:
     header = (
         f"{'model':<18}{'ranks':>6}{'tp':>4}{'ep':>4}{'tp_mode':>12}{'matrices':>9}{'local':>7}{'dist':>6}{'dup':>5}{'GFLOP max':>14}{'mean':>11}"
-        f"{'imbal':>7}{'/bound':>8}{'/max(mean,largest)':>19}{'MB sent max':>12}{'MB recv max':>12}{'NS ms':>8}{'comm ms':>9}{'plan s':>8}"
+        f"{'imbal':>7}{'/bound':>8}{'/max(mean,largest)':>19}{'MB sent max':>12}{'MB recv max':>12}{'all-to-alls':>12}"
+        f"{'NS ms':>8}{'comm ms':>9}{'plan s':>8}"
     )
     lines = [header]
     for r in rows:
@@ -400,7 +406,8 @@ def format_table(rows: list[Summary]) -> str:
             f"{r.distributed_matrices:>6}{r.duplicated_matrices:>5}{r.ns_gflop_max:>14.1f}"
             f"{r.ns_gflop_mean:>11.1f}{r.imbalance:>7.3f}{r.max_over_bound:>8.3f}{r.max_over_simple_bound:>19.3f}"
             f"{r.bytes_sent_max / 1e6:>12.1f}"
-            f"{r.bytes_received_max / 1e6:>12.1f}{r.est_ns_ms:>8.2f}{r.est_comm_ms:>9.2f}{r.plan_seconds:>8.2f}"
+            f"{r.bytes_received_max / 1e6:>12.1f}{r.exchanges:>12}{r.est_ns_ms:>8.2f}{r.est_comm_ms:>9.2f}"
+            f"{r.plan_seconds:>8.2f}"
         )
     return "\n".join(lines)
 
