@@ -113,7 +113,7 @@ from torch.autograd import DeviceType
 
 from dtensor_muon import AttentionHeads, Muon
 from dtensor_muon.distributed.layout import box_shape
-from dtensor_muon.kernels.batching import stack_units
+from dtensor_muon.kernels.batching import group_into_stacks, stack_units
 from dtensor_muon.kernels.elementwise import decay_and_add_many, momentum_steps
 from dtensor_muon.kernels.shapes import decide_as_batch
 from dtensor_muon.linalg.newton_schulz import newton_schulz
@@ -938,18 +938,20 @@ def stacked_calls(
     time in their order, as the engine stacks an owner's units (over consecutive exchange buckets); local units
     stack only with those of their own parameter (``params``: each unit's parameter), as a holder's do (one run
     of experts of the shard)."""
-    calls: list[tuple[tuple[int, ...], bool, int | None]] = []
-    open_calls: dict[tuple, int] = {}
-    for i, (shape, owned) in enumerate(units):
-        key = (shape, owned) if owned or params is None else (shape, owned, params[i])
-        at = open_calls.get(key) if len(shape) == 3 else None
-        if at is not None and calls[at][0][0] < units_per_stack * shape[0]:
-            call = calls[at][0]
-            calls[at] = ((call[0] + shape[0], *shape[1:]), owned, shape[0])
-            continue
-        calls.append((shape, owned, None))
-        if len(shape) == 3:
-            open_calls[key] = len(calls) - 1
+
+    def key(i: int) -> tuple | None:
+        shape, owned = units[i]
+        if len(shape) != 3:
+            return None
+        return (shape, owned) if owned or params is None else (shape, owned, params[i])
+
+    calls = []
+    for stack in group_into_stacks(range(len(units)), key, units_per_stack):
+        shape, owned = units[stack[0]]
+        if len(stack) == 1:
+            calls.append((shape, owned, None))
+        else:
+            calls.append(((len(stack) * shape[0], *shape[1:]), owned, shape[0]))
     return calls
 
 

@@ -9,21 +9,19 @@ larger launches (docs/kernels.md "Expert stacks"). Units stack when
 
     the rule allows it for the unit (``MatrixRule.stacks_units``: Muon's and NorMuon's on the GPU backend),
     they hold the same number B ≥ 2 of matrices of one shape, of one param group (the same settings, γ'), and
-    at most ``units_per_stack(device)`` of them share a call (:mod:`dtensor_muon.kernels.batching`).
+    at most ``units_per_stack(device)`` of them share a call (:mod:`dtensor_muon.kernels.batching`, whose
+    ``group_into_stacks`` forms them in order).
 
 One matrix alone never joins a stack: a matrix and a batch of one may take different kernels.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-from typing import TypeVar
+from collections.abc import Hashable, Sequence
 
 from ..distributed.layout import local
 from ..plan import MatrixSpec
 from .context import StepContext
-
-U = TypeVar("U")
 
 
 def stack_key(ctx: StepContext, specs: Sequence[MatrixSpec]) -> Hashable | None:
@@ -35,30 +33,3 @@ def stack_key(ctx: StepContext, specs: Sequence[MatrixSpec]) -> Hashable | None:
     if not ctx.rule.stacks_units(e.group, first.shape, len(specs), local(e.param).device):
         return None
     return (id(e.group), first.shape, len(specs))
-
-
-def group_into_stacks(
-    ctx: StepContext,
-    units: Sequence[U],
-    specs_of: Callable[[U], Sequence[MatrixSpec]],
-    limit: int,
-    joins: Callable[[list[U], U], bool] | None = None,
-) -> list[list[U]]:
-    """``units`` in stacks of at most ``limit`` units with one :func:`stack_key`, each stack in the order of its
-    units, stacks in the order of their first unit. ``joins(stack, unit)``, when given, must also hold for a unit
-    to join a stack (the local strategy stacks only runs that one view of a shard holds); a unit that joins no
-    open stack opens a new one."""
-    if limit <= 1:
-        return [[unit] for unit in units]
-    stacks: list[list[U]] = []
-    open_stack: dict[Hashable, list[U]] = {}
-    for unit in units:
-        key = stack_key(ctx, specs_of(unit))
-        current = open_stack.get(key) if key is not None else None
-        if current is not None and len(current) < limit and (joins is None or joins(current, unit)):
-            current.append(unit)
-            continue
-        stacks.append([unit])
-        if key is not None:
-            open_stack[key] = stacks[-1]
-    return stacks

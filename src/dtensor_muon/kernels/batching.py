@@ -13,7 +13,8 @@ Beyond units, the engine may compute several same-size units of one shape in one
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -33,6 +34,8 @@ engine's stacks, which keep each unit's kernels, are yet to be measured end to e
 depend on its batch count."""
 
 _forced_stack: list[int] = []
+
+U = TypeVar("U")
 
 
 def batching_pays(shape: tuple[int, int]) -> bool:
@@ -59,3 +62,28 @@ def stack_units(count: int) -> Iterator[None]:
         yield
     finally:
         _forced_stack.pop()
+
+
+def group_into_stacks(
+    units: Sequence[U],
+    key: Callable[[U], Hashable | None],
+    limit: int,
+    joins: Callable[[list[U], U], bool] | None = None,
+) -> list[list[U]]:
+    """``units`` in stacks of at most ``limit`` units of one ``key`` (None: the unit stays alone), each stack in
+    the order of its units, stacks in the order of their first unit. ``joins(stack, unit)``, when given, must also
+    hold for a unit to join a stack; a unit that joins no open stack of its key opens a new one."""
+    if limit <= 1:
+        return [[unit] for unit in units]
+    stacks: list[list[U]] = []
+    open_stack: dict[Hashable, list[U]] = {}
+    for unit in units:
+        k = key(unit)
+        current = open_stack.get(k) if k is not None else None
+        if current is not None and len(current) < limit and (joins is None or joins(current, unit)):
+            current.append(unit)
+            continue
+        stacks.append([unit])
+        if k is not None:
+            open_stack[k] = stacks[-1]
+    return stacks

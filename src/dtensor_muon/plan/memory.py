@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..distributed.layout import Box, ParamLayout, box_numel
+from ..kernels.batching import group_into_stacks
 from ..kernels.low_precision import INT8_BLOCK, MOMENTUM_DTYPES, int8_blocks
 from ..linalg.newton_schulz import resolve_ns_dtype
 from ..linalg.ns_graphs import MAX_GRAPH_WORK
@@ -337,19 +338,8 @@ def units_per_rank(plan: Plan) -> list[list[ComputedUnit]]:
 def stacked(units: list[ComputedUnit], units_per_stack: int) -> list[ComputedUnit]:
     """The calls that make ``units``: those of B ≥ 2 matrices run through the runner, in stacks of up to
     ``units_per_stack`` units of one (B, shape) in their order, (k·B, shape); the others alone."""
-    if units_per_stack <= 1:
-        return list(units)
-    calls: list[ComputedUnit] = []
-    open_at: dict[tuple[int, tuple[int, int]], int] = {}
-    for batch, shape, runner in units:
-        at = open_at.get((batch, shape)) if runner and batch >= 2 else None
-        if at is not None and calls[at][0] < units_per_stack * batch:
-            calls[at] = (calls[at][0] + batch, shape, True)
-            continue
-        calls.append((batch, shape, runner))
-        if runner and batch >= 2:
-            open_at[(batch, shape)] = len(calls) - 1
-    return calls
+    stacks = group_into_stacks(units, lambda unit: unit[:2] if unit[2] and unit[0] >= 2 else None, units_per_stack)
+    return [(sum(batch for batch, _, _ in stack), stack[0][1], stack[0][2]) for stack in stacks]
 
 
 def graphs_bytes(computed: list[ComputedUnit], itemsize: int) -> int:

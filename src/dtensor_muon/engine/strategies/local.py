@@ -15,12 +15,12 @@ from collections import defaultdict
 from torch import Tensor
 
 from ...distributed.layout import Box, local, relative_slices, stacked_box
-from ...kernels.batching import units_per_stack
+from ...kernels.batching import group_into_stacks, units_per_stack
 from ...plan import MatrixSpec
 from ...plan.placement import Local
 from ..context import Entry, MeshWork, StepContext
 from ..pending import BackExchange
-from ..stacks import group_into_stacks
+from ..stacks import stack_key
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
@@ -43,12 +43,12 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
         return [plan.routes[i].spec for i in members]
 
     def one_view(stack: list[list[int]], members: list[int]) -> bool:  # the stack and the unit: one run of experts
-        boxes = [spec.box for unit in (*stack, members) for spec in specs_of(unit)]
-        return specs_of(stack[0])[0].param_index == specs_of(members)[0].param_index and stacked_box(boxes) is not None
+        last, unit = specs_of(stack[-1])[-1], specs_of(members)
+        return last.param_index == unit[0].param_index and stacked_box([last.box, *(s.box for s in unit)]) is not None
 
     limit = units_per_stack(local(ctx.entries[specs_of(units[0])[0].param_index].param).device)
     with ctx.timer.phase("local_compute"):
-        for stack in group_into_stacks(ctx, units, specs_of, limit, one_view):
+        for stack in group_into_stacks(units, lambda members: stack_key(ctx, specs_of(members)), limit, one_view):
             specs = [spec for members in stack for spec in specs_of(members)]
             e = ctx.entries[specs[0].param_index]
             if e.index in work.fully_local:

@@ -18,12 +18,12 @@ from torch import Tensor
 
 from ...distributed.exchange import PendingExchange, start_all_to_all
 from ...distributed.layout import box_numel, box_shape, contiguous_offset, local, relative_slices
-from ...kernels.batching import units_per_stack
+from ...kernels.batching import group_into_stacks, units_per_stack
 from ...plan import MatrixRoute, MatrixSpec
 from ...plan.placement import TensorParallelGroup
 from ..context import MeshWork, StepContext
 from ..pending import BackExchange
-from ..stacks import group_into_stacks, stack_key
+from ..stacks import stack_key
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
@@ -225,7 +225,9 @@ def _compute_owned(
             if route.spec.param_index in ctx.active and route.owner == me:
                 members[route.unit].append(i)
     calls = group_into_stacks(
-        ctx, list(members.values()), lambda ids: [work.plan.routes[i].spec for i in ids], units_per_stack(device)
+        list(members.values()),
+        lambda ids: stack_key(ctx, [work.plan.routes[i].spec for i in ids]),
+        units_per_stack(device),
     )
     call_ids = [[i for ids in stack for i in ids] for stack in calls]
     buffers = [
