@@ -13,6 +13,8 @@ dispatch captures one), followed by ``:key=value`` settings applied around every
 - ``algorithm=auto|standard|gram``: the Newton–Schulz form;
 - ``backend=torch|triton|syrk``: force a backend (``syrk``: the SYRK kernels at every size);
 - ``gluon=0|1``: the warp-specialized Gluon SYRK kernel off or on;
+- ``decide=N``: the dispatch decides as for N matrices whatever the batch (``kernels.shapes.decide_as_batch``: how the
+  optimizer runs a stack of units of N matrices each);
 - ``loop=1``: a batch [B, m, n] run one matrix at a time (what the optimizer does for shapes it does not stack:
   ``--shapes 8x1024x4096 --methods graphs,graphs:loop=1`` re-measures ``kernels.batching.BATCH_MAX_NUMEL``);
 - a tuned constant by name (see TUNABLES), e.g. ``WS_MIN_WORK=2**36``, ``TURN_LEAD=0``, ``MAX_GRAPH_WORK=2**38``,
@@ -25,6 +27,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -35,6 +38,7 @@ from bench_newton_schulz import COLUMNS, QUICK_SHAPES, measure_shape, plain_torc
 from common import machine, markdown_table
 from dispatch_settings import TUNABLES, number, settings
 
+from dtensor_muon.kernels.shapes import decide_as_batch
 from dtensor_muon.linalg import ns_graphs
 from dtensor_muon.linalg.newton_schulz import newton_schulz
 
@@ -46,7 +50,7 @@ def parse_method(spec: str) -> Callable[[Tensor], Tensor]:
         return plain_torch
     if base not in ("ours", "graphs"):
         raise ValueError(f"{spec!r}: a method starts with torch, ours or graphs")
-    algorithm, backend, gluon, loop, constants = "auto", None, None, False, {}
+    algorithm, backend, gluon, loop, decide, constants = "auto", None, None, False, None, {}
     for item in items:
         key, _, value = item.partition("=")
         if key == "algorithm":
@@ -57,16 +61,18 @@ def parse_method(spec: str) -> Callable[[Tensor], Tensor]:
             gluon = value != "0"
         elif key == "loop":
             loop = value != "0"
+        elif key == "decide":
+            decide = int(value)
         elif key in TUNABLES:
             constants[key] = number(value)
         else:
             raise ValueError(
-                f"{spec!r}: unknown setting {key!r}; expected algorithm, backend, gluon, loop or {sorted(TUNABLES)}"
+                f"{spec!r}: unknown setting {key!r}; expected algorithm, backend, gluon, loop, decide or {sorted(TUNABLES)}"
             )
     run = ns_graphs.NewtonSchulzGraphs() if base == "graphs" else newton_schulz
 
     def call(g: Tensor) -> Tensor:
-        with settings(constants, backend, gluon):
+        with settings(constants, backend, gluon), decide_as_batch(decide) if decide else nullcontext():
             if loop and g.ndim == 3:
                 return torch.stack([run(m, algorithm=algorithm) for m in g.unbind(0)])
             return run(g, algorithm=algorithm)
