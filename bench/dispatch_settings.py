@@ -4,8 +4,9 @@
         ...  # Newton–Schulz with those constants, the SYRK kernels forced, the Gluon kernel off
 
 Names (:data:`TUNABLES`): the Gluon kernel's (``WS_MIN_WORK``, ``WS_MAX_DIM``, ``TURN_LEAD``, ``STAGES``), the
-SYRK floors (``MIN_SYRK_DIM``, ``MIN_SYRK_TILES``, ``MIN_GLUON_SYRK_DIM``, ``MIN_GLUON_SYRK_TILES``), the dispatch's
-(``MIN_GPU_BACKEND_WORK``, the Gram form's aspects and work floors) and ``MAX_GRAPH_WORK``; docs/kernels.md
+SYRK floors (``MIN_SYRK_DIM``, ``MIN_SYRK_TILES``, ``MIN_SMALL_SYRK_TILES``, ``MIN_GLUON_SYRK_DIM``,
+``MIN_GLUON_SYRK_TILES``), the dispatch's (``MIN_GPU_BACKEND_WORK``, the Gram form's aspects and work floors),
+``MAX_GRAPH_WORK`` and ``STACK_MAX_SIDE`` (which units stack); docs/kernels.md
 "Measured constants" says what each is and how it was chosen.
 """
 
@@ -15,12 +16,21 @@ import contextlib
 from collections.abc import Iterator
 from types import ModuleType
 
-from dtensor_muon.kernels import dispatch, triton_matmuls, use_backend, ws_syrk
+from dtensor_muon.kernels import batching, dispatch, triton_matmuls, use_backend, ws_syrk
 from dtensor_muon.linalg import ns_graphs
 
 TUNABLES: dict[str, ModuleType] = {
     **dict.fromkeys(("WS_MIN_WORK", "WS_MAX_DIM", "TURN_LEAD", "STAGES"), ws_syrk),
-    **dict.fromkeys(("MIN_SYRK_DIM", "MIN_SYRK_TILES", "MIN_GLUON_SYRK_DIM", "MIN_GLUON_SYRK_TILES"), triton_matmuls),
+    **dict.fromkeys(
+        (
+            "MIN_SYRK_DIM",
+            "MIN_SYRK_TILES",
+            "MIN_SMALL_SYRK_TILES",
+            "MIN_GLUON_SYRK_DIM",
+            "MIN_GLUON_SYRK_TILES",
+        ),
+        triton_matmuls,
+    ),
     **dict.fromkeys(
         (
             "MIN_GPU_BACKEND_WORK",
@@ -33,6 +43,7 @@ TUNABLES: dict[str, ModuleType] = {
         dispatch,
     ),
     "MAX_GRAPH_WORK": ns_graphs,
+    "STACK_MAX_SIDE": batching,
 }
 
 

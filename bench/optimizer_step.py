@@ -113,7 +113,7 @@ from torch.autograd import DeviceType
 
 from dtensor_muon import AttentionHeads, Muon
 from dtensor_muon.distributed.layout import box_shape
-from dtensor_muon.kernels.batching import group_into_stacks, stack_units
+from dtensor_muon.kernels.batching import group_into_stacks, stack_units, stacking_pays
 from dtensor_muon.kernels.elementwise import decay_and_add_many, momentum_steps
 from dtensor_muon.kernels.shapes import decide_as_batch
 from dtensor_muon.linalg.newton_schulz import newton_schulz
@@ -577,7 +577,8 @@ class MuonClippingHalfTheHeads(Muon):
 
 def stack_spec(text: str) -> tuple[int, dict[str, float]]:
     """``N`` or ``N:NAME=VALUE:...``: up to N units per stack, with the dispatch's constants NAME set to VALUE
-    (:data:`dispatch_settings.TUNABLES`: ``16:MIN_SYRK_DIM=512:MIN_SYRK_TILES=1`` sends 768-wide stacks to SYRK)."""
+    (:data:`dispatch_settings.TUNABLES`: ``8:STACK_MAX_SIDE=2048`` stacks 1408-wide experts too,
+    ``16:MIN_SMALL_SYRK_TILES=10**9`` keeps 768-wide ones on cuBLAS)."""
     head, *items = text.split(":")
     units = int(head)
     if units < 1:
@@ -934,14 +935,14 @@ def stacked_calls(
     units: list[tuple[tuple[int, ...], bool]], units_per_stack: int, params: list[int] | None = None
 ) -> list[tuple[tuple[int, ...], bool, int | None]]:
     """The share's units as calls with stacks of up to ``units_per_stack`` units: (call shape, owned, matrices
-    per unit when the call is a stack of several, else None). Batched units of one shape and origin stack k at a
-    time in their order, as the engine stacks an owner's units (over consecutive exchange buckets); local units
+    per unit when the call is a stack of several, else None). Batched units of one shape (where stacking pays) and
+    origin stack k at a time in their order, as the engine stacks an owner's units (over consecutive exchange buckets); local units
     stack only with those of their own parameter (``params``: each unit's parameter), as a holder's do (one run
     of experts of the shard)."""
 
     def key(i: int) -> tuple | None:
         shape, owned = units[i]
-        if len(shape) != 3:
+        if len(shape) != 3 or not stacking_pays(shape[1:]):
             return None
         return (shape, owned) if owned or params is None else (shape, owned, params[i])
 

@@ -155,3 +155,9 @@ def test_stacked_calls_keep_every_matrix_and_stack_only_like_units():
         ((24, 6, 4), True, 8),  # owned units of several parameters stack
         ((4, 6, 4), False, 2),
     ]
+    wide = [((8, 1408, 2048), True)] * 2 + [((8, 768, 2048), True)] * 2  # sides above STACK_MAX_SIDE stay alone
+    assert o.stacked_calls(wide, 4) == [
+        ((8, 1408, 2048), True, None),
+        ((8, 1408, 2048), True, None),
+        ((16, 768, 2048), True, 8),
+    ]

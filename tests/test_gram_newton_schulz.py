@@ -164,10 +164,13 @@ def test_auto_takes_the_gram_form_only_on_the_gpu_backend_for_rectangular_matric
     assert not use_gram("auto", meta(2048, 4096), TRITON_MATMULS, True)  # m×m products too small
     assert not use_gram("auto", meta(16, 1408, 2048), TRITON_MATMULS, True)
     assert not use_gram("auto", meta(4, 2048, 4096), TRITON_MATMULS, True)  # 2³⁵ on SYRK: measured slower
-    # Below the SYRK sizes the m×m products run through cuBLAS: from aspect 2 and 2³¹ multiply-adds.
+    # Below the SYRK sizes the m×m products run through cuBLAS, or on 768-wide units of 8 through the Triton
+    # kernel's small sides: from aspect 2 and 2³¹ multiply-adds.
     assert use_gram("auto", meta(8, 1024, 4096), TRITON_MATMULS, True)
     assert use_gram("auto", meta(32, 1024, 2048), TRITON_MATMULS, True)
-    assert use_gram("auto", meta(8, 768, 2048), TRITON_MATMULS, True)  # Qwen3's experts: 0.394 vs 0.480 ms
+    assert use_gram("auto", meta(8, 768, 2048), TRITON_MATMULS, True)  # Qwen3's experts on SYRK
+    assert use_gram("auto", meta(6, 768, 2048), TRITON_MATMULS, True)  # 126 tiles: on cuBLAS
+    assert not use_gram("auto", meta(8, 768, 1440), TRITON_MATMULS, True)  # aspect 1.875: below 2 on SYRK too
     assert use_gram("auto", meta(4, 1024, 4096), TRITON_MATMULS, True)  # 2³²: 0.549 vs 0.698 ms
     assert not use_gram("auto", meta(32, 1024, 1536), TRITON_MATMULS, True)  # aspect 1.5
     assert not use_gram("auto", meta(1024, 4096), TRITON_MATMULS, True)  # 2³⁰: below the floor

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dtensor_muon import MOP, Muon, NorMuon
+from dtensor_muon.kernels import batching
 from dtensor_muon.kernels.batching import MAX_STACK, stack_units, units_per_stack
 from dtensor_muon.kernels.shapes import decide_as_batch, decision_count, decision_work, gram_work
 from dtensor_muon.rules.mop import MOPRule
@@ -115,6 +116,17 @@ def test_local_runs_of_experts_stack_and_keep_each_units_bits() -> None:
     assert sorted(set(alone)) == [(4, 6, 8), (12, 8)]
     assert sorted(set(stacked)) == [(12, 8), (16, 6, 8)]
     assert len(stacked) == STEPS * (2 * 2 + 1)  # per step: 2 stacks per expert parameter, the dense matrix
+
+
+def test_units_of_matrices_wider_than_the_stack_limit_compute_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stacks form only for short sides up to STACK_MAX_SIDE (set here to 5, below the experts' 6): each unit of 4
+    experts is then its own call, as without stacks, the same bits."""
+    monkeypatch.setattr(batching, "STACK_MAX_SIDE", 5)
+    want, alone = one_process(HalvingMuon, EXPERTS, units=1)
+    got, stacked = one_process(HalvingMuon, EXPERTS, units=4)
+    for (name, _), a, b in zip(EXPERTS, got, want):
+        assert torch.equal(a, b), name
+    assert stacked == alone and set(alone) == {(4, 6, 8)}
 
 
 def test_rules_that_do_not_stack_keep_their_units() -> None:

@@ -6,7 +6,8 @@ the GPU busy alone, and stacking it gains nothing. Stack a shape only when it ha
 Chosen by measurement: docs/kernels.md "Batching small matrices" (re-measure: tools/kernels/ns_variants.py).
 
 Beyond units, the engine may compute several same-size units of one shape in one call, a *stack*
-(:mod:`dtensor_muon.engine.stacks`): up to :func:`units_per_stack` units, the dispatch deciding as for one unit
+(:mod:`dtensor_muon.engine.stacks`): up to :func:`units_per_stack` units of a shape where :func:`stacking_pays`,
+the dispatch deciding as for one unit
 (:func:`.shapes.decide_as_batch`), so that each matrix keeps the bits of its unit alone.
 """
 
@@ -25,13 +26,17 @@ MAX_BATCH = 8
 """Most matrices in one batch: the gain per matrix flattens there, and smaller units balance better across
 ranks (docs/kernels.md "Batching small matrices"; re-measure the balance: ``python -m dtensor_muon.plan``)."""
 
-MAX_STACK = 1
-"""Most units in one stack on a CUDA device; 1: each unit is its own call. Stacks pay where a stack runs
-faster than its units one after another: 128 Qwen3-30B-A3B experts (768×2048) took 1.22× the symmetric floor as
-one stack against 1.75× as units of 8, with the SYRK kernels forced (docs/kernels.md "Expert stacks"); the
-engine's stacks, which keep each unit's kernels, are yet to be measured end to end, so none is formed by default
-(measure: ``bench/optimizer_step.py --units-per-stack``). Never on CPU, where a batched matmul's bits may
-depend on its batch count."""
+MAX_STACK = 16
+"""Most units in one stack on a CUDA device (1: each unit is its own call), for the shapes where
+:func:`stacking_pays`. Measured on one H200 (docs/kernels.md "Expert stacks"): Qwen3-30B-A3B's step, 8 layers,
+199.7 ms as units of 8 experts, 195.0 ms in stacks of up to 16 units, 164.0 ms with those stacks on the SYRK
+kernels (:mod:`.triton_matmuls`, 768-wide units of 8); 4 units per stack gained less (196.9 ms). Never on CPU,
+where a batched matmul's bits may depend on its batch count."""
+
+STACK_MAX_SIDE = 1024
+"""Largest short side of a matrix whose units stack: 768-wide experts gain (above), DeepSeek-V3-16B's 1408×2048
+ones did not (its step 351.5 ms as units, 347.9 ms in stacks of 8; its busiest rank at 64 ranks 6.55 ms as
+units, 6.94 ms stacked)."""
 
 _forced_stack: list[int] = []
 
@@ -41,6 +46,11 @@ U = TypeVar("U")
 def batching_pays(shape: tuple[int, int]) -> bool:
     """Whether matrices of ``shape`` are computed in batches (see the module docstring)."""
     return shape[0] * shape[1] <= BATCH_MAX_NUMEL
+
+
+def stacking_pays(shape: tuple[int, int]) -> bool:
+    """Whether units of ``shape`` matrices stack (see :data:`STACK_MAX_SIDE`)."""
+    return min(shape) <= STACK_MAX_SIDE
 
 
 def units_per_stack(device: torch.device) -> int:

@@ -21,9 +21,14 @@ from .shapes import decision_count, decision_work
 from .torch_matmuls import TORCH_MATMULS
 
 try:
-    from .triton_matmuls import SYRK_MATMULS, TRITON_MATMULS
+    from .triton_matmuls import SYRK_MATMULS, TRITON_MATMULS, small_syrk_dim
 except ImportError:  # no triton
     SYRK_MATMULS = TRITON_MATMULS = None
+
+    def small_syrk_dim(m: int) -> bool:
+        """Without triton no SYRK kernel runs, at any side."""
+        return False
+
 
 BACKEND_NAMES = ("torch", "triton", "syrk")
 # Below it launches bound the GPU backend, and plain torch matmuls are faster.
@@ -115,7 +120,8 @@ def use_gram(algorithm: str, x: Tensor, backend: Backend, schedule_validated: bo
     form, bitwise torch.optim.Muon), for n ≥ aspect·m, where the m²n products it saves outweigh the extra
     m³ ones (:mod:`..linalg.gram`), and for m×m products large enough that the GPU, not the launches,
     sets the pace: the aspect and work floor are GRAM_MIN_ASPECT and MIN_GRAM_PRODUCT_WORK, the ``_SMALL``
-    pair for m ≤ GRAM_SMALL_DIM where the backend runs the m×m products through cuBLAS, and GRAM_MIN_ASPECT
+    pair for m ≤ GRAM_SMALL_DIM where the backend runs the m×m products through cuBLAS or the Triton SYRK kernel
+    on its small sides (:func:`.triton_matmuls.small_syrk_dim`, measured on 768-wide experts), and GRAM_MIN_ASPECT
     alone where the Gluon kernel runs them (its own floor, 2³³ multiply-adds, is the work floor).
     """
     if resolve_ns_algorithm(algorithm) != "auto":
@@ -123,10 +129,10 @@ def use_gram(algorithm: str, x: Tensor, backend: Backend, schedule_validated: bo
     if not schedule_validated or backend.name == "torch":
         return False
     m = x.size(-2)
-    if m <= GRAM_SMALL_DIM and not backend.uses_syrk(x):
-        min_aspect, min_work = GRAM_MIN_ASPECT_SMALL, MIN_GRAM_PRODUCT_WORK_SMALL
-    elif backend.uses_gluon_syrk(x):
+    if backend.uses_gluon_syrk(x):
         min_aspect, min_work = GRAM_MIN_ASPECT, 0  # the Gluon kernel's own floor (2³³) is the work floor
+    elif m <= GRAM_SMALL_DIM and (not backend.uses_syrk(x) or small_syrk_dim(m)):
+        min_aspect, min_work = GRAM_MIN_ASPECT_SMALL, MIN_GRAM_PRODUCT_WORK_SMALL
     else:
         min_aspect, min_work = GRAM_MIN_ASPECT, MIN_GRAM_PRODUCT_WORK
     return x.size(-1) >= min_aspect * m and decision_count(x) * m**3 >= min_work

@@ -42,6 +42,11 @@ MIN_SYRK_DIM = 1280
 MIN_SYRK_TILES = 264
 MIN_GLUON_SYRK_DIM = 1024
 MIN_GLUON_SYRK_TILES = 136
+# Below MIN_SYRK_DIM the Triton kernel also pays for SMALL_SYRK_DIMS[0] ≤ m < SMALL_SYRK_DIMS[1] from
+# MIN_SMALL_SYRK_TILES tiles, a unit of 8 768-wide experts: measured 0.364 against 0.388 ms for 8×768×2048 (and
+# 8×2048×768), 4.64 against 5.51 ms for a stack of 16 such units (docs/kernels.md "Expert stacks").
+SMALL_SYRK_DIMS = (768, 1024)
+MIN_SMALL_SYRK_TILES = 168
 
 
 def symmetric_kernel(
@@ -68,9 +73,20 @@ def symmetric_kernel(
 def syrk_floors_met(m: int, matrices: int, gluon: bool) -> bool:
     """Whether ``matrices`` Gram matrices m×m reach the SYRK floors of the kernel running the m×m products: the
     Gluon one (``gluon``: MIN_GLUON_SYRK_DIM, MIN_GLUON_SYRK_TILES) or the Triton one (MIN_SYRK_DIM,
-    MIN_SYRK_TILES); tiles are 128×128 on or below the diagonal."""
-    min_dim, min_tiles = (MIN_GLUON_SYRK_DIM, MIN_GLUON_SYRK_TILES) if gluon else (MIN_SYRK_DIM, MIN_SYRK_TILES)
-    return m >= min_dim and matrices * lower_tile_count(m, 128, 1) >= min_tiles
+    MIN_SYRK_TILES, or for :func:`small_syrk_dim` sides MIN_SMALL_SYRK_TILES); tiles are 128×128 on or below the
+    diagonal."""
+    tiles = matrices * lower_tile_count(m, 128, 1)
+    if gluon:
+        return m >= MIN_GLUON_SYRK_DIM and tiles >= MIN_GLUON_SYRK_TILES
+    if small_syrk_dim(m):
+        return tiles >= MIN_SMALL_SYRK_TILES
+    return m >= MIN_SYRK_DIM and tiles >= MIN_SYRK_TILES
+
+
+def small_syrk_dim(m: int) -> bool:
+    """Whether the Triton SYRK kernel's small-side floor (SMALL_SYRK_DIMS, MIN_SMALL_SYRK_TILES) holds for m."""
+    low, high = SMALL_SYRK_DIMS
+    return low <= m < high
 
 
 def syrk_pays(x: Tensor) -> bool:

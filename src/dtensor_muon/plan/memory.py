@@ -45,8 +45,9 @@ elements. Per rank r:
   ``offload_staging`` = min(S, 3·max(b, S₁)) holds their device copies: a bucket being copied in, one being
   updated, one being copied back, each at most the state bucket b (the optimizer's ``bucket_size_mb``) or one
   parameter's momentum S₁ where that is larger (AdamW's moments go in pieces of at most b); S: all of them.
-  ``host_state`` (host memory, not in the optimizer's device total) = 2·momentum (the state and its spare: a
-  step over several ranks writes the new momentum beside the old) + 2·p·Σ numel over the AdamW parameters.
+  ``host_state`` (host memory, not in the optimizer's device total) = 2·momentum over several ranks (the state
+  and its spare: such a step writes the new momentum beside the old), 1·momentum on one process, + 2·p·Σ numel
+  over the AdamW parameters.
 - ``cuda_graphs`` = Σ over the distinct call signatures (B, m, n) r computes through the owner's runner
   (not ``tp_mode="distributed"``) with B·m²·n ≤ :data:`~..linalg.ns_graphs.MAX_GRAPH_WORK` of B·ω·(3mn + 4m²):
   per captured graph its start buffer outside its private pool, and the pool, which keeps the capture's
@@ -65,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..distributed.layout import Box, ParamLayout, box_numel
-from ..kernels.batching import group_into_stacks
+from ..kernels.batching import group_into_stacks, stacking_pays
 from ..kernels.low_precision import INT8_BLOCK, MOMENTUM_DTYPES, int8_blocks
 from ..linalg.newton_schulz import resolve_ns_dtype
 from ..linalg.ns_graphs import MAX_GRAPH_WORK
@@ -289,7 +290,7 @@ def memory_per_rank(
                 ns_workspace=max((ns_workspace_bytes(b, s, ns) for b, s, _ in calls[rank]), default=0),
                 cuda_graphs=graphs_bytes(calls[rank], ns) if optimizer.cuda_graphs else 0,
                 offload_staging=staging_bytes(momenta, moments, optimizer.bucket_bytes) if optimizer.offload else 0,
-                host_state=2 * sum(momenta) + sum(moments) if optimizer.offload else 0,
+                host_state=(2 if world_size > 1 else 1) * sum(momenta) + sum(moments) if optimizer.offload else 0,
             )
         )
     return out
@@ -337,8 +338,14 @@ def units_per_rank(plan: Plan) -> list[list[ComputedUnit]]:
 
 def stacked(units: list[ComputedUnit], units_per_stack: int) -> list[ComputedUnit]:
     """The calls that make ``units``: those of B ≥ 2 matrices run through the runner, in stacks of up to
-    ``units_per_stack`` units of one (B, shape) in their order, (k·B, shape); the others alone."""
-    stacks = group_into_stacks(units, lambda unit: unit[:2] if unit[2] and unit[0] >= 2 else None, units_per_stack)
+    ``units_per_stack`` units of one (B, shape) where stacking pays, in their order, (k·B, shape); the others
+    alone."""
+
+    def key(unit: ComputedUnit) -> tuple | None:
+        batch, shape, runner = unit
+        return (batch, shape) if runner and batch >= 2 and stacking_pays(shape) else None
+
+    stacks = group_into_stacks(units, key, units_per_stack)
     return [(sum(batch for batch, _, _ in stack), stack[0][1], stack[0][2]) for stack in stacks]
 
 
