@@ -936,9 +936,9 @@ def stacked_calls(
 ) -> list[tuple[tuple[int, ...], bool, int | None]]:
     """The share's units as calls with stacks of up to ``units_per_stack`` units: (call shape, owned, matrices
     per unit when the call is a stack of several, else None). Batched units of one shape (where stacking pays) and
-    origin stack k at a time in their order, as the engine stacks an owner's units (over consecutive exchange buckets); local units
-    stack only with those of their own parameter (``params``: each unit's parameter), as a holder's do (one run
-    of experts of the shard)."""
+    origin stack k at a time in their order, as the engine stacks an owner's units (over consecutive exchange
+    buckets); local units stack only with those of their own parameter (``params``: each unit's parameter), as a
+    holder's do (one run of experts of the shard)."""
 
     def key(i: int) -> tuple | None:
         shape, owned = units[i]

@@ -108,23 +108,23 @@ def measure_every_case(rank: int, world_size: int) -> dict[str, dict[str, int]]:
     return {name: held_state(rank, world_size, *case) for name, case in CASES.items()}
 
 
-def test_offloaded_state_on_one_process_equals_the_bytes_it_holds():
-    """On one process a step keeps no spare beside the offloaded momentum: the host term counts it once."""
-    measured = run_distributed(measure_offload_cases, 1)[0]
-    for name in ("muon_int8_host", "soap_host", "muon_host"):
-        assert modelled_state(*OFFLOAD_CASES[name], 1) == [measured[name]], name
-    assert measured["muon_host"]["host_state"] > 0
+OFFLOAD_CASES = {  # on one process
+    "muon_int8_host": CASES["muon_int8_host"],
+    "soap_host": CASES["soap_host"],
+    "muon_host": ("muon", "float32", "host"),
+}
 
 
 def measure_offload_cases(rank: int, world_size: int) -> dict[str, dict[str, int]]:
     return {name: held_state(rank, world_size, *case) for name, case in OFFLOAD_CASES.items()}
 
 
-OFFLOAD_CASES = {
-    "muon_int8_host": CASES["muon_int8_host"],
-    "soap_host": CASES["soap_host"],
-    "muon_host": ("muon", "float32", "host"),
-}
+def test_offloaded_state_on_one_process_equals_the_bytes_it_holds():
+    """On one process a step keeps no spare beside the offloaded momentum: the host term counts it once."""
+    measured = run_distributed(measure_offload_cases, 1)[0]
+    for name in ("muon_int8_host", "soap_host", "muon_host"):
+        assert modelled_state(*OFFLOAD_CASES[name], 1) == [measured[name]], name
+    assert measured["muon_host"]["host_state"] > 0
 
 
 def test_state_terms_equal_the_bytes_the_optimizers_hold():

@@ -7,8 +7,8 @@ Chosen by measurement: docs/kernels.md "Batching small matrices" (re-measure: to
 
 Beyond units, the engine may compute several same-size units of one shape in one call, a *stack*
 (:mod:`dtensor_muon.engine.stacks`): up to :func:`units_per_stack` units of a shape where :func:`stacking_pays`,
-the dispatch deciding as for one unit
-(:func:`.shapes.decide_as_batch`), so that each matrix keeps the bits of its unit alone.
+the dispatch deciding as for one unit (:func:`.shapes.decide_as_batch`), so that each matrix keeps the bits of its
+unit alone.
 """
 
 from __future__ import annotations
