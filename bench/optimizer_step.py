@@ -942,7 +942,7 @@ def stacked_calls(
 
     def key(i: int) -> tuple | None:
         shape, owned = units[i]
-        if len(shape) != 3 or not stacking_pays(shape[1:]):
+        if len(shape) != 3 or not stacking_pays(shape[0], shape[1:]):
             return None
         return (shape, owned) if owned or params is None else (shape, owned, params[i])
 

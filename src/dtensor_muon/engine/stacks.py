@@ -8,8 +8,8 @@ matrix of a batch alike whatever the batch count, gives every matrix the bits of
 larger launches (docs/kernels.md "Expert stacks"). Units stack when
 
     the rule allows it for the unit (``MatrixRule.stacks_units``: Muon's and NorMuon's on the GPU backend),
-    they hold the same number B ≥ 2 of matrices of one shape, of one param group (the same settings, γ'),
-    stacks pay for that shape (``stacking_pays``: short sides up to ``STACK_MAX_SIDE``), and
+    they hold the same number B of matrices of one shape, of one param group (the same settings, γ'),
+    stacks pay for them (``stacking_pays``: B ≥ 2, short sides up to ``STACK_MAX_SIDE``), and
     at most ``units_per_stack(device)`` of them share a call (:mod:`dtensor_muon.kernels.batching`, whose
     ``group_into_stacks`` forms them in order).
 
@@ -29,7 +29,7 @@ from .context import StepContext
 def stack_key(ctx: StepContext, specs: Sequence[MatrixSpec]) -> Hashable | None:
     """What units must share to stack (see the module docstring), None for a unit that computes alone."""
     first = specs[0]
-    if len(specs) < 2 or first.parts > 1 or not stacking_pays(first.shape):
+    if first.parts > 1 or not stacking_pays(len(specs), first.shape):
         return None
     e = ctx.entries[first.param_index]
     if not ctx.rule.stacks_units(e.group, first.shape, len(specs), local(e.param).device):

@@ -6,7 +6,7 @@ the GPU busy alone, and stacking it gains nothing. Stack a shape only when it ha
 Chosen by measurement: docs/kernels.md "Batching small matrices" (re-measure: tools/kernels/ns_variants.py).
 
 Beyond units, the engine may compute several same-size units of one shape in one call, a *stack*
-(:mod:`dtensor_muon.engine.stacks`): up to :func:`units_per_stack` units of a shape where :func:`stacking_pays`,
+(:mod:`dtensor_muon.engine.stacks`): up to :func:`units_per_stack` units where :func:`stacking_pays`,
 the dispatch deciding as for one unit (:func:`.shapes.decide_as_batch`), so that each matrix keeps the bits of its
 unit alone.
 """
@@ -48,9 +48,10 @@ def batching_pays(shape: tuple[int, int]) -> bool:
     return shape[0] * shape[1] <= BATCH_MAX_NUMEL
 
 
-def stacking_pays(shape: tuple[int, int]) -> bool:
-    """Whether units of ``shape`` matrices stack (see :data:`STACK_MAX_SIDE`)."""
-    return min(shape) <= STACK_MAX_SIDE
+def stacking_pays(matrices: int, shape: tuple[int, int]) -> bool:
+    """Whether units of ``matrices`` matrices of ``shape`` stack: at least 2 matrices (a matrix alone and a batch
+    of one may take different kernels) with a short side of at most :data:`STACK_MAX_SIDE`."""
+    return matrices >= 2 and min(shape) <= STACK_MAX_SIDE
 
 
 def units_per_stack(device: torch.device) -> int:

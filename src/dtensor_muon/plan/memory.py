@@ -343,7 +343,7 @@ def stacked(units: list[ComputedUnit], units_per_stack: int) -> list[ComputedUni
 
     def key(unit: ComputedUnit) -> tuple | None:
         batch, shape, runner = unit
-        return (batch, shape) if runner and batch >= 2 and stacking_pays(shape) else None
+        return (batch, shape) if runner and stacking_pays(batch, shape) else None
 
     stacks = group_into_stacks(units, key, units_per_stack)
     return [(sum(batch for batch, _, _ in stack), stack[0][1], stack[0][2]) for stack in stacks]

@@ -19,7 +19,7 @@ from torch import Tensor
 from ...distributed.exchange import PendingExchange, start_all_to_all
 from ...distributed.layout import box_numel, box_shape, contiguous_offset, local, relative_slices
 from ...kernels.batching import group_into_stacks, units_per_stack
-from ...plan import MatrixRoute, MatrixSpec
+from ...plan import MatrixRoute
 from ...plan.placement import TensorParallelGroup
 from ..context import MeshWork, StepContext
 from ..pending import BackExchange
@@ -139,21 +139,29 @@ def computed_together(ctx: StepContext, work: MeshWork, buckets: list[list[int]]
     limit = units_per_stack(local(work.entries[0].param).device)
     if limit <= 1:
         return None
-    me = work.comm.mesh_rank
     groups: list[list[int]] = [[]]
     stacking = 0
     for k, bucket in enumerate(buckets):
-        units: dict[int, list[MatrixSpec]] = defaultdict(list)
-        for i in bucket:
-            route = work.plan.routes[i]
-            if route.spec.param_index in ctx.active and route.owner == me:
-                units[route.unit].append(route.spec)
+        units = owned_units(ctx, work, [bucket])
         groups[-1].append(k)
-        stacking += sum(stack_key(ctx, specs) is not None for specs in units.values())
+        stacking += sum(stack_key(ctx, [work.plan.routes[i].spec for i in ids]) is not None for ids in units)
         if stacking >= limit and k + 1 < len(buckets):
             groups.append([])
             stacking = 0
     return groups
+
+
+def owned_units(ctx: StepContext, work: MeshWork, buckets: list[list[int]]) -> list[list[int]]:
+    """The route indices of each unit of ``buckets`` this rank owns and whose parameter takes part in this step,
+    units in the order of their first route."""
+    me = work.comm.mesh_rank
+    members: dict[int, list[int]] = defaultdict(list)
+    for bucket in buckets:
+        for i in bucket:
+            route = work.plan.routes[i]
+            if route.spec.param_index in ctx.active and route.owner == me:
+                members[route.unit].append(i)
+    return list(members.values())
 
 
 def active_routes(ctx: StepContext, work: MeshWork, bucket: list[int]) -> list[MatrixRoute]:
@@ -217,15 +225,8 @@ def _compute_owned(
     """Assemble each owned unit of ``buckets``, or stack of units (:mod:`..stacks`), from its pieces (``receiveds``:
     per bucket, what each source sent) into one ``[B, m, n]`` buffer, compute it; O per ``id(route)``, in the
     box's shape (views of the call's output)."""
-    me = work.comm.mesh_rank
-    members: dict[int, list[int]] = defaultdict(list)
-    for bucket in buckets:
-        for i in bucket:
-            route = work.plan.routes[i]
-            if route.spec.param_index in ctx.active and route.owner == me:
-                members[route.unit].append(i)
     calls = group_into_stacks(
-        list(members.values()),
+        owned_units(ctx, work, buckets),
         lambda ids: stack_key(ctx, [work.plan.routes[i].spec for i in ids]),
         units_per_stack(device),
     )
