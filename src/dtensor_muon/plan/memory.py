@@ -36,9 +36,10 @@ elements. Per rank r:
   bucket's send buffer once it is waited for).
 - ``ns_workspace`` = max over the calls r makes of B·ω·(2mn + 4m²), ω the Newton–Schulz working dtype's
   bytes (a call: a unit of B matrices, or with stacks, :mod:`..engine.stacks`, up to ``units_per_stack``
-  same-size units of one shape, B their matrices together; counted as if every such unit of r joined a stack,
-  an upper bound where a holder's local units stack only within one run of experts): the start X₀ and the current X, and the m×m matrices of the Gram form (R, Z, Q and a product; the
-  standard form needs two: X·Xᵀ and b·A + c·A·A). 0 for a rule that runs no Newton–Schulz (MOP's SVD and
+  same-size units of one shape where stacking pays, B their matrices together; counted as if every such unit of
+  r joined a stack, an upper bound where a holder's local units stack only within one run of experts): the start
+  X₀ and the current X, and the m×m matrices of the Gram form (R, Z, Q and a product; the standard form needs
+  two: X·Xᵀ and b·A + c·A·A). 0 for a rule that runs no Newton–Schulz (MOP's SVD and
   SOAP's products: their direction workspace is not modelled).
 - with ``offload="host"`` (:mod:`..engine.offload`) the momentum and AdamW's moments leave the device:
   ``shard_state`` keeps only the scalars s and ``adamw_state`` only the steps, and

@@ -24,11 +24,11 @@ planned GFLOP per step (max and mean: the rule's cost, Newton–Schulz's FLOPs f
 Muon, SOAP's operations as TF32-product FLOPs), the imbalance max/mean, the busiest rank over the plan's lower
 bound (:attr:`.Plan.lower_bound`, 1.000: no assignment of these units does better) and over max(mean load,
 costliest unit), bytes sent and received per rank per step (max), the all-to-alls per step (one out and one
-back per bucket of ``--bucket-mb`` of whole matrices: each rank's share of a bucket shrinks as 1/W, so at large W
-many small all-to-alls, latency-bound, carry the step; raise ``--bucket-mb`` there), and the estimated time of the
-busiest rank at the given TFLOP/s and GB/s (bandwidth only: no per-collective latency); then the optimizer's memory per rank (:mod:`.memory`, each term's maximum over
-the ranks in GiB, the largest total of one rank, and that total with the rank's float32 parameters and
-gradients).
+back per bucket of ``--bucket-mb`` of whole matrices: each rank's share of a bucket shrinks as 1/W, so at large
+W many small all-to-alls, latency-bound, carry the step; raise ``--bucket-mb`` there), and the estimated time of
+the busiest rank at the given TFLOP/s and GB/s (bandwidth only: no per-collective latency); then the optimizer's
+memory per rank (:mod:`.memory`, each term's maximum over the ranks in GiB, the largest total of one rank, and
+that total with the rank's float32 parameters and gradients).
 """
 
 from __future__ import annotations
