@@ -36,7 +36,7 @@ the same seeds, and each optimizer's state is freed before the next. Optimizers:
 - with ``--units-per-stack N ...``: ``dtensor_muon.Muon`` computing up to N same-size units of one shape in one
   Newton–Schulz call (``dtensor_muon.kernels.batching.stack_units``), one row per N; ``N:NAME=VALUE`` also sets
   a constant of the dispatch around its steps (``bench/dispatch_settings.py``), e.g.
-  ``16:MIN_SYRK_DIM=512:MIN_SYRK_TILES=1`` for the SYRK kernels on 768-wide stacks;
+  ``8:STACK_MAX_SIDE=2048`` to stack 1408-wide experts too;
 - with ``--offload``: ``dtensor_muon.Muon(..., offload="host")`` (momentum and AdamW moments in pinned host
   memory, streamed through the GPU each step), and on CUDA the card's pinned copy rates (host to device,
   device to host, both at once on two streams: :func:`copy_rates`) with the bytes the offload moves each way.
