@@ -346,10 +346,13 @@ def train(
     deadline: float = math.inf,
     config: ModelConfig | None = None,
     after_step: Callable[[torch.optim.Optimizer], None] | None = None,
+    progress_every: int = 0,
 ) -> dict | None:
-    """Train one run; its record (curves, final losses, time), or None when the deadline came first. ``config``
-    replaces the model's (:data:`MODELS`, :data:`QUICK_MODELS` with ``quick``); ``after_step`` is called with
-    the optimizer after each step (other benches use it to probe the optimizer's state)."""
+    """Train one run; its record (curves, final losses, time), or None when the deadline came first (the step
+    reached, its rate and the last held-out loss then go to stderr). ``config`` replaces the model's
+    (:data:`MODELS`, :data:`QUICK_MODELS` with ``quick``); ``after_step`` is called with the optimizer after each
+    step (other benches use it to probe the optimizer's state); ``progress_every`` > 0 prints the step and its
+    rate to stderr every that many steps."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(2)
     data = torch.load(TOKENS)
@@ -376,6 +379,13 @@ def train(
     start = time.perf_counter()
     for step in range(run.steps):
         if time.time() > deadline:
+            rate = (time.perf_counter() - start) / max(1, step)
+            print(
+                f"{run.name}: stopped by the deadline at step {step} of {run.steps} ({rate:.2f} s a step), "
+                f"held-out loss {val_curve[-1][1]:.4f} at step {val_curve[-1][0]}",
+                file=sys.stderr,
+                flush=True,
+            )
             return None
         x, y = batch(train_stream, step, run.batch, c.seq, salt=1)
         with autocast:
@@ -391,6 +401,9 @@ def train(
         train_curve.append(loss.detach())
         if (step + 1) % eval_every == 0 or step + 1 == run.steps:
             val_curve.append((step + 1, validate()))
+        if progress_every and (step + 1) % progress_every == 0:
+            rate = (time.perf_counter() - start) / (step + 1)
+            print(f"{run.name}: step {step + 1} of {run.steps}, {rate:.2f} s a step", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - start
     train_losses = [float(v) for v in torch.stack(train_curve).cpu()]
     return {
@@ -419,7 +432,7 @@ def _worker(run: Run, quick: bool, deadline: float, min_run_s: float, results: s
     if deadline - t0 < min_run_s:  # it would not end in time: leave it to a later call
         return run.name, None, 0.0
     try:
-        record = train(run, quick, deadline)
+        record = train(run, quick, deadline, progress_every=100)
     except Exception as error:  # a failed run is reported, and the others go on
         print(f"{run.name}: failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         return run.name, None, time.time() - t0
