@@ -32,15 +32,17 @@ AdamW at the same lr; weight decay 0.1; AdamW's β = (0.9, 0.95), ε = 1e-8 ever
   (``momentum_dtype``); ``SOAP-cholqr`` / ``KLSOAP-cholqr`` (``basis="cholqr"``: each unit of expert matrices
   refreshed in one batched pass, where the default ``"qr"`` refreshes one matrix at a time).
 
-Phases: ``sweep`` (seed 0, every optimizer at lr 3e-4, 1e-3, 3e-3, 1e-2: half-decades), ``seeds`` (seeds 1
-and 2 at each optimizer's best sweep lr), ``extras`` (on the MoE at Muon's best lr: the router on AdamW and
-the momentum formats, 3 seeds; the global batch doubled with the same lr and with ``batch_scaled_lr``'s
-lr·√2, 1 seed); ``list:moe/Muon/0.001/0,dense/AdamW/0.0003/1/32,...`` names runs one by one (model,
-optimizer, lr, seed, and optionally the batch). Each run writes ``<results>/<name>.json`` as it ends, and a run whose file exists is not run
-again, so a phase can continue in a later call. ``--deadline-s`` stops starting runs that would not end in
-time. ``report`` reads the files: per model and optimizer the best lr, the final validation loss over the
-seeds (mean and spread), and the steps to reach AdamW's final validation loss (the fraction of AdamW's
-compute), and draws the curves.
+Phases: ``sweep`` (seed 0, every optimizer at lr 3e-4, 1e-3, 3e-3, 1e-2: half-decades), ``seeds`` (seeds 1 and 2
+at each optimizer's best sweep lr), ``extras`` (on the MoE at Muon's best lr: the router on AdamW and the
+momentum formats, 3 seeds; the global batch doubled with the same lr and with ``batch_scaled_lr``'s lr·√2, 1
+seed); ``list:moe/Muon/0.001/0,dense/AdamW/0.0003/1/32,...`` names runs one by one (model, optimizer, lr, seed,
+and optionally the batch). Each run writes ``<results>/<name>.json`` as it ends, and a run whose file exists is
+not run again, so a phase can continue in a later call. ``--deadline-s`` stops the runs still going at that
+time; with ``--state-dir`` each saves its state there, and a later call with the same ``--state-dir`` continues
+it from the step it reached (a run longer than one call's time limit then spans several calls on the same
+machine). ``report`` reads the files: per model and optimizer the best lr, the final validation loss over the
+seeds (mean and spread), and the steps to reach AdamW's final validation loss (the fraction of AdamW's compute),
+and draws the curves.
 """
 
 from __future__ import annotations
@@ -347,15 +349,22 @@ def train(
     config: ModelConfig | None = None,
     after_step: Callable[[torch.optim.Optimizer], None] | None = None,
     progress_every: int = 0,
+    state_dir: Path | None = None,
+    until_step: int | None = None,
+    tokens: Path = TOKENS,
 ) -> dict | None:
-    """Train one run; its record (curves, final losses, time), or None when the deadline came first (the step
-    reached, its rate and the last held-out loss then go to stderr). ``config`` replaces the model's
-    (:data:`MODELS`, :data:`QUICK_MODELS` with ``quick``); ``after_step`` is called with the optimizer after each
-    step (other benches use it to probe the optimizer's state); ``progress_every`` > 0 prints the step and its
-    rate to stderr every that many steps."""
+    """Train one run; its record (curves, final losses, time), or None when it stopped first: at the deadline, or
+    at step ``until_step`` (the step reached, its rate and the last held-out loss then go to stderr).
+
+    ``config`` replaces the model's (:data:`MODELS`, :data:`QUICK_MODELS` with ``quick``); ``after_step`` is
+    called with the optimizer after each step (other benches use it to probe the optimizer's state);
+    ``progress_every`` > 0 prints the step and its rate to stderr every that many steps. With ``state_dir``, a
+    run that stops saves its model, optimizer, schedule and curves to ``<state_dir>/<name>.pt``, and a run that
+    finds that file continues from it: the finished record equals an uninterrupted run's (every batch is a
+    function of its step, and nothing else draws random numbers). ``tokens``: the file :func:`tokenize` writes."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(2)
-    data = torch.load(TOKENS)
+    data = torch.load(tokens)
     c = replace(config or (QUICK_MODELS if quick else MODELS)[run.model], vocab=int(data["vocab"]))
     train_stream, val_stream = data["train"].to(device), data["val"].to(device)
     torch.manual_seed(run.seed)
@@ -375,14 +384,39 @@ def train(
         model.train()
         return float(torch.stack(losses).mean())
 
-    train_curve, val_curve = [], [(0, validate())]
+    state_file = None if state_dir is None else Path(state_dir) / f"{run.name}.pt"
+    first, earlier_s, train_curve = 0, 0.0, []
+    if state_file is not None and state_file.exists():
+        saved = torch.load(state_file, map_location=device, weights_only=False)  # written by this function
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        first, earlier_s, val_curve = saved["step"], saved["seconds"], saved["val"]
+        train_curve = [torch.tensor(v, device=device) for v in saved["train"]]
+        print(f"{run.name}: continues from step {first}", file=sys.stderr, flush=True)
+    else:
+        val_curve = [(0, validate())]
     start = time.perf_counter()
-    for step in range(run.steps):
-        if time.time() > deadline:
-            rate = (time.perf_counter() - start) / max(1, step)
+    for step in range(first, run.steps):
+        if time.time() > deadline or step == until_step:
+            rate = (time.perf_counter() - start) / max(1, step - first)
+            saved_to = ""
+            if state_file is not None:
+                state_file.parent.mkdir(parents=True, exist_ok=True)
+                state = {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "step": step,
+                    "seconds": earlier_s + time.perf_counter() - start,
+                    "val": val_curve,
+                    "train": [float(v) for v in train_curve],
+                }
+                torch.save(state, state_file)
+                saved_to = f"; saved to {state_file}"
             print(
-                f"{run.name}: stopped by the deadline at step {step} of {run.steps} ({rate:.2f} s a step), "
-                f"held-out loss {val_curve[-1][1]:.4f} at step {val_curve[-1][0]}",
+                f"{run.name}: stopped at step {step} of {run.steps} ({rate:.2f} s a step), "
+                f"held-out loss {val_curve[-1][1]:.4f} at step {val_curve[-1][0]}{saved_to}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -402,9 +436,11 @@ def train(
         if (step + 1) % eval_every == 0 or step + 1 == run.steps:
             val_curve.append((step + 1, validate()))
         if progress_every and (step + 1) % progress_every == 0:
-            rate = (time.perf_counter() - start) / (step + 1)
+            rate = (time.perf_counter() - start) / (step + 1 - first)
             print(f"{run.name}: step {step + 1} of {run.steps}, {rate:.2f} s a step", file=sys.stderr, flush=True)
-    seconds = time.perf_counter() - start
+    seconds = earlier_s + time.perf_counter() - start
+    if state_file is not None:
+        state_file.unlink(missing_ok=True)
     train_losses = [float(v) for v in torch.stack(train_curve).cpu()]
     return {
         **asdict(run),
@@ -426,13 +462,15 @@ def in_processes(fn: Callable[..., R], jobs: list[tuple], workers: int) -> list[
         return [f.result() for f in [pool.submit(fn, *job) for job in jobs]]
 
 
-def _worker(run: Run, quick: bool, deadline: float, min_run_s: float, results: str) -> tuple[str, float | None, float]:
+def _worker(
+    run: Run, quick: bool, deadline: float, min_run_s: float, results: str, state_dir: str | None
+) -> tuple[str, float | None, float]:
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     t0 = time.time()
     if deadline - t0 < min_run_s:  # it would not end in time: leave it to a later call
         return run.name, None, 0.0
     try:
-        record = train(run, quick, deadline, progress_every=100)
+        record = train(run, quick, deadline, progress_every=100, state_dir=state_dir and Path(state_dir))
     except Exception as error:  # a failed run is reported, and the others go on
         print(f"{run.name}: failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         return run.name, None, time.time() - t0
@@ -518,7 +556,10 @@ def run_phases(args: argparse.Namespace) -> None:
             runs = [r for r in runs if r.optimizer in args.optimizers]
         print(f"phase {phase}: {len(runs)} runs to do", flush=True)
         with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-            futures = [pool.submit(_worker, r, args.quick, deadline, args.min_run_s, str(results)) for r in runs]
+            futures = [
+                pool.submit(_worker, r, args.quick, deadline, args.min_run_s, str(results), args.state_dir)
+                for r in runs
+            ]
             for future in as_completed(futures):
                 name, final, seconds = future.result()
                 status = f"{final:.4f}" if final is not None else "not finished"
@@ -669,6 +710,11 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--deadline-s", type=float, default=math.inf, help="start no run after this many s")
     run_parser.add_argument("--min-run-s", type=float, default=0.0, help="start no run with less time left")
     run_parser.add_argument("--lrs", nargs="+", type=float, default=list(SWEEP_LRS), help="the sweep's lrs")
+    run_parser.add_argument(
+        "--state-dir",
+        default=None,
+        help="runs stopped by the deadline save their state here; later calls continue them",
+    )
     run_parser.add_argument(
         "--quick", action="store_true", help="tiny models, 6 steps, the sweep at 1e-2 only: a smoke run"
     )
