@@ -23,15 +23,19 @@ BATCH_MAX_NUMEL = 2048 * 7168
 """Largest matrix (elements) that is stacked with others of its shape (Kimi K2's 2048×7168 experts)."""
 
 MAX_BATCH = 8
-"""Most matrices in one batch: the gain per matrix flattens there, and smaller units balance better across
-ranks (docs/kernels.md "Batching small matrices"; re-measure the balance: ``python -m dtensor_muon.plan``)."""
+"""Most matrices in one batch (a unit of the plan): the gain per matrix flattens there, and smaller units balance
+better across ranks (docs/kernels.md "Batching small matrices"). The busiest rank's planned Newton–Schulz FLOPs
+over the mean, at 8 / 64 / 256 ranks with these units: Qwen3-30B-A3B 1.000 / 1.000 / 1.029 under FSDP and
+1.000 / 1.004 / 1.034 with EP 8; DeepSeek-V3-16B 1.000 / 1.017 / 1.136 and 1.000 / 1.019 / 1.146 (re-measure:
+``python -m dtensor_muon.plan --model qwen3:30B-A3B --world-size 8 64 256 [--ep 8]``)."""
 
 MAX_STACK = 16
 """Most units in one stack on a CUDA device (1: each unit is its own call), for the shapes where
 :func:`stacking_pays`. Measured on one H200 (docs/kernels.md "Expert stacks"): Qwen3-30B-A3B's step, 8 layers,
 199.7 ms as units of 8 experts, 195.0 ms in stacks of up to 16 units, 164.0 ms with those stacks on the SYRK
-kernels (:mod:`.triton_matmuls`, 768-wide units of 8); 4 units per stack gained less (196.9 ms). Never on CPU,
-where a batched matmul's bits may depend on its batch count."""
+kernels (:mod:`.triton_matmuls`, 768-wide units of 8); 4 units per stack gained less (196.9 ms). A stack only
+groups units that one owner already computes, so the plan and its balance (:data:`MAX_BATCH`) do not change.
+Never on CPU, where a batched matmul's bits may depend on its batch count."""
 
 STACK_MAX_SIDE = 1024
 """Largest short side of a matrix whose units stack: 768-wide experts gain (above), DeepSeek-V3-16B's 1408×2048
