@@ -72,7 +72,7 @@ test-avx2: $(STAMP)
 # GPUs, NCCL) is skipped with a reason that says so: -rs lists them.
 test-gpu: $(STAMP)
 	@$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch sees no CUDA GPU here (make test runs the CPU suite)')"
-	$(PY) -m pytest -q -rs tests $$($(PY) -c "import xdist" 2>/dev/null && echo "-n 8")
+	$(PY) -m pytest -q -rs tests $$($(PY) -c "import xdist, torch; print('-n', max(1, min(8, torch.cuda.get_device_properties(0).total_memory // 2**34)))" 2>/dev/null)
 
 # ruff: lint rules and formatting as configured in pyproject.toml (CI runs this before the tests).
 lint: $(STAMP)
