@@ -248,18 +248,22 @@ def test_a_tensor_parallel_rank_hands_over_its_heads_at_their_global_positions()
 
 def test_no_maxima_are_recorded_from_a_pipeline_stages_metadata_inference_forward(monkeypatch):
     """torch's PipelineStage runs a stage once on uninitialized tensors to learn its shapes: a hook called inside
-    that forward records nothing, nor one handed maxima on the meta device; real forwards record."""
+    that forward records nothing, nor one handed maxima on the meta device (where a torch without the
+    ``_forward_metadata_inference`` method runs its shape inference); real forwards record."""
     from torch.distributed.pipelining.stage import PipelineStage
 
     recorded = []
     record = None
+    metadata_forward = hasattr(PipelineStage, "_forward_metadata_inference")
 
     def metadata_inference(stage):
         record("layer", torch.full((2,), math.nan))  # what attention over uninitialized memory may give
 
-    monkeypatch.setattr(PipelineStage, "_forward_metadata_inference", metadata_inference)
+    if metadata_forward:
+        monkeypatch.setattr(PipelineStage, "_forward_metadata_inference", metadata_inference)
     record = qk_clip.real_forwards_only(lambda layer, maxima: recorded.append(maxima))
-    PipelineStage._forward_metadata_inference(None)
+    if metadata_forward:
+        PipelineStage._forward_metadata_inference(None)
     record("layer", torch.zeros(2, device="meta"))
     assert recorded == [] and qk_clip._metadata_forwards == 0
     record("layer", torch.ones(2))
