@@ -707,7 +707,9 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--models", nargs="+", default=list(MODELS))
     run_parser.add_argument("--optimizers", nargs="*", default=[])
     run_parser.add_argument("--workers", type=int, default=6)
-    run_parser.add_argument("--deadline-s", type=float, default=math.inf, help="start no run after this many s")
+    run_parser.add_argument(
+        "--deadline-s", type=float, default=math.inf, help="stop the runs still going after this many s"
+    )
     run_parser.add_argument("--min-run-s", type=float, default=0.0, help="start no run with less time left")
     run_parser.add_argument("--lrs", nargs="+", type=float, default=list(SWEEP_LRS), help="the sweep's lrs")
     run_parser.add_argument(
