@@ -470,7 +470,7 @@ def _worker(
     if deadline - t0 < min_run_s:  # it would not end in time: leave it to a later call
         return run.name, None, 0.0
     try:
-        record = train(run, quick, deadline, progress_every=100, state_dir=state_dir and Path(state_dir))
+        record = train(run, quick, deadline, progress_every=100, state_dir=Path(state_dir) if state_dir else None)
     except Exception as error:  # a failed run is reported, and the others go on
         print(f"{run.name}: failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         return run.name, None, time.time() - t0
