@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -201,7 +202,7 @@ def kl_inverse(k: Tensor, q: Tensor, eps: float, other_side: int) -> tuple[Tenso
     """(Q·diag(1/(other_side·max(d, ε)))·Qᵀ, d) with d = diag(Qᵀ·K·Q): KL-Shampoo's scaled inverse factor."""
     d = rayleigh_diag(k, q)
     scale = 1.0 / (other_side * d.clamp_min(eps))
-    return (q * scale) @ q.mT, d
+    return (q * scale.unsqueeze(-2)) @ q.mT, d
 
 
 def shampoo_beta_at(group: Group, t: int) -> float:
@@ -210,6 +211,49 @@ def shampoo_beta_at(group: Group, t: int) -> float:
     if group["correct_shampoo_beta_bias"]:
         return 1 - (1 - beta) / (1 - beta**t)
     return beta
+
+
+FACTOR_KEYS = ("L", "R", "eig_L", "eig_R")
+"""The owner-state entries :meth:`SOAPRule.update_factors` writes (with ``kl`` it also reads :data:`BASIS_KEYS`)."""
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+"""The owner-state entries :meth:`SOAPRule.adam_in_basis` writes (it also reads :data:`BASIS_KEYS`)."""
+BASIS_KEYS = ("Q_L", "Q_R")
+
+
+def chunks(items: list[int], size: int) -> list[list[int]]:
+    """``items`` in consecutive runs of at most ``size``."""
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def stacked_rows(x: Tensor, rows: list[int]) -> Tensor:
+    """``x[rows]`` for a [B, m, n] batch: the one matrix ([m, n]) for one row, the whole batch uncopied for all."""
+    if len(rows) == 1:
+        return x[rows[0]]
+    return x if len(rows) == x.shape[0] else x[rows]
+
+
+@contextmanager
+def joint_states(
+    states: list[dict[str, Tensor]], writes: tuple[str, ...], reads: tuple[str, ...] = ()
+) -> Iterator[dict[str, Tensor]]:
+    """One state dict for matrices that take the same step: the one matrix's own state, or the entries of
+    ``writes`` and ``reads`` that the states hold, stacked to [B, …] (copies), those of ``writes`` copied back
+    into every matrix's entry on leaving."""
+    if len(states) == 1:
+        yield states[0]
+        return
+    joint = {k: torch.stack([s[k] for s in states]) for k in (*writes, *reads) if k in states[0]}
+    yield joint
+    for k in writes:
+        if k in joint:
+            torch._foreach_copy_([s[k] for s in states], list(joint[k].unbind(0)))
+
+
+def matrix_rms(x: Tensor) -> Tensor:
+    """√mean(X²) of a matrix, or of each matrix of a [B, m, n] batch (shape [B, 1, 1])."""
+    if x.dim() == 2:
+        return x.square().mean().sqrt()
+    return x.square().mean(dim=(-2, -1), keepdim=True).sqrt()
 
 
 class SOAPRule(MatrixRule):
@@ -309,24 +353,48 @@ class SOAPRule(MatrixRule):
         """The module formula's steps 1–3 on one matrix (``u`` [m, n]) or a unit of them ([B, m, n], one state
         each; basis="cholqr" only): :meth:`update_factors`, :meth:`refresh_bases` on the steps
         :meth:`refreshes_at` names, :meth:`adam_in_basis` (at Adam's step τ; with ``skip_first_update`` a zero
-        update on the matrix's step 1); then each matrix's step count advances. Everything is per matrix (the
-        cholqr refresh batches the same-size factors of the unit, each computed as alone), on its owner, from
-        the owner state's ``step``: the same at every world size."""
-        grads = [u.to(torch.float32)] if u.dim() == 2 else list(u.to(torch.float32).unbind(0))
-        steps = [int(s["step"].item()) + 1 for s in owner_states]
-        for g, s, t in zip(grads, owner_states, steps):
-            self.update_factors(g, s, group, t)
+        update on the matrix's step 1); then each matrix's step count advances. Everything is per matrix, on its
+        owner, from the owner state's ``step``: the same at every world size. A unit's matrices at the same step
+        run as one batch (:func:`joint_states`: their states stacked, each product a batched one, and written
+        back), so a unit of B experts takes the launches of one matrix rather than B times them; the cholqr
+        refresh batches the same-size factors of the unit."""
+        grads = u.to(torch.float32)
+        grads = grads[None] if u.dim() == 2 else grads
+        steps = [int(t) + 1 for t in torch.stack([s["step"] for s in owner_states]).tolist()]  # one sync
+        cohorts: dict[int, list[int]] = {}
+        for i, t in enumerate(steps):
+            cohorts.setdefault(t, []).append(i)
+        cohorts_in_chunks = [
+            (t, chunk)
+            for t, members in cohorts.items()
+            for chunk in chunks(members, max(1, LARGE_BATCH_ENTRIES // max(owner_states[0]["exp_avg"].numel(), 1)))
+        ]
+        for t, chunk in cohorts_in_chunks:
+            states = [owner_states[i] for i in chunk]
+            with joint_states(states, FACTOR_KEYS, BASIS_KEYS if group["kl"] else ()) as joint:
+                self.update_factors(stacked_rows(grads, chunk), joint, group, t)
         refreshing = [(s, t) for s, t in zip(owner_states, steps) if self.refreshes_at(group, t)]
         if refreshing:
             self.refresh_bases([s for s, _ in refreshing], group, [t for _, t in refreshing])
-        updates = []
-        for g, s, t in zip(grads, owner_states, steps):
-            if group["skip_first_update"]:  # step 1 builds the factors and basis only; Adam counts from step 2
-                updates.append(torch.zeros_like(g) if t == 1 else self.adam_in_basis(g, s, group, t - 1))
+        pieces = []
+        for t, chunk in cohorts_in_chunks:
+            states = [owner_states[i] for i in chunk]
+            if group["skip_first_update"] and t == 1:  # step 1 builds the factors and basis only
+                update = torch.zeros_like(stacked_rows(grads, chunk))
             else:
-                updates.append(self.adam_in_basis(g, s, group, t))
-            s["step"].add_(1)
-        return updates[0] if u.dim() == 2 else torch.stack(updates)
+                tau = t - 1 if group["skip_first_update"] else t  # Adam counts from step 2 under the skip
+                with joint_states(states, MOMENT_KEYS, BASIS_KEYS) as joint:
+                    update = self.adam_in_basis(stacked_rows(grads, chunk), joint, group, tau)
+            pieces.append((chunk, update))
+        torch._foreach_add_([s["step"] for s in owner_states], 1)
+        if u.dim() == 2:
+            return pieces[0][1]
+        if len(pieces) == 1 and pieces[0][1].dim() == 3:
+            return pieces[0][1]
+        updates = torch.empty_like(grads)
+        for chunk, update in pieces:
+            updates[chunk] = update
+        return updates
 
     @staticmethod
     def refreshes_at(group: Group, t: int) -> bool:
@@ -334,8 +402,9 @@ class SOAPRule(MatrixRule):
         return (t - 1) % group["precondition_frequency"] == 0
 
     def update_factors(self, g: Tensor, s: dict[str, Tensor], group: Group, t: int) -> None:
-        """Step 1: the factors L, R (KL-Shampoo's with ``kl``) take step t's float32 gradient ``g``, in place."""
-        m, n = g.shape
+        """Step 1: the factors L, R (KL-Shampoo's with ``kl``) take step t's float32 gradient ``g``, in place: one
+        matrix ([m, n], its state) or a batch at the same step ([B, m, n], states stacked by :func:`joint_states`)."""
+        m, n = g.shape[-2:]
         left, right = "L" in s, "R" in s
         weight = 1 - shampoo_beta_at(group, t)
         if group["kl"]:
@@ -425,8 +494,10 @@ class SOAPRule(MatrixRule):
         s["exp_avg"].copy_(self._to_eigenbasis(momentum, s))
 
     def adam_in_basis(self, g: Tensor, s: dict[str, Tensor], group: Group, t: int) -> Tensor:
-        """Step 3 at Adam's step t (τ of the module formula; bias corrections 1 − βᵗ): Adam's moments take G' = Q_Lᵀ·g·Q_R (in place); returns the update O in the
-        parameter's basis, its RMS matched or clipped as the group says (the step count is not advanced)."""
+        """Step 3 at Adam's step t (τ of the module formula; bias corrections 1 − βᵗ): Adam's moments take
+        G' = Q_Lᵀ·g·Q_R (in place); returns the update O in the parameter's basis, its RMS matched or clipped as
+        the group says, per matrix (the step count is not advanced). ``g`` is one matrix or a batch at the same
+        step, as in :meth:`update_factors`."""
         beta1, beta2 = group["betas"]
         eps = group["eps"]
         projected = self._to_eigenbasis(g, s)
@@ -440,10 +511,10 @@ class SOAPRule(MatrixRule):
         update = self._to_parameter_basis(normalized, s)
         target = group["match_update_rms"]
         if target > 0:
-            update = update * (target / (update.square().mean().sqrt() + UPDATE_RMS_EPS))
+            update = update * (target / (matrix_rms(update) + UPDATE_RMS_EPS))
         max_rms = group["max_update_rms"]
         if max_rms > 0:
-            rms = update.square().mean().sqrt()
+            rms = matrix_rms(update)
             update = update * (max_rms / (rms + UPDATE_RMS_EPS)).clamp(max=1.0)
         return update
 
