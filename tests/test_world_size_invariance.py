@@ -21,7 +21,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from dtensor_muon import SOAP, Muon, NorMuon
 
 SHAPES = [("layers.0.moe.experts", (24, 12, 7)), ("layers.0.attention.wq", (64, 256))]
-OPTIONS = dict(lr=0.02, ns_dtype=torch.float32, wire_dtype=torch.float32)
+CPU_OPTIMIZERS = {
+    "Muon": (Muon, dict(lr=0.02, ns_dtype=torch.float32, wire_dtype=torch.float32)),
+    "SOAP-cholqr": (SOAP, dict(lr=0.02, basis="cholqr", precondition_frequency=2)),
+}
+"""SOAP with basis="cholqr" takes a unit's experts as one batch (factors, refresh and Adam as [B, m, n]
+products), so its units must be as fixed as Muon's; a refresh every 2 steps puts both kinds of step in 3."""
 STEPS = 3
 
 
@@ -36,12 +41,13 @@ def gradient(step: int) -> list[torch.Tensor]:
 
 
 @functools.cache
-def one_process() -> list[torch.Tensor]:
+def one_process(optimizer: str) -> list[torch.Tensor]:
     """The reference, computed once per pytest run on one thread as the gloo workers run (the test process's
     thread count is put back after)."""
+    front, options = CPU_OPTIMIZERS[optimizer]
     with one_thread():
         params = [(n, p.clone().requires_grad_()) for n, p in initial()]
-        opt = Muon(params, **OPTIONS)
+        opt = front(params, **options)
         for step in range(STEPS):
             for (_, p), g in zip(params, gradient(step)):
                 p.grad = g
@@ -49,10 +55,11 @@ def one_process() -> list[torch.Tensor]:
     return [p.detach() for _, p in params]
 
 
-def sharded(rank: int, world_size: int) -> list[torch.Tensor]:
+def sharded(rank: int, world_size: int, optimizer: str) -> list[torch.Tensor]:
+    front, options = CPU_OPTIMIZERS[optimizer]
     mesh = init_device_mesh("cpu", (world_size,))
     params = [(n, torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]))) for n, p in initial()]
-    opt = Muon(params, **OPTIONS)
+    opt = front(params, **options)
     for step in range(STEPS):
         for (_, p), g in zip(params, gradient(step)):
             p.grad = distribute_tensor(g, mesh, [Shard(0)])
@@ -61,10 +68,11 @@ def sharded(rank: int, world_size: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("optimizer", sorted(CPU_OPTIMIZERS))
 @pytest.mark.parametrize("world_size", [3, 5])
-def test_experts_equal_one_process_bitwise_at_3_and_5_ranks(world_size):
-    want = one_process()
-    got = run_distributed(sharded, world_size)[0]
+def test_experts_equal_one_process_bitwise_at_3_and_5_ranks(world_size, optimizer):
+    want = one_process(optimizer)
+    got = run_distributed(sharded, world_size, optimizer)[0]
     for (name, _), a, b in zip(SHAPES, got, want):
         assert torch.equal(a, b), f"{name}: max |Δ| {float((a - b).abs().max()):.3e} at {world_size} ranks"
 
