@@ -409,6 +409,36 @@ def test_a_batch_of_matrices_equals_each_alone(kl: bool):
     assert largest_change > 0.1  # steps 2–4 moved every matrix
 
 
+def test_a_unit_at_mixed_steps_in_batches_of_one_equals_each_alone_bitwise(monkeypatch: pytest.MonkeyPatch):
+    """A unit of 3 whose middle matrix is one step ahead (its own batch), with at most one matrix's state per
+    stacked tensor (``LARGE_BATCH_ENTRIES`` lowered): every matrix then runs alone, so the unit's updates and
+    states equal those of the matrices one at a time bit for bit, in the unit's order."""
+    from dtensor_muon.rules import soap
+
+    rule = SOAPRule()
+    group = dict(
+        betas=(0.9, 0.95), shampoo_beta=0.95, eps=1e-8, precondition_frequency=2, basis="cholqr", kl=True,
+        max_preconditioner_dim=64, correct_bias=True, correct_shampoo_beta_bias=True, max_update_rms=1.0,
+        match_update_rms=0.0, skip_first_update=True,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(51)
+    batched = [rule.init_owner_state((6, 10), group, torch.device("cpu")) for _ in range(3)]
+    alone = [rule.init_owner_state((6, 10), group, torch.device("cpu")) for _ in range(3)]
+    ahead = torch.randn(6, 10, generator=gen)
+    rule.direction(ahead, [batched[1]], group, None)
+    rule.direction(ahead, [alone[1]], group, None)
+    monkeypatch.setattr(soap, "LARGE_BATCH_ENTRIES", 100)  # fewer than one matrix's 6·10 + factors
+    for _ in range(3):
+        grads = torch.randn(3, 6, 10, generator=gen)
+        got = rule.direction(grads, batched, group, None)
+        want = torch.stack([rule.direction(g, [s], group, None) for g, s in zip(grads, alone)])
+        assert torch.equal(got, want)
+        assert want.abs().max().item() > 0.1
+    for b, a in zip(batched, alone):
+        assert all(torch.equal(b[k], a[k]) for k in a)
+    assert [int(s["step"]) for s in batched] == [3, 4, 3]
+
+
 def test_experts_batched_by_the_plan_equal_each_expert_alone():
     """16 experts of 6×10 in one [16, 6, 10] parameter: with basis="cholqr" the plan stacks them in units of 2
     (16 experts ÷ 8 units a parameter) and the engine hands each unit to the rule at once; 4 steps equal the

@@ -356,20 +356,19 @@ class SOAPRule(MatrixRule):
         update on the matrix's step 1); then each matrix's step count advances. Everything is per matrix, on its
         owner, from the owner state's ``step``: the same at every world size. A unit's matrices at the same step
         run as one batch (:func:`joint_states`: their states stacked, each product a batched one, and written
-        back), so a unit of B experts takes the launches of one matrix rather than B times them; the cholqr
-        refresh batches the same-size factors of the unit."""
+        back; at most ``LARGE_BATCH_ENTRIES`` entries per stacked tensor), so a unit of B experts takes the
+        launches of one matrix rather than B times them; the cholqr refresh batches the same-size factors of the
+        unit."""
         grads = u.to(torch.float32)
         grads = grads[None] if u.dim() == 2 else grads
         steps = [int(t) + 1 for t in torch.stack([s["step"] for s in owner_states]).tolist()]  # one sync
-        cohorts: dict[int, list[int]] = {}
+        at_step: dict[int, list[int]] = {}
         for i, t in enumerate(steps):
-            cohorts.setdefault(t, []).append(i)
-        cohorts_in_chunks = [
-            (t, chunk)
-            for t, members in cohorts.items()
-            for chunk in chunks(members, max(1, LARGE_BATCH_ENTRIES // max(owner_states[0]["exp_avg"].numel(), 1)))
-        ]
-        for t, chunk in cohorts_in_chunks:
+            at_step.setdefault(t, []).append(i)
+        largest = max(x.numel() for x in owner_states[0].values())  # all of a unit's states have one shape
+        per_batch = max(1, LARGE_BATCH_ENTRIES // largest)
+        batches = [(t, chunk) for t, members in at_step.items() for chunk in chunks(members, per_batch)]
+        for t, chunk in batches:
             states = [owner_states[i] for i in chunk]
             with joint_states(states, FACTOR_KEYS, BASIS_KEYS if group["kl"] else ()) as joint:
                 self.update_factors(stacked_rows(grads, chunk), joint, group, t)
@@ -377,7 +376,7 @@ class SOAPRule(MatrixRule):
         if refreshing:
             self.refresh_bases([s for s, _ in refreshing], group, [t for _, t in refreshing])
         pieces = []
-        for t, chunk in cohorts_in_chunks:
+        for t, chunk in batches:
             states = [owner_states[i] for i in chunk]
             if group["skip_first_update"] and t == 1:  # step 1 builds the factors and basis only
                 update = torch.zeros_like(stacked_rows(grads, chunk))
@@ -387,10 +386,8 @@ class SOAPRule(MatrixRule):
                     update = self.adam_in_basis(stacked_rows(grads, chunk), joint, group, tau)
             pieces.append((chunk, update))
         torch._foreach_add_([s["step"] for s in owner_states], 1)
-        if u.dim() == 2:
-            return pieces[0][1]
-        if len(pieces) == 1 and pieces[0][1].dim() == 3:
-            return pieces[0][1]
+        if len(pieces) == 1:
+            return pieces[0][1].reshape(u.shape)  # a batch of one matrix comes back as [1, m, n]
         updates = torch.empty_like(grads)
         for chunk, update in pieces:
             updates[chunk] = update
