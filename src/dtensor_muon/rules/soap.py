@@ -213,8 +213,10 @@ def shampoo_beta_at(group: Group, t: int) -> float:
     return beta
 
 
-FACTOR_KEYS = ("L", "R", "eig_L", "eig_R")
-"""The owner-state entries :meth:`SOAPRule.update_factors` writes (with ``kl`` it also reads :data:`BASIS_KEYS`)."""
+FACTOR_KEYS = ("L", "R")
+"""The owner-state entries :meth:`SOAPRule.update_factors` writes; with ``kl`` also :data:`KL_KEYS`, and it reads
+:data:`BASIS_KEYS`."""
+KL_KEYS = ("eig_L", "eig_R")
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 """The owner-state entries :meth:`SOAPRule.adam_in_basis` writes (it also reads :data:`BASIS_KEYS`)."""
 BASIS_KEYS = ("Q_L", "Q_R")
@@ -370,7 +372,8 @@ class SOAPRule(MatrixRule):
         batches = [(t, chunk) for t, members in at_step.items() for chunk in chunks(members, per_batch)]
         for t, chunk in batches:
             states = [owner_states[i] for i in chunk]
-            with joint_states(states, FACTOR_KEYS, BASIS_KEYS if group["kl"] else ()) as joint:
+            kl = group["kl"]
+            with joint_states(states, FACTOR_KEYS + KL_KEYS if kl else FACTOR_KEYS, BASIS_KEYS if kl else ()) as joint:
                 self.update_factors(stacked_rows(grads, chunk), joint, group, t)
         refreshing = [(s, t) for s, t in zip(owner_states, steps) if self.refreshes_at(group, t)]
         if refreshing:
