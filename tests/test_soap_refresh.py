@@ -363,6 +363,16 @@ def test_an_old_basis_that_lost_orthogonality_gets_eigh_or_is_repaired():
     assert torch.allclose(values[0].to(F64), want, rtol=1e-5, atol=1e-5 * want[0].item())
 
 
+def unit_group(kl: bool, precondition_frequency: int) -> dict:
+    """A SOAPRule group of basis="cholqr" (units batched), the front ends' clip and first-step skip, both sides of
+    the tests' 6×10 matrices preconditioned."""
+    return dict(
+        betas=(0.9, 0.95), shampoo_beta=0.95, eps=1e-8, precondition_frequency=precondition_frequency,
+        basis="cholqr", kl=kl, max_preconditioner_dim=64, correct_bias=True, correct_shampoo_beta_bias=True,
+        max_update_rms=1.0, match_update_rms=0.0, skip_first_update=True,
+    )  # fmt: skip
+
+
 def factor_condition(states: list[dict[str, torch.Tensor]]) -> float:
     """max over the states' factors K of max λ(K) / (smallest gap between K's eigenvalues), in float64, over the
     eigenvalues above 10⁻⁶·max λ (the null space's directions carry no gradient, so the update does not see how
@@ -386,11 +396,7 @@ def test_a_batch_of_matrices_equals_each_alone(kl: bool):
     condition κ (:func:`factor_condition`), and the update, linear in both bases, by about twice that per step;
     so every update within 32·u·κ (κ the largest so far) of the largest entry (measured at most 0.35·u·κ)."""
     rule = SOAPRule()
-    group = dict(
-        betas=(0.9, 0.95), shampoo_beta=0.95, eps=1e-8, precondition_frequency=1, basis="cholqr", kl=kl,
-        max_preconditioner_dim=64, correct_bias=True, correct_shampoo_beta_bias=True, max_update_rms=1.0,
-        match_update_rms=0.0, skip_first_update=True,
-    )  # fmt: skip
+    group = unit_group(kl=kl, precondition_frequency=1)
     assert rule.can_batch(group)
     gen = torch.Generator().manual_seed(50)
     batched = [rule.init_owner_state((6, 10), group, torch.device("cpu")) for _ in range(3)]
@@ -416,11 +422,7 @@ def test_a_unit_at_mixed_steps_in_batches_of_one_equals_each_alone_bitwise(monke
     from dtensor_muon.rules import soap
 
     rule = SOAPRule()
-    group = dict(
-        betas=(0.9, 0.95), shampoo_beta=0.95, eps=1e-8, precondition_frequency=2, basis="cholqr", kl=True,
-        max_preconditioner_dim=64, correct_bias=True, correct_shampoo_beta_bias=True, max_update_rms=1.0,
-        match_update_rms=0.0, skip_first_update=True,
-    )  # fmt: skip
+    group = unit_group(kl=True, precondition_frequency=2)
     gen = torch.Generator().manual_seed(51)
     batched = [rule.init_owner_state((6, 10), group, torch.device("cpu")) for _ in range(3)]
     alone = [rule.init_owner_state((6, 10), group, torch.device("cpu")) for _ in range(3)]
