@@ -77,6 +77,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -84,6 +85,8 @@ from torch.optim.optimizer import _to_scalar
 
 from ..linalg.eigenbasis import LARGE_BATCH_ENTRIES, accurate_matmul, power_cholqr
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
+
+T = TypeVar("T")
 
 SOAP_BASES = ("qr", "eigh", "cholqr")
 
@@ -222,7 +225,7 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 BASIS_KEYS = ("Q_L", "Q_R")
 
 
-def chunks(items: list[int], size: int) -> list[list[int]]:
+def chunks(items: list[T], size: int) -> list[list[T]]:
     """``items`` in consecutive runs of at most ``size``."""
     return [items[i : i + size] for i in range(0, len(items), size)]
 
@@ -370,10 +373,10 @@ class SOAPRule(MatrixRule):
         largest = max(x.numel() for x in owner_states[0].values())  # all of a unit's states have one shape
         per_batch = max(1, LARGE_BATCH_ENTRIES // largest)
         batches = [(t, chunk) for t, members in at_step.items() for chunk in chunks(members, per_batch)]
+        factor_writes, factor_reads = (FACTOR_KEYS + KL_KEYS, BASIS_KEYS) if group["kl"] else (FACTOR_KEYS, ())
         for t, chunk in batches:
             states = [owner_states[i] for i in chunk]
-            kl = group["kl"]
-            with joint_states(states, FACTOR_KEYS + KL_KEYS if kl else FACTOR_KEYS, BASIS_KEYS if kl else ()) as joint:
+            with joint_states(states, factor_writes, factor_reads) as joint:
                 self.update_factors(stacked_rows(grads, chunk), joint, group, t)
         refreshing = [(s, t) for s, t in zip(owner_states, steps) if self.refreshes_at(group, t)]
         if refreshing:
@@ -449,7 +452,7 @@ class SOAPRule(MatrixRule):
         batches = []
         for size, jobs in by_size.items():
             per_batch = max(1, LARGE_BATCH_ENTRIES // size**2)
-            batches.extend(jobs[i : i + per_batch] for i in range(0, len(jobs), per_batch))
+            batches.extend(chunks(jobs, per_batch))
         for jobs in batches:
             k = torch.stack([s[side] for s, side, _ in jobs])
             q_old = torch.stack([s[f"Q_{side}"] for s, side, _ in jobs])
