@@ -105,7 +105,7 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     """The short commit of this checkout, with ``+changes`` when tracked files differ from it."""
     commit = _git("rev-parse", "--short", "HEAD")
     if commit is None:
@@ -120,7 +120,7 @@ def machine() -> dict[str, object]:
         "host_cpus": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "commit": _git_commit(),
+        "commit": git_commit(),
     }
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()

@@ -12,7 +12,7 @@ returns and the time until the device has finished it, and the slowest step (ste
 eigendecompositions). Step 15 runs under ``torch.profiler``: kernel launches (``cudaLaunchKernel`` and its
 variants) and calls that may wait for the device (any ``cuda…Synchronize`` and ``cudaMemcpyAsync``) in that one
 step, and the device time the profiler attributes to ``step()``. Results go to
-``bench/results/lr_study_step[_quick].json`` under ``--label`` (default: the library's commit), beside the
+``bench/results/lr_study_step[_quick].json`` under ``--label`` (default: the checkout's commit), beside the
 labels already there, so a run before a change and one after sit side by side.
 """
 
@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import common
 import lr_study
 import torch
 import torch.nn.functional as F
@@ -89,15 +89,6 @@ def measure(optimizer: str, model_name: str, quick: bool, tokens: Path) -> dict[
     }
 
 
-def commit() -> str:
-    """The library's short commit, with ``+`` when the working tree differs from it."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=lr_study.ROOT).stdout.strip()
-
-    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain", "src") else "")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(lr_study.MODELS), default="moe")
@@ -106,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--label", default=None, help="key of this run in the results (default: the commit)")
     parser.add_argument("--tokens", type=Path, default=lr_study.TOKENS)
     args = parser.parse_args(argv)
-    label = args.label or commit()
+    label = args.label or common.git_commit() or "unknown"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     rows = {}
     print(f"{args.model}, {device}, {label}")
