@@ -55,6 +55,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
@@ -665,7 +666,8 @@ def report(args: argparse.Namespace) -> None:
             print(f"\n### {title}\n\n{markdown_table(table, [(k, k, '{}') for k in keys])}")
     summary = {"steps": steps, "sweep": sweep, "best": rows, "batch": batch_rows, "curves": curves}
     if records:
-        summary["machine"] = {"device": records[0]["device"], "torch": records[0]["torch"]}
+        devices = Counter(record["device"] for record in records)
+        summary["machine"] = {"runs per device": dict(devices), "torch": sorted({r["torch"] for r in records})}
     Path(args.summary).write_text(json.dumps(summary, indent=1))
     draw(curves, Path(args.figures))
 

@@ -30,9 +30,31 @@ TORCHTITAN_ADAMW_LR = {
 def test_the_rule_is_the_studys_measured_ratio_on_both_models():
     best = json.loads((ROOT / "bench" / "results" / "lr_study.json").read_text())["best"]
     lrs = {(row["model"], row["optimizer"]): row["lr"] for row in best}
-    for model, optimizer in (("moe", "Muon"), ("dense", "Muon"), ("dense", "NorMuon")):  # the swept ones
+    for model, optimizer in (("moe", "Muon"), ("moe", "NorMuon"), ("dense", "Muon"), ("dense", "NorMuon")):
         ratio = lrs[(model, optimizer)] / lrs[(model, "AdamW")]
         assert math.isclose(ratio, MUON_LR_PER_ADAMW_LR), (model, optimizer, ratio)
+
+
+def test_the_soap_familys_rule_in_the_readme_is_the_studys():
+    """SOAP with ``match_update_rms=0.2`` at Muon's ratio to AdamW's lr, KL-SOAP at a third of it (the half-decade
+    grid's 1e-3 against AdamW's 3e-4), each a best bracketed by worse runs on both sides, over 3 seeds."""
+    study = json.loads((ROOT / "bench" / "results" / "lr_study.json").read_text())
+    best = {(row["model"], row["optimizer"]): row for row in study["best"]}
+    sweep = {(row["model"], row["optimizer"]): row for row in study["sweep"]}
+    for model, soap, klsoap in (("moe", "SOAP-cholqr", "KLSOAP-cholqr"), ("dense", "SOAP", "KLSOAP")):
+        adamw_lr = best[(model, "AdamW")]["lr"]
+        for optimizer, ratio in ((soap, MUON_LR_PER_ADAMW_LR), (klsoap, MUON_LR_PER_ADAMW_LR / 3)):
+            row = best[(model, optimizer)]
+            assert math.isclose(row["lr"] / adamw_lr, ratio), (model, optimizer, row["lr"])
+            assert row["seeds"] == 3, (model, optimizer)
+            losses = {
+                float(key.removeprefix("lr ")): loss
+                for key, loss in sweep[(model, optimizer)].items()
+                if key.startswith("lr ")
+            }
+            below = max(lr for lr in losses if lr < row["lr"])
+            above = min(lr for lr in losses if lr > row["lr"])
+            assert losses[below] > losses[row["lr"]] < losses[above], (model, optimizer, losses)
 
 
 def test_muon_lr_from_adamw_scales_and_refuses_what_is_not_an_lr():
