@@ -3,6 +3,7 @@ configs carry it, and the study's MoE layer and curve reading are what they say.
 
 import json
 import math
+import re
 import tomllib
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from bench_modules import bench_module
 
-from dtensor_muon import MUON_LR_PER_ADAMW_LR, muon_lr_from_adamw
+from dtensor_muon import LR_PER_ADAMW_LR, MUON_LR_PER_ADAMW_LR, lr_from_adamw, muon_lr_from_adamw
+from dtensor_muon.optim.lr_scaling import ADAMW_UPDATE_RMS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,15 +37,15 @@ def test_the_rule_is_the_studys_measured_ratio_on_both_models():
         assert math.isclose(ratio, MUON_LR_PER_ADAMW_LR), (model, optimizer, ratio)
 
 
-def test_the_soap_familys_rule_in_the_readme_is_the_studys():
-    """SOAP with ``match_update_rms=0.2`` at Muon's ratio to AdamW's lr, KL-SOAP at a third of it (the half-decade
-    grid's 1e-3 against AdamW's 3e-4), each a best bracketed by worse runs on both sides, over 3 seeds."""
+def test_the_soap_familys_ratios_are_the_studys():
+    """:data:`LR_PER_ADAMW_LR` for SOAP and KL-SOAP (``match_update_rms=0.2``): each the ratio of its best lr to
+    AdamW's on both models, each best bracketed by worse runs on both sides and run over 3 seeds."""
     study = json.loads((ROOT / "bench" / "results" / "lr_study.json").read_text())
     best = {(row["model"], row["optimizer"]): row for row in study["best"]}
     sweep = {(row["model"], row["optimizer"]): row for row in study["sweep"]}
     for model, soap, klsoap in (("moe", "SOAP-cholqr", "KLSOAP-cholqr"), ("dense", "SOAP", "KLSOAP")):
         adamw_lr = best[(model, "AdamW")]["lr"]
-        for optimizer, ratio in ((soap, MUON_LR_PER_ADAMW_LR), (klsoap, MUON_LR_PER_ADAMW_LR / 3)):
+        for optimizer, ratio in ((soap, LR_PER_ADAMW_LR["SOAP"]), (klsoap, LR_PER_ADAMW_LR["KLSOAP"])):
             row = best[(model, optimizer)]
             assert math.isclose(row["lr"] / adamw_lr, ratio), (model, optimizer, row["lr"])
             assert row["seeds"] == 3, (model, optimizer)
@@ -55,6 +57,31 @@ def test_the_soap_familys_rule_in_the_readme_is_the_studys():
             below = max(lr for lr in losses if lr < row["lr"])
             above = min(lr for lr in losses if lr > row["lr"])
             assert losses[below] > losses[row["lr"]] < losses[above], (model, optimizer, losses)
+
+
+def test_lr_from_adamw_scales_by_the_table_and_refuses_what_it_does_not_know():
+    assert lr_from_adamw("KLSOAP", 3e-4) == LR_PER_ADAMW_LR["KLSOAP"] * 3e-4
+    assert lr_from_adamw("Muon", 2.2e-4) == muon_lr_from_adamw(2.2e-4)
+    with pytest.raises(ValueError, match="lr_from_adamw: optimizer must be one of Muon, NorMuon, SOAP, KLSOAP"):
+        lr_from_adamw("MOP", 3e-4)
+    with pytest.raises(ValueError, match="lr_from_adamw: adamw_lr must be a number >= 0"):
+        lr_from_adamw("SOAP", -1.0)
+
+
+GPU_CONFIGS = ["llama3_8b_2layers_gpu", "deepseek_v3_16b_2layers_gpu", "qwen3_30b_a3b_2layers_gpu"]
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_shipped_gpu_configs_give_the_soap_family_the_rule(name):
+    """[soap] and [klsoap] match AdamW's update RMS; SOAP runs at the config's lr (its ratio is Muon's), and the
+    lr the config's comment gives for KL-SOAP is its ratio's, to the 3 digits written."""
+    text = (ROOT / "train_configs" / f"{name}.toml").read_text()
+    config = tomllib.loads(text)
+    assert config["soap"]["match_update_rms"] == config["klsoap"]["match_update_rms"] == ADAMW_UPDATE_RMS
+    adamw_lr = TORCHTITAN_ADAMW_LR[name]
+    assert math.isclose(config["optimizer"]["lr"], lr_from_adamw("SOAP", adamw_lr), rel_tol=1e-12)
+    klsoap_lr = float(re.search(r"--optimizer\.lr (\S+) with it", text).group(1))
+    assert math.isclose(klsoap_lr, lr_from_adamw("KLSOAP", adamw_lr), rel_tol=5e-3), (klsoap_lr, adamw_lr)
 
 
 def test_muon_lr_from_adamw_scales_and_refuses_what_is_not_an_lr():

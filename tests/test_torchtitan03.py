@@ -222,15 +222,26 @@ def test_override_options_are_checked_and_keep_the_stock_hyperparameters():
 
 def test_muon_from_a_stock_adamw_config_takes_ten_times_its_lr_and_an_lr_given_is_kept(caplog):
     """The measured rule (docs/lr_study.md): Muon and NorMuon with "match_rms_adamw" at 10× the AdamW lr they
-    replace; an lr given, another adjust_lr_fn, or another optimizer keep the lr they are given."""
+    replace, SOAP and KL-SOAP matching AdamW's update RMS at 10× and 10/3×; an lr given, another adjust_lr_fn,
+    another match_update_rms, or an unmeasured optimizer keep the lr they are given."""
     stock = default_adamw(lr=2.2e-4)
     with caplog.at_level(logging.INFO, logger="torchtitan_ext"):
         assert matrix_optimizer_config(stock, "Muon").lr == 10 * 2.2e-4
     assert "Muon: lr 0.0022 = 10 × the stock AdamW lr 0.00022" in caplog.text
     assert matrix_optimizer_config(stock, "Muon", {"lr": 1e-3}).lr == 1e-3
     assert matrix_optimizer_config(stock, "Muon", {"adjust_lr_fn": "original"}).lr == 2.2e-4
-    assert matrix_optimizer_config(stock, "SOAP").lr == 2.2e-4
-    assert matrix_optimizer_config(stock, "MOP").lr == 2.2e-4  # the study measured Muon and NorMuon
+    with caplog.at_level(logging.INFO, logger="torchtitan_ext"):
+        soap = matrix_optimizer_config(stock, "SOAP")
+        klsoap = matrix_optimizer_config(stock, "KLSOAP")
+    assert (soap.lr, soap.soap.match_update_rms) == (10 * 2.2e-4, 0.2)
+    assert (klsoap.lr, klsoap.klsoap.match_update_rms) == (10 / 3 * 2.2e-4, 0.2)
+    assert "SOAP: match_update_rms 0.2 (an AdamW update's RMS" in caplog.text
+    assert "KLSOAP: lr 0.000733333 = 3.33333 × the stock AdamW lr 0.00022" in caplog.text
+    unmatched = matrix_optimizer_config(stock, "SOAP", {"match_update_rms": 0.0})
+    assert (unmatched.lr, unmatched.soap.match_update_rms) == (2.2e-4, 0.0)
+    assert matrix_optimizer_config(stock, "SOAP", {"lr": 1e-3}).lr == 1e-3
+    assert matrix_optimizer_config(stock, "MOP").lr == 2.2e-4  # MOP and REKLS were not in the study
+    assert matrix_optimizer_config(stock, "REKLS").lr == 2.2e-4
     converted = matrix_optimizer_config(stock, "Muon")
     assert matrix_optimizer_config(converted, "NorMuon").lr == converted.lr  # a Muon config is not converted again
 
@@ -250,7 +261,9 @@ def test_ready_configs_carry_ten_times_the_stock_adamw_lr(name):
         "qwen3_moe_muon": qwen3_moe_debug,
     }[name]()
     (adamw,) = [g for g in stock.optimizer.param_groups if g.optimizer_name in ("Adam", "AdamW")][:1]
-    assert getattr(config_registry, name)().optimizer.lr == 10 * adamw.optimizer_kwargs["lr"]
+    ready = getattr(config_registry, name)().optimizer
+    assert ready.lr == 10 * adamw.optimizer_kwargs["lr"]
+    assert ready.soap.match_update_rms == ready.klsoap.match_update_rms == 0.2  # --optimizer.name SOAP: the rule
 
 
 def test_ready_configs_and_cli_options_parse():

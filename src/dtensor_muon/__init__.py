@@ -4,7 +4,7 @@ import sys
 
 from .distributed.process_exit import exit_without_finalization
 from .linalg.newton_schulz import NAMED_COEFFICIENTS, newton_schulz, polar_factor
-from .optim.lr_scaling import MUON_LR_PER_ADAMW_LR, batch_scaled_lr, muon_lr_from_adamw
+from .optim.lr_scaling import LR_PER_ADAMW_LR, MUON_LR_PER_ADAMW_LR, batch_scaled_lr, lr_from_adamw, muon_lr_from_adamw
 from .optim.mop import MOP
 from .optim.muon import Muon
 from .optim.normuon import NorMuon
@@ -23,6 +23,7 @@ del sys, views
 
 __all__ = [
     "KLSOAP",
+    "LR_PER_ADAMW_LR",
     "MOP",
     "MUON_LR_PER_ADAMW_LR",
     "NAMED_COEFFICIENTS",
@@ -35,6 +36,7 @@ __all__ = [
     "batch_scaled_lr",
     "exit_without_finalization",
     "grouped_qkv_splits",
+    "lr_from_adamw",
     "muon_lr_from_adamw",
     "muon_param_groups",
     "newton_schulz",

@@ -9,7 +9,10 @@ torchtitan (its model, loss and parallelism) with:
 - the optimizer :class:`~torchtitan_ext.titan03.container.MatrixOptimizersContainer` (Muon by default,
   ``--optimizer.name`` picks another entry of the registry), for every parameter (AdamW's parameters too: the
   matrices' lr is scaled to AdamW's update RMS) the lr :func:`dtensor_muon.muon_lr_from_adamw` gives for the
-  stock config's AdamW lr (10×: 8e-3 for the debug models' 8e-4, 3e-3 for Qwen3 MoE's 3e-4; docs/lr_study.md);
+  stock config's AdamW lr (10×: 8e-3 for the debug models' 8e-4, 3e-3 for Qwen3 MoE's 3e-4; docs/lr_study.md),
+  SOAP's and KL-SOAP's sections matching an AdamW update's RMS (``match_update_rms = 0.2``), so that
+  ``--optimizer.name SOAP`` runs at SOAP's measured lr too (KL-SOAP's was a third of it: with
+  ``--optimizer.name KLSOAP`` pass ``--optimizer.lr`` a third of the config's);
 - the metrics of :class:`~torchtitan_ext.titan03.metrics.OptimizerMetricsProcessor`, TensorBoard on;
 - the offline corpus and tokenizer of :mod:`torchtitan_ext.data` (the launcher builds them when missing);
 - small CPU-friendly batches (4 × 256 tokens), 300 steps, warm-up 20 and cosine decay; no activation
@@ -25,6 +28,8 @@ spec's load-balancing hook (``post_optimizer_build_fn``), which the trainer regi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
@@ -32,6 +37,7 @@ from torchtitan.models.qwen3.config_registry import qwen3_debugmodel, qwen3_moe_
 from torchtitan.trainer import Trainer
 
 from dtensor_muon import muon_lr_from_adamw
+from dtensor_muon.optim.lr_scaling import ADAMW_UPDATE_RMS
 from torchtitan_ext import data
 from torchtitan_ext.titan03.container import matrix_optimizer_config, shared_defaults
 from torchtitan_ext.titan03.metrics import OptimizerMetricsProcessor
@@ -41,6 +47,10 @@ def with_matrix_optimizer(config: Trainer.Config, run_name: str, name: str = "Mu
     """``config`` (a stock config) changed as the module docstring says; outputs under ``outputs/<run_name>``."""
     lr = muon_lr_from_adamw(shared_defaults(config.optimizer)["lr"])
     config.optimizer = matrix_optimizer_config(config.optimizer, name, {"lr": lr})
+    for section in ("soap", "klsoap"):  # --optimizer.name SOAP or KLSOAP: AdamW's update RMS, as measured
+        setattr(
+            config.optimizer, section, replace(getattr(config.optimizer, section), match_update_rms=ADAMW_UPDATE_RMS)
+        )
     if not torch.cuda.is_available():
         config.training.mixed_precision_param = "float32"
     config.metrics = OptimizerMetricsProcessor.Config(log_freq=10, enable_tensorboard=True, save_tb_folder="tb")

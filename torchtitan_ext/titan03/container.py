@@ -31,14 +31,15 @@ from __future__ import annotations
 import difflib
 import functools
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from torch import nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
 
-from dtensor_muon import MUON_LR_PER_ADAMW_LR, MatrixSplit, muon_lr_from_adamw
+from dtensor_muon import LR_PER_ADAMW_LR, MatrixSplit, lr_from_adamw
+from dtensor_muon.optim.lr_scaling import ADAMW_UPDATE_RMS
 from torchtitan_ext import sections
 from torchtitan_ext.metrics import combine
 from torchtitan_ext.qk_clip import build_with_qk_clip
@@ -232,6 +233,16 @@ def shared_defaults(stock: OptimizersContainer.Config) -> dict[str, Any]:
     return {}
 
 
+def _matches_adamw_update_rms(name: str, section: Any) -> bool:
+    """Whether ``name``'s section scales every update to an AdamW update's RMS, the setting its
+    :data:`dtensor_muon.LR_PER_ADAMW_LR` ratio was measured with (Muon, NorMuon, SOAP and KL-SOAP only)."""
+    if name in ("Muon", "NorMuon"):
+        return section.adjust_lr_fn == "match_rms_adamw"
+    if name in ("SOAP", "KLSOAP"):
+        return section.match_update_rms == ADAMW_UPDATE_RMS
+    return False
+
+
 def matrix_optimizer_config(
     stock: OptimizersContainer.Config, name: str, options: dict[str, Any] | None = None
 ) -> MatrixOptimizersContainer.Config:
@@ -240,9 +251,11 @@ def matrix_optimizer_config(
     checked: an unknown key or a bad value raises ``ValueError`` with the valid choices). A key of both, NorMuon's
     ``beta2``, sets the section's (AdamW's β₂ is ``--optimizer.beta2`` on the command line).
 
-    From a stock AdamW config to Muon or NorMuon with ``adjust_lr_fn = "match_rms_adamw"`` and no ``lr`` in
-    ``options``, the lr is :func:`dtensor_muon.muon_lr_from_adamw` of the stock lr (10×: the measured rule of
-    docs/lr_study.md), which is logged; an ``lr`` in ``options`` is kept as given."""
+    From a stock AdamW config the measured rule of docs/lr_study.md applies, logged: SOAP and KL-SOAP match an
+    AdamW update's RMS (``match_update_rms = 0.2``) unless ``options`` set it, and Muon or NorMuon with
+    ``adjust_lr_fn = "match_rms_adamw"``, or SOAP or KL-SOAP matching 0.2, with no ``lr`` in ``options`` take
+    :func:`dtensor_muon.lr_from_adamw` of the stock lr (10×; KL-SOAP 10/3×); an ``lr`` in ``options`` is kept
+    as given."""
     if name not in REGISTRY:
         raise ValueError(f"{name!r} is not a matrix optimizer; choose one of: {', '.join(REGISTRY)}")
     options = dict(options or {})
@@ -258,12 +271,18 @@ def matrix_optimizer_config(
     values = {f: getattr(base_section, f) for f in section_fields} if base_section is not None else {}
     section = entry.section_cls(**{**values, **options})
     from_adamw = not isinstance(stock, MatrixOptimizersContainer.Config) and "lr" in shared and "lr" not in shared_keys
-    if from_adamw and name in ("Muon", "NorMuon") and section.adjust_lr_fn == "match_rms_adamw":
+    if from_adamw and name in ("SOAP", "KLSOAP") and "match_update_rms" not in options:
+        section = replace(section, match_update_rms=ADAMW_UPDATE_RMS)
         logger.info(
-            f"{name}: lr {muon_lr_from_adamw(shared['lr']):g} = {MUON_LR_PER_ADAMW_LR:g} × the stock AdamW lr "
-            f"{shared['lr']:g} (dtensor_muon.muon_lr_from_adamw; set lr to choose another)"
+            f"{name}: match_update_rms {ADAMW_UPDATE_RMS:g} (an AdamW update's RMS, from the stock AdamW config)"
         )
-        shared["lr"] = muon_lr_from_adamw(shared["lr"])
+    if from_adamw and _matches_adamw_update_rms(name, section):
+        lr = lr_from_adamw(name, shared["lr"])
+        logger.info(
+            f"{name}: lr {lr:g} = {LR_PER_ADAMW_LR[name]:g} × the stock AdamW lr {shared['lr']:g} "
+            f"(dtensor_muon.lr_from_adamw; set lr to choose another)"
+        )
+        shared["lr"] = lr
     return MatrixOptimizersContainer.Config(
         name=name,
         implementation=stock.implementation,

@@ -10,7 +10,9 @@ already beats AdamW on both, and at AdamW's own lr it is 0.22–0.30 nats behind
 
     γ_Muon = :data:`MUON_LR_PER_ADAMW_LR` · γ_AdamW
 
-for the whole optimizer (both rules' parameters), the rule the shipped torchtitan configs follow. It is
+for the whole optimizer (both rules' parameters), the rule the shipped torchtitan configs follow. SOAP with
+``match_update_rms=0.2`` (every matrix's update scaled to an AdamW update's RMS) had its best lr at the same 10×
+on both models, KL-SOAP at a third of it (1e-3; 3 seeds each): :data:`LR_PER_ADAMW_LR`, :func:`lr_from_adamw`. It is
 measured on models of 50–166 M parameters over 4 M tokens: at larger scales and longer runs the best ratio
 may be smaller (Moonlight trained at AdamW's lr), so sweep γ/3, γ and 3γ around it when you can.
 
@@ -38,13 +40,39 @@ MUON_LR_PER_ADAMW_LR = 10.0
 """The measured ratio of Muon's best lr (``adjust_lr_fn="match_rms_adamw"``) to AdamW's (module docstring)."""
 
 
+ADAMW_UPDATE_RMS = 0.2
+"""The RMS of an AdamW update that ``adjust_lr_fn="match_rms_adamw"`` (Muon, NorMuon) and SOAP's
+``match_update_rms`` match in :data:`LR_PER_ADAMW_LR`'s rule."""
+
+LR_PER_ADAMW_LR = {
+    "Muon": MUON_LR_PER_ADAMW_LR,
+    "NorMuon": MUON_LR_PER_ADAMW_LR,
+    "SOAP": MUON_LR_PER_ADAMW_LR,
+    "KLSOAP": MUON_LR_PER_ADAMW_LR / 3,
+}
+"""Each measured optimizer's best lr over AdamW's (module docstring), with its update matched to AdamW's RMS:
+``adjust_lr_fn="match_rms_adamw"`` for Muon and NorMuon, ``match_update_rms=ADAMW_UPDATE_RMS`` for SOAP and
+KL-SOAP."""
+
+
+def lr_from_adamw(optimizer: str, adamw_lr: float) -> float:
+    """γ = :data:`LR_PER_ADAMW_LR` [``optimizer``]·γ_AdamW: the lr for ``optimizer`` ("Muon", "NorMuon", "SOAP"
+    or "KLSOAP", set to match AdamW's update RMS as that table says; matrices and AdamW parameters alike) from
+    an AdamW recipe's lr. Raises ValueError for another optimizer or a negative or non-numeric lr."""
+    if optimizer not in LR_PER_ADAMW_LR:
+        raise ValueError(f"lr_from_adamw: optimizer must be one of {', '.join(LR_PER_ADAMW_LR)}, got {optimizer!r}")
+    if isinstance(adamw_lr, bool) or not isinstance(adamw_lr, (int, float)) or adamw_lr < 0:
+        raise ValueError(f"lr_from_adamw: adamw_lr must be a number >= 0, got {adamw_lr!r}")
+    return LR_PER_ADAMW_LR[optimizer] * adamw_lr
+
+
 def muon_lr_from_adamw(adamw_lr: float) -> float:
     """γ_Muon = :data:`MUON_LR_PER_ADAMW_LR`·γ_AdamW: the lr for Muon or NorMuon with
     ``adjust_lr_fn="match_rms_adamw"`` (matrices and AdamW parameters alike) from an AdamW recipe's lr. Raises
     ValueError for a negative or non-numeric lr."""
     if isinstance(adamw_lr, bool) or not isinstance(adamw_lr, (int, float)) or adamw_lr < 0:
         raise ValueError(f"muon_lr_from_adamw: adamw_lr must be a number >= 0, got {adamw_lr!r}")
-    return MUON_LR_PER_ADAMW_LR * adamw_lr
+    return lr_from_adamw("Muon", adamw_lr)
 
 
 def batch_scaled_lr(lr: float, batch_size: float, reference_batch_size: float) -> float:
