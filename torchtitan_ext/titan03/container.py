@@ -251,11 +251,11 @@ def matrix_optimizer_config(
     checked: an unknown key or a bad value raises ``ValueError`` with the valid choices). A key of both, NorMuon's
     ``beta2``, sets the section's (AdamW's β₂ is ``--optimizer.beta2`` on the command line).
 
-    From a stock AdamW config the measured rule of docs/lr_study.md applies, logged: SOAP and KL-SOAP match an
-    AdamW update's RMS (``match_update_rms = 0.2``) unless ``options`` set it, and Muon or NorMuon with
-    ``adjust_lr_fn = "match_rms_adamw"``, or SOAP or KL-SOAP matching 0.2, with no ``lr`` in ``options`` take
-    :func:`dtensor_muon.lr_from_adamw` of the stock lr (10×; KL-SOAP 10/3×); an ``lr`` in ``options`` is kept
-    as given."""
+    From a stock AdamW config with no ``lr`` in ``options`` the measured rule of docs/lr_study.md applies, logged:
+    SOAP and KL-SOAP match an AdamW update's RMS (``match_update_rms = 0.2``) unless ``options`` set it, and
+    Muon or NorMuon with ``adjust_lr_fn = "match_rms_adamw"``, or SOAP or KL-SOAP matching 0.2, take
+    :func:`dtensor_muon.lr_from_adamw` of the stock lr (10×; KL-SOAP 10/3×). An ``lr`` in ``options`` is kept
+    as given, and the section as ``options`` set it."""
     if name not in REGISTRY:
         raise ValueError(f"{name!r} is not a matrix optimizer; choose one of: {', '.join(REGISTRY)}")
     options = dict(options or {})
