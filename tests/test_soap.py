@@ -42,6 +42,7 @@ from dist_harness import one_thread, run_distributed
 from torch import Tensor
 
 from dtensor_muon import KLSOAP, REKLS, SOAP
+from dtensor_muon.rules import soap as soap_rule
 
 SHAPES = [("layers.0.wide", (5, 9)), ("layers.0.tall", (8, 5)), ("layers.0.long", (4, 13))]
 MAX_DIM = 10  # the long matrix's 13 columns are not preconditioned
@@ -221,6 +222,46 @@ def test_update_rms_matching_equals_the_reference_and_sets_each_update_s_rms(var
             rms = update.square().mean().sqrt().item()
             assert abs(rms - 0.2) <= 1e-4, f"{variant} {name}: update RMS {rms}"
         previous = [p.detach().clone() for _, p in named]
+
+
+def matched_and_clipped_steps(optimizer: type, monkeypatch: pytest.MonkeyPatch | None, **rms: float) -> list[Tensor]:
+    """Parameters after 6 steps of ``optimizer`` (``basis="cholqr"``, refresh every 3) on 8 experts of 6×10 and a
+    7×7 matrix, gradients scaled by 1e-12 … 1e12 and one expert's gradient zero; with ``monkeypatch`` the clip
+    pass always runs (:data:`~dtensor_muon.rules.soap.CLIP_HEADROOM` infinite)."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(soap_rule, "CLIP_HEADROOM", math.inf)
+    g = torch.Generator().manual_seed(3)
+    named = [
+        ("layers.0.moe.experts.w1", torch.nn.Parameter(torch.randn(8, 6, 10, generator=g))),
+        ("layers.0.attention.wq", torch.nn.Parameter(torch.randn(7, 7, generator=g))),
+    ]
+    opt = optimizer(named, lr=0.01, basis="cholqr", precondition_frequency=3, **rms)
+    for scale in (1.0, 1e-12, 1e12, 1e-3, 1e3, 1.0):
+        for _, p in named:
+            p.grad = torch.randn(p.shape, generator=g) * scale
+        named[0][1].grad[2] = 0.0
+        opt.step()
+    return [p.detach().clone() for _, p in named]
+
+
+@pytest.mark.parametrize("optimizer", [SOAP, KLSOAP], ids=["SOAP", "KLSOAP"])
+def test_a_clip_that_cannot_bind_after_matching_is_skipped_with_the_same_bits(optimizer, monkeypatch):
+    """max_update_rms = 1 ≥ 4 × match_update_rms = 0.2: the update is the same, bit for bit, with the clip's pass
+    skipped and run; max_update_rms = 0.1 below the match still clips (each update's RMS 0.1, not 0.2)."""
+    skipped = matched_and_clipped_steps(optimizer, None, match_update_rms=0.2, max_update_rms=1.0)
+    run = matched_and_clipped_steps(optimizer, monkeypatch, match_update_rms=0.2, max_update_rms=1.0)
+    for a, b in zip(skipped, run):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    monkeypatch.undo()  # the clip as the library decides it
+    g = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(7, 7, generator=g))
+    opt = optimizer([("layers.0.attention.wq", p)], lr=0.01, weight_decay=0.0, match_update_rms=0.2, max_update_rms=0.1)
+    for _ in range(2):  # step 1 only builds the basis
+        before = p.detach().clone()
+        p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    rms = ((before - p.detach()) / 0.01).square().mean().sqrt().item()
+    assert abs(rms - 0.1) <= 1e-4, rms
 
 
 def check_against_reference(

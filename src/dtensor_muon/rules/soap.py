@@ -133,6 +133,17 @@ tools/soap/refresh_ops.py)."""
 UPDATE_RMS_EPS = 1e-7
 """Added to the update's RMS before clipping it (Emerging-Optimizers' value)."""
 
+CLIP_HEADROOM = 4.0
+"""On a matrix of N ≤ :data:`CLIP_SKIP_MAX_NUMEL` entries, a ``max_update_rms`` ρ at least this many times
+``match_update_rms`` ρ' cannot bind, so its pass is skipped (the same bits). The matched update's computed RMS
+is ρ'·r₂/r₁, where r₁, r₂ are the computed RMS of O and of the scaled O over their exact values; a float32 sum of
+N non-negative terms in any order is within a factor e^{±N·u} of the exact sum (u = 2⁻²⁴), so each r within
+e^{±N·u/2} and r₂/r₁ ≤ e^{N·u} ≤ e < 4 (with roundings of order u beside it). The clip's factor
+min(1, ρ/(rms + ε)) is then exactly 1, and O·1 is O."""
+
+CLIP_SKIP_MAX_NUMEL = 2**24
+"""Largest matrix (entries) whose clip :data:`CLIP_HEADROOM` may skip: N·u ≤ 1 there."""
+
 
 EIGH_SHIFT = 1e-3
 """δ of the last eigh attempt on K: K + δ·(|tr K|/k + tiny)·I (see :func:`eigh_descending`)."""
@@ -249,9 +260,8 @@ def joint_states(
         return
     joint = {k: torch.stack([s[k] for s in states]) for k in (*writes, *reads) if k in states[0]}
     yield joint
-    for k in writes:
-        if k in joint:
-            torch._foreach_copy_([s[k] for s in states], list(joint[k].unbind(0)))
+    written = [k for k in writes if k in joint]  # one multi-tensor copy for every written entry
+    torch._foreach_copy_([s[k] for k in written for s in states], [t for k in written for t in joint[k].unbind(0)])
 
 
 def matrix_rms(x: Tensor) -> Tensor:
@@ -516,7 +526,10 @@ class SOAPRule(MatrixRule):
         if target > 0:
             update = update * (target / (matrix_rms(update) + UPDATE_RMS_EPS))
         max_rms = group["max_update_rms"]
-        if max_rms > 0:
+        cannot_bind = (
+            target > 0 and max_rms >= CLIP_HEADROOM * target and g.shape[-2] * g.shape[-1] <= CLIP_SKIP_MAX_NUMEL
+        )
+        if max_rms > 0 and not cannot_bind:
             rms = matrix_rms(update)
             update = update * (max_rms / (rms + UPDATE_RMS_EPS)).clamp(max=1.0)
         return update
