@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 import scenarios
 import torch
-from dist_harness import one_thread, run_distributed
+from dist_harness import one_thread, requires_cuda, run_distributed
 from torch import Tensor
 
 from dtensor_muon import KLSOAP, REKLS, SOAP
@@ -262,6 +262,40 @@ def test_a_clip_that_cannot_bind_after_matching_is_skipped_with_the_same_bits(op
         opt.step()
     rms = ((before - p.detach()) / 0.01).square().mean().sqrt().item()
     assert abs(rms - 0.1) <= 1e-4, rms
+
+
+@requires_cuda
+def test_step_counts_stay_on_the_host_on_cuda_through_a_state_dict_round_trip():
+    """On the GPU, SOAP's owner step counts are in host memory (each step reads them without a device sync), the
+    rest of its owner state on the GPU; a state dict loaded into a fresh optimizer puts each back where it was,
+    and both optimizers then take the same steps, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    initial = [torch.randn(8, 6, 10, generator=g), torch.randn(7, 7, generator=g)]
+    grads = [[torch.randn(t.shape, generator=g) for t in initial] for _ in range(6)]
+
+    def build(values: list[Tensor]) -> tuple[Any, list[torch.nn.Parameter]]:
+        params = [torch.nn.Parameter(v.cuda()) for v in values]
+        names = ["layers.0.moe.experts.w1", "layers.0.attention.wq"]
+        return SOAP(list(zip(names, params)), lr=0.01, basis="cholqr", precondition_frequency=2), params
+
+    def steps(opt: Any, params: list[torch.nn.Parameter], rows: list[list[Tensor]]) -> None:
+        for row in rows:
+            for p, grad in zip(params, row):
+                p.grad = grad.cuda()
+            opt.step()
+
+    opt, params = build(initial)
+    steps(opt, params, grads[:3])
+    resumed, resumed_params = build([p.detach().cpu() for p in params])
+    resumed.load_state_dict(opt.state_dict())
+    for optimizer in (opt, resumed):
+        held = [t for p in optimizer.param_groups[0]["params"] for m in optimizer.state[p]["owner_state"].values()
+                for t in m.items()]  # fmt: skip
+        assert held and all((t.device.type == "cpu") == (name == "step") for name, t in held)
+    steps(opt, params, grads[3:])
+    steps(resumed, resumed_params, grads[3:])
+    for a, b in zip(params, resumed_params):
+        assert torch.equal(a.detach(), b.detach())
 
 
 def check_against_reference(

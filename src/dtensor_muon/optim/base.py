@@ -450,7 +450,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _keep_owner_state_uncast(optimizer: MatrixOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Take owner state out of a state dict before torch casts its tensors to the parameter's dtype and
-        device; :meth:`_rebuild_after_load` puts it back (moved to the device, dtype kept)."""
+        device; :meth:`_rebuild_after_load` puts it back (moved to the device, the rule's host entries to the host, dtype
+        kept)."""
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         param_of = dict(zip(saved_ids, optimizer._all_params()))  # as torch's load_state_dict maps them
         state = dict(state_dict["state"])
@@ -473,10 +474,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _rebuild_after_load(optimizer: MatrixOptimizer) -> None:
         state_loading.restore_uncast(optimizer, optimizer.__dict__.pop("_loaded_momentum", []))
         loaded = optimizer.__dict__.pop("_loaded_owner_state", [])
+        host = optimizer.rule.host_owner_state_keys
         for p, held in loaded:
             device = local(p).device
             optimizer.state[p][OWNER_STATE_KEY] = {
-                matrix: {name: t.to(device) for name, t in tensors.items()} for matrix, tensors in held.items()
+                matrix: {name: t.to("cpu" if name in host else device) for name, t in tensors.items()}
+                for matrix, tensors in held.items()
             }
         optimizer._create_missing_state()  # a checkpoint saved while a parameter was frozen
         optimizer._engine = optimizer._build_engine(loaded_owner_state={id(p) for p, _ in loaded})

@@ -81,6 +81,10 @@ class MatrixRule(ABC):
     has_owner_state: bool = False
     """Whether :meth:`init_owner_state` creates any state."""
 
+    host_owner_state_keys: tuple[str, ...] = ()
+    """Owner-state entries kept in host memory whatever the parameter's device (a step count the direction reads
+    on the host: no device sync, as torch.optim keeps Adam's ``step``); loading a state dict puts them there too."""
+
     def state_keys(self, group: Group) -> tuple[str, ...]:
         """The shard-state keys of a parameter of ``group`` (those of :attr:`shard_state_keys` its settings use)."""
         return self.shard_state_keys

@@ -277,6 +277,7 @@ class SOAPRule(MatrixRule):
     name = "soap"
     shard_state_keys = ("step",)
     has_owner_state = True
+    host_owner_state_keys = ("step",)
 
     def init_shard_state(self, param: Tensor, group: Group, name: str) -> dict[str, Tensor]:
         return {"step": torch.tensor(0.0, dtype=torch.float32)}
@@ -286,7 +287,7 @@ class SOAPRule(MatrixRule):
         left, right = preconditioned_sides(group, shape)
         f32 = dict(dtype=torch.float32, device=device)
         state = {
-            "step": torch.zeros((), dtype=torch.int64, device=device),
+            "step": torch.zeros((), dtype=torch.int64),  # on the host (host_owner_state_keys)
             "exp_avg": torch.zeros(m, n, **f32),
             "exp_avg_sq": torch.zeros(m, n, **f32),
         }
@@ -376,7 +377,7 @@ class SOAPRule(MatrixRule):
         unit."""
         grads = u.to(torch.float32)
         grads = grads[None] if u.dim() == 2 else grads
-        steps = [int(t) + 1 for t in torch.stack([s["step"] for s in owner_states]).tolist()]  # one sync
+        steps = [int(t) + 1 for t in torch.stack([s["step"] for s in owner_states]).tolist()]  # host: no sync
         at_step: dict[int, list[int]] = {}
         for i, t in enumerate(steps):
             at_step.setdefault(t, []).append(i)
