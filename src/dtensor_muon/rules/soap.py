@@ -83,6 +83,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _to_scalar
 
+from ..kernels.batching import group_into_stacks
 from ..linalg.eigenbasis import LARGE_BATCH_ENTRIES, accurate_matmul, power_cholqr
 from .base import Group, MatrixCost, MatrixRule, NewtonSchulzRunner
 
@@ -378,12 +379,10 @@ class SOAPRule(MatrixRule):
         grads = u.to(torch.float32)
         grads = grads[None] if u.dim() == 2 else grads
         steps = [int(t) + 1 for t in torch.stack([s["step"] for s in owner_states]).tolist()]  # host: no sync
-        at_step: dict[int, list[int]] = {}
-        for i, t in enumerate(steps):
-            at_step.setdefault(t, []).append(i)
         largest = max(x.numel() for x in owner_states[0].values())  # all of a unit's states have one shape
         per_batch = max(1, LARGE_BATCH_ENTRIES // largest)
-        batches = [(t, chunk) for t, members in at_step.items() for chunk in chunks(members, per_batch)]
+        same_step = group_into_stacks(range(len(steps)), steps.__getitem__, per_batch)
+        batches = [(steps[chunk[0]], chunk) for chunk in same_step]
         factor_writes, factor_reads = (FACTOR_KEYS + KL_KEYS, BASIS_KEYS) if group["kl"] else (FACTOR_KEYS, ())
         for t, chunk in batches:
             states = [owner_states[i] for i in chunk]
