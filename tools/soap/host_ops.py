@@ -1,14 +1,15 @@
 """The host's share of SOAP's step on a small MoE, on CPU: the torch operations one steady step issues and its
-median time, a stand-in for the launches and host time of the GPU step (each operation at least one launch
+median time, a stand-in for the launches and host time of the GPU step (every operation but a view is a launch
 there) when a change to the host's work is made without a GPU at hand.
 
-    PYTHONPATH=src python tools/soap/host_ops.py                    # SOAP and KL-SOAP, basis="cholqr"
-    PYTHONPATH=<other checkout>/src python tools/soap/host_ops.py   # the same before a change
+    PYTHONPATH=src:bench python tools/soap/host_ops.py                    # SOAP and KL-SOAP, basis="cholqr"
+    PYTHONPATH=<other checkout>/src:bench python tools/soap/host_ops.py   # the same before a change
 
 One process, one CPU thread; 4 layers, each with 32 experts of 24×64 and 32 of 64×24 (units of 4) and one
 64×64 matrix; ``match_update_rms=0.2`` (the learning-rate study's setting), a refresh every 10 steps. The time
 is the median of 16 steady steps (the refresh steps left out) after 3 untimed ones; the operations are the
-outermost ``aten::`` calls the profiler records in one steady step (views such as ``reshape`` included).
+outermost ``aten::`` calls the profiler records in one steady step (views such as ``reshape`` included), as
+``bench/optimizer_step.py`` counts a CPU step's.
 Matrices this small leave the time to the host, not to arithmetic; the GPU figures come from
 ``bench/lr_study_step.py``.
 """
@@ -21,6 +22,7 @@ import time
 from collections import Counter
 
 import torch
+from optimizer_step import has_aten_ancestor
 from torch.profiler import ProfilerActivity, profile
 
 from dtensor_muon import KLSOAP, SOAP
@@ -38,20 +40,6 @@ def model(seed: int = 0) -> list[tuple[str, torch.nn.Parameter]]:
             params.append((f"layers.{layer}.{name}", torch.nn.Parameter(torch.randn(shape, generator=g))))
         params.append((f"layers.{layer}.attention.wq", torch.nn.Parameter(torch.randn(64, 64, generator=g))))
     return params
-
-
-def outermost_aten_ops(events: list) -> Counter:
-    """Counts of the ``aten::`` events no other ``aten::`` event encloses."""
-
-    def outermost(event) -> bool:
-        parent = event.cpu_parent
-        while parent is not None:
-            if parent.name.startswith("aten::"):
-                return False
-            parent = parent.cpu_parent
-        return event.name.startswith("aten::")
-
-    return Counter(e.name for e in events if outermost(e))
 
 
 def measure(front: type) -> dict[str, float]:
@@ -80,7 +68,7 @@ def measure(front: type) -> dict[str, float]:
         p.grad = torch.randn(p.shape, generator=g)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         timed_step()
-    ops = outermost_aten_ops(prof.events())
+    ops = Counter(e.name for e in prof.events() if e.name.startswith("aten::") and not has_aten_ancestor(e))
     return {"steady_ms": 1e3 * statistics.median(steady), "ops": sum(ops.values()), "top": dict(ops.most_common(6))}
 
 
