@@ -68,7 +68,7 @@ def test_lr_from_adamw_scales_by_the_table_and_refuses_what_it_does_not_know():
         lr_from_adamw("SOAP", -1.0)
 
 
-GPU_CONFIGS = ["llama3_8b_2layers_gpu", "deepseek_v3_16b_2layers_gpu", "qwen3_30b_a3b_2layers_gpu"]
+GPU_CONFIGS = sorted(name for name in TORCHTITAN_ADAMW_LR if name.endswith("_gpu"))
 
 
 @pytest.mark.parametrize("name", GPU_CONFIGS)

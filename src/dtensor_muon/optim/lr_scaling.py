@@ -72,7 +72,7 @@ def muon_lr_from_adamw(adamw_lr: float) -> float:
     ValueError for a negative or non-numeric lr."""
     if isinstance(adamw_lr, bool) or not isinstance(adamw_lr, (int, float)) or adamw_lr < 0:
         raise ValueError(f"muon_lr_from_adamw: adamw_lr must be a number >= 0, got {adamw_lr!r}")
-    return lr_from_adamw("Muon", adamw_lr)
+    return MUON_LR_PER_ADAMW_LR * adamw_lr
 
 
 def batch_scaled_lr(lr: float, batch_size: float, reference_batch_size: float) -> float:
