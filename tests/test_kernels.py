@@ -249,6 +249,23 @@ def _interpreter_checks() -> Numbers:
         from_written = iterate(in_layout_of(written, g), schedule, TORCH_MATMULS, "standard")
         out[f"folded_{name}_torch_rel"] = rel(from_written, y64)
 
+        # G already in the working dtype: the start is G itself (start_scale): the scale and five iterations
+        # bit for bit those of the written start, and G left as it was.
+        g16 = g.to(bf16)
+        kept = g16.clone()
+        written = torch.empty_like(g16)
+        scale_written = SYRK_MATMULS.start_into(g16, written, in_layout_of(written, g16), 1e-7)
+        scale_in_place = SYRK_MATMULS.start_scale(g16, in_layout_of(g16, g16), 1e-7)
+        out[f"in_place_{name}_scale_equal"] = float(torch.equal(scale_written, scale_in_place))
+        for algorithm in ("standard", "gram"):
+            from_written = iterate(in_layout_of(written, g16), schedule, SYRK_MATMULS, algorithm, scale_written)
+            from_g = iterate(in_layout_of(g16, g16), schedule, SYRK_MATMULS, algorithm, scale_in_place)
+            out[f"in_place_{name}_{algorithm}_equal"] = float(torch.equal(from_written, from_g))
+        out[f"in_place_{name}_leaves_g"] = float(torch.equal(g16, kept))
+        out[f"in_place_{name}_torch_declines"] = float(
+            TORCH_MATMULS.start_scale(g16, in_layout_of(g16, g16), 1e-7) is None
+        )
+
     # The GPU backend's iteration (SYRK at every size) on a transposed view (a tall gradient): result and
     # layout; and five NS iterations against the float64 iteration, next to the torch backend's.
     g = torch.randn(100, 48)
@@ -431,6 +448,17 @@ def test_folded_start_iterates_like_the_written_start(interp: Numbers, name: str
     for algorithm in ("standard", "gram"):
         assert 0 < interp[f"folded_{name}_{algorithm}_rel"] <= 2 * interp[f"folded_{name}_torch_rel"] < 5e-2
         assert interp[f"folded_{name}_{algorithm}_keeps_layout"] == 1.0
+
+
+@pytest.mark.parametrize("name", ["tall", "batched"])
+def test_a_start_in_the_working_dtype_is_read_in_place_with_the_same_bits(interp: Numbers, name: str) -> None:
+    # start_scale: X̃ = G itself, only s computed; s and five iterations (both forms) equal those of the start
+    # written by start_into bit for bit, G is not written, and the torch backend (which writes X₀) declines.
+    assert interp[f"in_place_{name}_scale_equal"] == 1.0
+    for algorithm in ("standard", "gram"):
+        assert interp[f"in_place_{name}_{algorithm}_equal"] == 1.0
+    assert interp[f"in_place_{name}_leaves_g"] == 1.0
+    assert interp[f"in_place_{name}_torch_declines"] == 1.0
 
 
 def test_scale_arguments_are_checked() -> None:

@@ -12,7 +12,7 @@ import torch
 from dtensor_muon import Muon
 from dtensor_muon.kernels import use_backend
 from dtensor_muon.linalg import ns_graphs
-from dtensor_muon.linalg.newton_schulz import newton_schulz
+from dtensor_muon.linalg.newton_schulz import newton_schulz, normalized_start
 from dtensor_muon.linalg.ns_graphs import NewtonSchulzGraphs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -60,6 +60,37 @@ def test_small_inputs_replay_the_torch_backends_products_bitwise(shape):
         g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
         assert torch.equal(runner(g), newton_schulz(g))
     assert len(runner) == 1
+
+
+def test_the_torch_backend_writes_a_start_of_its_own():
+    g = torch.randn(48, 96, dtype=torch.bfloat16)
+    start, _, backend, scale = normalized_start(g, torch.bfloat16, 1e-7)
+    assert backend.name == "torch" and scale is None and start is not g
+    assert torch.equal(start, (g / g.norm()).to(torch.bfloat16))
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(1536, 2560), (2560, 1536), (8, 768, 2048)])
+def test_a_working_dtype_input_is_the_start_itself_and_is_never_written(shape):
+    """On the SYRK route a bf16 G is read in place (no start written): each call equals the call on G's fp32
+    values (whose cast is written) bit for bit, eager and replayed, wide, tall and batched; no call writes G, and
+    replays copy into the graph's own buffer, never into the first call's G."""
+    runner = NewtonSchulzGraphs()
+    with use_backend("syrk"):
+        inputs = [
+            torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).bfloat16()
+            for seed in range(3)
+        ]
+        kept = [g.clone() for g in inputs]
+        start, _, _, scale = normalized_start(inputs[0], torch.bfloat16, 1e-7)
+        assert start is inputs[0] and scale is not None
+        for g in inputs:
+            for algorithm in ("standard", "gram"):
+                eager = newton_schulz(g, algorithm=algorithm)
+                assert torch.equal(eager, newton_schulz(g.float(), algorithm=algorithm))
+                assert torch.equal(runner(g, algorithm=algorithm), eager)
+        assert all(torch.equal(g, k) for g, k in zip(inputs, kept))
+    assert len(runner) == 2
 
 
 @cuda

@@ -16,6 +16,7 @@ by at most one rounding of the working dtype per entry (torch rounds the norm to
 
 ``cast_and_scale_into`` reads G once, in one kernel that writes X̃ = G̃ and ends in s. The caller folds s into
 the first products (A₀ = s²·X̃·X̃ᵀ, P₀·X₀ = (s·P₀)·X̃), so X₀ is never written: one read of G instead of two.
+``scale_of`` is the same for a G already in the working dtype: X̃ is G itself, and only s is written.
 
 How a kernel ends in s without a second launch: each program stores its block's fp32 sum of squares, and the
 last program of a matrix to finish adds them in a fixed order (deterministic) and writes s
@@ -157,4 +158,15 @@ def cast_and_scale_into(g: Tensor, out: Tensor, eps: float, scale: Tensor | None
     else:
         require_scale(scale, matrices, g.device, "cast_and_scale_into")
     _sum_squares_into(g, scale, eps, out, write_cast=True)
+    return scale
+
+
+def scale_of(g: Tensor, eps: float) -> Tensor:
+    """scale[b] = 1 / max(‖G_b‖_F, eps) per matrix of ``g`` ([m, n] or [B, m, n], already in the working dtype):
+    :func:`cast_and_scale_into` where round(G) is G itself, so nothing is written but the scale (X₀ = scale·G).
+
+    ``g`` must be contiguous (:func:`scale_cast_applies`)."""
+    _require_kernel_layout(g, g, "scale_of")
+    scale = torch.empty(matrix_count(g), device=g.device, dtype=torch.float32)
+    _sum_squares_into(g, scale, eps, g, write_cast=False)
     return scale

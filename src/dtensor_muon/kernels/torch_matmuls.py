@@ -38,6 +38,10 @@ class TorchMatmuls:
         self.normalize_into(g, out, eps)
         return None
 
+    def start_scale(self, g: Tensor, x: Tensor, eps: float) -> Tensor | None:
+        """None: this backend writes X₀ (:meth:`start_into`), it never folds a scale."""
+        return None
+
     def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None:
         """out = G / max(‖G‖_F, eps) per matrix of a batch, as torch.optim.Muon computes it: G cast to out's
         dtype, then divided in place by the norm of the cast (``out``: G's shape and dtype-cast layout)."""

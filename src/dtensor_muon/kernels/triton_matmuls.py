@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .normalize import cast_and_scale_into, normalize_into, scale_cast_applies
+from .normalize import cast_and_scale_into, normalize_into, scale_cast_applies, scale_of
 from .shapes import decision_count
 from .torch_matmuls import TORCH_MATMULS, scaled
 from .triton_syrk import is_transposed_view, lower_tile_count, symmetric_product, syrk
@@ -124,6 +124,15 @@ class TritonMatmuls:
             self.normalize_into(g, out, eps)
             return None
         return cast_and_scale_into(g, out, eps, scale_out)
+
+    def start_scale(self, g: Tensor, x: Tensor, eps: float) -> Tensor | None:
+        """The start with G itself as X̃, for G already in the working dtype (``x``: G's wide view): where
+        :meth:`start_into` would fold a scale, returns s = 1 / max(‖G‖_F, eps) per matrix, X₀ = s·G, reading G
+        once and writing nothing else (:func:`.normalize.scale_of`), the bits :meth:`start_into` gives; else
+        None, and the caller writes a start."""
+        if not (self.uses_syrk(x) and scale_cast_applies(g, g)):
+            return None
+        return scale_of(g, eps)
 
     def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None:
         """out = round(X̃ / max(‖X̃‖_F, eps)) per matrix, X̃ = round(G) (:mod:`.normalize`) where both are

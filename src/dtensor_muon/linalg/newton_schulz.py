@@ -167,12 +167,22 @@ def iteration_schedule(g: Tensor, coefficients: CoefficientSpec, steps: int) -> 
     return tuple(coefficients_at(triples, i) for i in range(steps))
 
 
-def normalized_start(g: Tensor, dtype: torch.dtype, eps: float) -> tuple[Tensor, Tensor, Backend, Tensor | None]:
+def normalized_start(
+    g: Tensor, dtype: torch.dtype, eps: float, *, own_buffer: bool = False
+) -> tuple[Tensor, Tensor, Backend, Tensor | None]:
     """The start of the iteration: a new buffer in ``dtype`` and ``g``'s layout, the wide (m ≤ n) view of it
     the iteration works on (the buffer itself, or its transpose for a tall ``g``), the backend chosen for
     that view, and the scale: None when the buffer holds X₀ = G / max(‖G‖_F, eps), else the per-matrix
     s = 1 / max(‖G‖_F, eps) with the buffer holding round(G) and X₀ = s·buffer (GPU backend, SYRK sizes:
-    the first products fold s in; see ``Backend.start_into``)."""
+    the first products fold s in; see ``Backend.start_into``). Where ``g`` is already in ``dtype`` and the scale
+    is folded, the buffer is ``g`` itself, read and never written (``Backend.start_scale``): one pass of writes
+    less, the same bits; ``own_buffer`` always gives a new one (a CUDA graph's input, written again each replay)."""
+    if g.dtype == dtype and not own_buffer:
+        x = in_layout_of(g, g)
+        backend = select_backend(x)
+        scale = backend.start_scale(g, x, eps)
+        if scale is not None:
+            return g, x, backend, scale
     start = torch.empty_like(g, dtype=dtype)
     x = in_layout_of(start, g)
     backend = select_backend(x)

@@ -116,7 +116,7 @@ class NewtonSchulzGraphs:
         self, key: tuple, g: Tensor, schedule: tuple, eps: float, dtype: torch.dtype, algorithm: str
     ) -> Tensor:
         """Runs eagerly (tuning and compiling every kernel), then captures the iterations where a graph pays."""
-        start, x, backend, scale = normalized_start(g, dtype, eps)
+        start, x, backend, scale = normalized_start(g, dtype, eps, own_buffer=True)
         result = in_layout_of(iterate(x, schedule, backend, algorithm, scale), g)
         if gram_work(x) > MAX_GRAPH_WORK:
             self._captured[key] = None
