@@ -549,7 +549,7 @@ def test_dispatcher_picks_torch_on_cpu(make: Callable[[], torch.Tensor]) -> None
         ((4096, 14336), True, True, True),
         ((64, 1408, 2048), True, True, True),  # SYRK measured faster from m = 1408 (64 experts)
         ((8, 1024, 4096), False, True, True),  # Triton kernel: cuBLAS products, a·I folded into P
-        ((8, 768, 2048), True, False, True),  # a unit of 8 Qwen3 experts: 168 tiles, the small-side floor
+        ((8, 768, 2048), True, True, True),  # a unit of 8 Qwen3 experts: 168 tiles, both kernels' floors
         ((4, 768, 2048), False, False, False),  # 84 tiles, and too little work for the GPU backend
         ((16, 512, 2048), False, False, True),  # below the small sides: cuBLAS
         ((2048, 8192), False, True, True),  # 136 tiles: enough for the Gluon kernel only

@@ -365,3 +365,23 @@ def test_newton_schulz_of_a_stack_equals_its_units_bitwise(shape: tuple[int, int
         stacked = runner(g)
         stacked_again = runner(g)  # the replay of the stack's graph
     assert torch.equal(stacked, alone) and torch.equal(stacked_again, alone)
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", [(768, 2048), (2048, 768)], ids=["wide", "tall"])
+def test_a_matrix_has_the_same_bits_alone_in_its_unit_and_in_the_largest_stack(shape: tuple[int, int]) -> None:
+    """What stacks of any size rest on, for Qwen3-30B-A3B's experts (bf16, as the optimizer sends them): decided as
+    a unit of 8, Newton–Schulz gives a matrix the same bits alone, in its unit of 8 and in a stack of MAX_STACK
+    units (128 matrices: eager, G read in place, where the units replay CUDA graphs with a start of their own)."""
+    from dtensor_muon.linalg.ns_graphs import NewtonSchulzGraphs
+
+    unit = 8
+    g = torch.randn(MAX_STACK * unit, *shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    g = g.bfloat16()
+    runner = NewtonSchulzGraphs()
+    with decide_as_batch(unit):
+        stacked = runner(g)
+        for first in (0, 7 * unit, (MAX_STACK - 1) * unit):
+            assert torch.equal(runner(g[first : first + unit]), stacked[first : first + unit])
+        for k in (0, 5 * unit + 3, MAX_STACK * unit - 1):
+            assert torch.equal(runner(g[k : k + 1]), stacked[k : k + 1])

@@ -98,24 +98,25 @@ def test_newton_schulz_agrees_with_the_triton_kernel(shape):
 
 
 def test_small_products_stay_on_the_triton_kernel():
-    """Below WS_MIN_WORK (2³³) multiply-adds the backend keeps the Triton kernel; 2048² (2³³) takes this one."""
-    small = torch.randn(1024, 2048, device="cuda").bfloat16()
+    """Below WS_MIN_WORK (2³¹) multiply-adds the backend keeps the Triton kernel; 1024×2048 (2³¹) takes this one."""
+    small = torch.randn(1024, 1024, device="cuda").bfloat16()
     assert ws_syrk_supports(small)
     assert not ws_syrk_pays(small)
-    assert ws_syrk_pays(torch.randn(2048, 2048, device="cuda").bfloat16())
+    assert ws_syrk_pays(torch.randn(1024, 2048, device="cuda").bfloat16())
 
 
 def test_the_gluon_kernel_brings_the_syrk_and_gram_floors_down():
-    """Where the Gluon kernel runs the m×m products (B·m³ ≥ 2³³ on the H200) the backend takes SYRK from m = 1024
-    and 136 tiles and the Gram form from aspect 1.4; with the kernel off, the Triton kernel's floors hold."""
+    """Where the Gluon kernel runs the m×m products (B·m³ ≥ 2³¹ on a Hopper GPU) the backend takes SYRK from m = 768
+    and 136 tiles and the Gram form from aspect 1.4; with the kernel off, the Triton kernel's floors hold (a unit
+    of 8 768-wide experts keeps SYRK there, on the Triton kernel's small-side floor)."""
     from dtensor_muon.kernels import use_gram
     from dtensor_muon.kernels.triton_matmuls import TRITON_MATMULS
 
-    for shape in [(8, 1024, 4096), (2048, 8192)]:
+    for shape in [(8, 1024, 4096), (2048, 8192), (8, 768, 2048)]:
         x = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
         assert TRITON_MATMULS.uses_gluon_syrk(x) and use_gram("auto", x, TRITON_MATMULS, True)
         with ws_syrk_enabled(False):
-            assert not TRITON_MATMULS.uses_syrk(x)
+            assert TRITON_MATMULS.uses_syrk(x) is (shape == (8, 768, 2048))
     small = torch.empty(1024, 8192, device="cuda", dtype=torch.bfloat16)  # 2³⁰ per product, 36 tiles
     assert not TRITON_MATMULS.uses_syrk(small)
 

@@ -40,11 +40,12 @@ from .ws_syrk import ws_syrk_pays, ws_syrk_runs_products, ws_syrk_supported
 # Chosen by measurement: docs/kernels.md "Measured constants" (re-measure: tools/kernels/ns_variants.py)
 MIN_SYRK_DIM = 1280
 MIN_SYRK_TILES = 264
-MIN_GLUON_SYRK_DIM = 1024
+MIN_GLUON_SYRK_DIM = 768
 MIN_GLUON_SYRK_TILES = 136
 # Below MIN_SYRK_DIM the Triton kernel also pays for SMALL_SYRK_DIMS[0] ≤ m < SMALL_SYRK_DIMS[1] from
 # MIN_SMALL_SYRK_TILES tiles, a unit of 8 768-wide experts: measured 0.364 against 0.388 ms for 8×768×2048 (and
-# 8×2048×768), 4.64 against 5.51 ms for a stack of 16 such units (docs/kernels.md "Expert stacks").
+# 8×2048×768), 4.64 against 5.51 ms for a stack of 16 such units (docs/kernels.md "Expert stacks"). On Hopper the
+# Gluon kernel takes those calls (MIN_GLUON_SYRK_DIM): 4.59 against the Triton kernel's 4.96 ms for the stack.
 SMALL_SYRK_DIMS = (768, 1024)
 MIN_SMALL_SYRK_TILES = 168
 

@@ -61,10 +61,12 @@ TURN_LEAD = 1
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 MAX_REGS = 168  # 12 warps (two consumer warpgroups, the producer's warpgroup) · 32 · 168 ≤ 65536 registers
-# Largest Gram side (the Triton kernel's 256×128 tiles win above it) and fewest multiply-adds B·m²·k per product.
-# Chosen by measurement: docs/kernels.md "Measured constants" (re-measure: tools/kernels/ws_min_work.py)
+# Largest Gram side (the Triton kernel's 256×128 tiles win above it) and fewest multiply-adds B·m²·k per product
+# (2³¹: a unit of 8 768-wide experts' m×m products, 8·768³, run here too).
+# Chosen by measurement: docs/kernels.md "Measured constants" (re-measure: tools/kernels/ws_min_work.py, and
+# tools/kernels/ns_variants.py for whole calls below 2³³)
 WS_MAX_DIM = 4096
-WS_MIN_WORK = 2**33
+WS_MIN_WORK = 2**31
 _enabled = os.environ.get("DTENSOR_MUON_WS_SYRK", "1") != "0"
 
 
