@@ -28,6 +28,7 @@ and the tall 8-side get rank 5 a step), so only step 1's coordinate null spaces 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import warnings
@@ -287,7 +288,7 @@ def test_step_counts_stay_on_the_host_on_cuda_through_a_state_dict_round_trip():
     opt, params = build(initial)
     steps(opt, params, grads[:3])
     resumed, resumed_params = build([p.detach().cpu() for p in params])
-    resumed.load_state_dict(opt.state_dict())
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))  # as a checkpoint: torch's load keeps the tensors
     for optimizer in (opt, resumed):
         held = [t for p in optimizer.param_groups[0]["params"] for m in optimizer.state[p]["owner_state"].values()
                 for t in m.items()]  # fmt: skip
