@@ -13,7 +13,9 @@ torch.profiler; from it:
   start to last kernel's end) less busy; lead ms: from ``step()``'s call to the first kernel (the host's work
   before the device has any).
 
-A kernel replayed inside a CUDA graph counts where the profiler reports it.
+A kernel replayed inside a CUDA graph counts where the profiler reports it. The floor, as optimizer_step.py's:
+the Muon matrices' Newton–Schulz FLOPs with symmetric products at the bf16 8192³ matmul rate measured first in the
+same process; each step's "× floor" is its median over it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from optimizer_step import MODELS, ParameterSet, build_optimizer, parameter_shapes, step_all, sync
+from optimizer_step import (
+    MODELS,
+    ParameterSet,
+    build_optimizer,
+    matmul_ceiling,
+    ns_flops,
+    parameter_shapes,
+    step_all,
+    sync,
+)
 from torch.autograd import DeviceType
 
 KINDS = (  # (kind, substrings of the kernel's name, in order: the first match names it)
@@ -114,7 +125,8 @@ def median_step_ms(optimizers: list[torch.optim.Optimizer], device: torch.device
 
 def print_profile(kind: str, result: dict, top: int) -> None:
     print(
-        f"\n{kind}: step {result['step_ms']:.1f} ms (median); profiled step: host {result['host_ms']:.1f} ms; device span {result['span_ms']:.1f} ms = busy "
+        f"\n{kind}: step {result['step_ms']:.1f} ms (median, {result['vs_floor']:.2f}× the floor); profiled step: "
+        f"host {result['host_ms']:.1f} ms; device span {result['span_ms']:.1f} ms = busy "
         f"{result['busy_ms']:.1f} + idle {result['idle_ms']:.1f}; first kernel {result['lead_ms']:.1f} ms after "
         f"step() was called; {result['kernels']} kernels"
     )
@@ -143,6 +155,12 @@ def main() -> None:
     family, flavor = MODELS[args.model]
     shapes, _ = parameter_shapes(family, flavor, args.layers, False, args.experts)
     params = ParameterSet(shapes, device)
+    ceiling = matmul_ceiling(device)
+    flops = sum(ns_flops(shape)[0] for name, shape in shapes if name in params.muon_names)
+    floor_ms = 1e3 * flops / (ceiling["tflops"] * 1e12)
+    print(
+        f"bf16 8192³ matmul: {ceiling['tflops']:.0f} TFLOP/s; Newton–Schulz floor of the Muon matrices {floor_ms:.1f} ms"
+    )
     results = {}
     for kind in args.kinds.split(","):
         params.reset()
@@ -150,7 +168,7 @@ def main() -> None:
         for _ in range(args.warmup):
             step_all(optimizers)
         step_ms = median_step_ms(optimizers, device, args.steps)
-        results[kind] = {"step_ms": step_ms, **profile_step(optimizers, device)}
+        results[kind] = {"step_ms": step_ms, "vs_floor": step_ms / floor_ms, **profile_step(optimizers, device)}
         print_profile(kind, results[kind], args.top)
         del optimizers
         torch.cuda.empty_cache()
@@ -163,6 +181,8 @@ def main() -> None:
                     "model": args.model,
                     "layers": args.layers,
                     "experts": args.experts,
+                    "matmul_tflops": ceiling["tflops"],
+                    "ns_floor_ms": floor_ms,
                     "results": results,
                 },
                 indent=1,
