@@ -50,11 +50,11 @@ _forced: list[str] = []
 
 class Backend(Protocol):
     """Newton–Schulz's start and products on [m, n] or [B, m, n]: the start from G (X₀ = G / max(‖G‖_F, eps)
-        written, or X̃ = round(G) with a per-matrix scale s, X₀ = s·X̃, for the first products to fold in; where G is
-    already in the working dtype that fold needs no X̃ at all: ``start_scale`` gives s and X̃ is G), one
-        iteration X' = a·X + (b·A + c·A·A)·X with A = X·Xᵀ, and the products of its Gram form: A = X·Xᵀ,
-        P = a·I + b·A + c·A·A, X·Yᵀ known symmetric, P·X. A ``scale`` s multiplies gram's result by s², poly's and
-        symmetric_product's by s, and makes iteration start from s·x."""
+    written, or X̃ = round(G) with a per-matrix scale s, X₀ = s·X̃, for the first products to fold in; for a G
+    already in the working dtype ``start_scale`` gives s alone where that fold applies, X̃ being G itself), one
+    iteration X' = a·X + (b·A + c·A·A)·X with A = X·Xᵀ, and the products of its Gram form: A = X·Xᵀ,
+    P = a·I + b·A + c·A·A, X·Yᵀ known symmetric, P·X. A ``scale`` s multiplies gram's result by s², poly's and
+    symmetric_product's by s, and makes iteration start from s·x."""
 
     name: str
 
