@@ -21,8 +21,8 @@ same process; each step's "× floor" is its median over it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -33,6 +33,7 @@ from optimizer_step import (
     ParameterSet,
     build_optimizer,
     matmul_ceiling,
+    median_ms,
     ns_flops,
     parameter_shapes,
     step_all,
@@ -86,8 +87,11 @@ def profile_step(optimizers: list[torch.optim.Optimizer], device: torch.device) 
         sync(device)
     events = prof.events()
     step_start = min(e.time_range.start for e in events if e.name == "whole_step" and e.device_type == DeviceType.CPU)
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.name != "whole_step"]
-    kernels = [e for e in kernels if not e.name.startswith("Optimizer.")]
+    kernels = [
+        e
+        for e in events
+        if e.device_type == DeviceType.CUDA and e.name != "whole_step" and not e.name.startswith("Optimizer.")
+    ]
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in kernels:
         by_name[e.name][0] += 1
@@ -109,18 +113,6 @@ def profile_step(optimizers: list[torch.optim.Optimizer], device: torch.device) 
         "by_kind": {k: {"launches": c, "ms": ms} for k, (c, ms) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
         "by_name": {k: {"launches": c, "ms": ms} for k, (c, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])},
     }
-
-
-def median_step_ms(optimizers: list[torch.optim.Optimizer], device: torch.device, steps: int) -> float:
-    """Median wall ms of ``steps`` steps, the device synchronized before and after each."""
-    times = []
-    for _ in range(steps):
-        sync(device)
-        start = time.perf_counter()
-        step_all(optimizers)
-        sync(device)
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def print_profile(kind: str, result: dict, top: int) -> None:
@@ -165,9 +157,7 @@ def main() -> None:
     for kind in args.kinds.split(","):
         params.reset()
         optimizers = build_optimizer(kind, params)
-        for _ in range(args.warmup):
-            step_all(optimizers)
-        step_ms = median_step_ms(optimizers, device, args.steps)
+        step_ms = median_ms(functools.partial(step_all, optimizers), device, args.warmup, args.steps)
         results[kind] = {"step_ms": step_ms, "vs_floor": step_ms / floor_ms, **profile_step(optimizers, device)}
         print_profile(kind, results[kind], args.top)
         del optimizers
