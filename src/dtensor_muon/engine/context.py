@@ -40,22 +40,6 @@ OWNER_STATE_KEY = "owner_state"
 """Key of a parameter's optimizer state that holds its matrices' owner state: ``{matrix key: {name: tensor}}``."""
 
 
-def copies_of_states(states: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
-    """New tensors equal to every entry of a unit's owner states (the copies a transactional step's direction
-    writes), made per unit: torch's multi-tensor copy per device and dtype, a few launches for all of a unit's
-    entries on CUDA where a clone of each took one per entry."""
-    copies = [{name: torch.empty_like(t) for name, t in s.items()} for s in states]
-    pairs: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
-    for state, copy in zip(states, copies):
-        for name, t in state.items():
-            targets, sources = pairs.setdefault((t.device, t.dtype), ([], []))
-            targets.append(copy[name])
-            sources.append(t)
-    for targets, sources in pairs.values():
-        torch._foreach_copy_(targets, sources)
-    return copies
-
-
 @dataclass
 class Entry:
     """One parameter as the engine sees it; ``regions``: (slices in the local shard or None, matrix shape)
@@ -283,7 +267,7 @@ class StepContext:
         states = [self.owner_state(spec) for spec in specs]
         staged = self.transactional and self.rule.has_owner_state
         if staged:
-            states = copies_of_states(states)
+            states = [{name: t.clone() for name, t in s.items()} for s in states]
         runner = self.runner
         if borrow and isinstance(runner, NewtonSchulzGraphs):
             runner = functools.partial(runner, borrow=True)

@@ -65,8 +65,6 @@ class NorMuonRule(MuonRule):
         normalized_norm = torch.linalg.vector_norm(normalized, dim=(-2, -1))
         ratio = torch.where(normalized_norm > 0, o_norm / normalized_norm, 0.0)  # O = 0 (module docstring)
         normalized = normalized * ratio[..., None, None]
-        if o.ndim == 2:
-            owner_states[0]["v"].copy_(v)
-        else:  # one multi-tensor copy for the unit (a few launches on CUDA, not one per matrix)
-            torch._foreach_copy_([s["v"] for s in owner_states], list(v.unbind(0)))
+        for i, s in enumerate(owner_states):
+            s["v"].copy_(v if o.ndim == 2 else v[i])
         return normalized
