@@ -11,11 +11,17 @@ torch.profiler; from it:
 - each kernel's device time, summed over its launches, grouped by the kind its name tells (:data:`KINDS`);
 - busy ms: the union of the kernels' intervals on the device; idle ms: the step's device span (first kernel's
   start to last kernel's end) less busy; lead ms: from ``step()``'s call to the first kernel (the host's work
-  before the device has any).
+  before the device has any); the longest idle gaps, each with the kernels on either side.
 
 A kernel replayed inside a CUDA graph counts where the profiler reports it. The floor, as optimizer_step.py's:
 the Muon matrices' Newton–Schulz FLOPs with symmetric products at the bf16 8192³ matmul rate measured first in the
 same process; each step's "× floor" is its median over it.
+
+The state-traffic floor: the bytes no optimizer step can avoid moving, at the device-to-device copy rate measured
+in the same process (each byte read or written counted once): per Muon parameter the fp32 gradient read (4), the
+fp32 momentum read and written (8) and the fp32 parameter read and written (8), 20 bytes; per AdamW parameter 28
+(the gradient 4, the parameter 8, two moments 16). The step's floor is the two floors' sum, Newton–Schulz's
+products and the state's passes never overlapping on one device; "× step floor" is the median over it.
 """
 
 from __future__ import annotations
@@ -54,6 +60,56 @@ KINDS = (  # (kind, substrings of the kernel's name, in order: the first match n
     ("copies and casts", ("copy", "Memcpy", "Memset", "memcpy", "memset")),
     ("other element-wise (torch)", ("elementwise", "vectorized")),
 )
+
+
+MUON_STATE_BYTES = 20
+ADAMW_STATE_BYTES = 28
+GAPS = 6  # idle gaps listed per profiled step
+
+
+def copy_bandwidth(device: torch.device, gib: float = 1.0, reps: int = 20) -> float:
+    """Device-to-device copy rate in GB/s (bytes read plus bytes written over the median time of ``dst.copy_(src)``
+    on ``gib`` GiB of fp32)."""
+    src = torch.empty(int(gib * 2**28), device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return 2 * src.numel() * 4 / (times[len(times) // 2] * 1e6)
+
+
+def state_traffic_floor_ms(params: ParameterSet, gb_per_s: float) -> tuple[float, float]:
+    """(GB, ms): the step's unavoidable state traffic (:data:`MUON_STATE_BYTES`, :data:`ADAMW_STATE_BYTES` a
+    parameter) and its time at ``gb_per_s``."""
+    total = sum(
+        p.numel() * (MUON_STATE_BYTES if name in params.muon_names else ADAMW_STATE_BYTES) for name, p in params.named
+    )
+    return total / 1e9, total / (gb_per_s * 1e6)
+
+
+def idle_gaps(kernels: list, count: int) -> list[dict]:
+    """The ``count`` longest stretches of the step's device span with no kernel running, each with its length
+    (ms), its start from the first kernel (ms) and the names of the kernels that end before and start after it."""
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    first = ordered[0].time_range.start
+    gaps, end, before = [], ordered[0].time_range.end, ordered[0]
+    for e in ordered[1:]:
+        if e.time_range.start > end:
+            gaps.append((e.time_range.start - end, end, before.name, e.name))
+        if e.time_range.end >= end:
+            end, before = e.time_range.end, e
+    gaps.sort(reverse=True)
+    return [
+        {"ms": g / 1e3, "at_ms": (at - first) / 1e3, "after": a[:80], "before": b[:80]} for g, at, a, b in gaps[:count]
+    ]
 
 
 def kernel_kind(name: str) -> str:
@@ -110,6 +166,7 @@ def profile_step(optimizers: list[torch.optim.Optimizer], device: torch.device) 
         "idle_ms": (last - first) / 1e3 - busy,
         "lead_ms": (first - step_start) / 1e3,
         "kernels": len(kernels),
+        "gaps": idle_gaps(kernels, GAPS),
         "by_kind": {k: {"launches": c, "ms": ms} for k, (c, ms) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
         "by_name": {k: {"launches": c, "ms": ms} for k, (c, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])},
     }
@@ -117,7 +174,8 @@ def profile_step(optimizers: list[torch.optim.Optimizer], device: torch.device) 
 
 def print_profile(kind: str, result: dict, top: int) -> None:
     print(
-        f"\n{kind}: step {result['step_ms']:.1f} ms (median, {result['vs_floor']:.2f}× the floor); profiled step: "
+        f"\n{kind}: step {result['step_ms']:.1f} ms (median, {result['vs_floor']:.2f}× the NS floor, "
+        f"{result['vs_step_floor']:.2f}× the step floor); profiled step: "
         f"host {result['host_ms']:.1f} ms; device span {result['span_ms']:.1f} ms = busy "
         f"{result['busy_ms']:.1f} + idle {result['idle_ms']:.1f}; first kernel {result['lead_ms']:.1f} ms after "
         f"step() was called; {result['kernels']} kernels"
@@ -125,6 +183,9 @@ def print_profile(kind: str, result: dict, top: int) -> None:
     print("| kind | kernels | ms | share of busy |\n|---|---:|---:|---:|")
     for name, row in result["by_kind"].items():
         print(f"| {name} | {row['launches']} | {row['ms']:.2f} | {row['ms'] / result['busy_ms']:.1%} |")
+    print("\n| idle gap ms | at ms | after | before |\n|---:|---:|---|---|")
+    for gap in result["gaps"]:
+        print(f"| {gap['ms']:.2f} | {gap['at_ms']:.1f} | {gap['after']} | {gap['before']} |")
     print(f"\n| top {top} kernels | launches | ms |\n|---|---:|---:|")
     for name, row in list(result["by_name"].items())[:top]:
         print(f"| {name[:110]} | {row['launches']} | {row['ms']:.2f} |")
@@ -150,15 +211,25 @@ def main() -> None:
     ceiling = matmul_ceiling(device)
     flops = sum(ns_flops(shape)[0] for name, shape in shapes if name in params.muon_names)
     floor_ms = 1e3 * flops / (ceiling["tflops"] * 1e12)
+    bandwidth = copy_bandwidth(device)
+    traffic_gb, traffic_ms = state_traffic_floor_ms(params, bandwidth)
+    step_floor_ms = floor_ms + traffic_ms
     print(
-        f"bf16 8192³ matmul: {ceiling['tflops']:.0f} TFLOP/s; Newton–Schulz floor of the Muon matrices {floor_ms:.1f} ms"
+        f"bf16 8192³ matmul: {ceiling['tflops']:.0f} TFLOP/s; Newton–Schulz floor of the Muon matrices {floor_ms:.1f} "
+        f"ms; copy rate {bandwidth:.0f} GB/s; state traffic {traffic_gb:.1f} GB, floor {traffic_ms:.1f} ms; step "
+        f"floor {step_floor_ms:.1f} ms"
     )
     results = {}
     for kind in args.kinds.split(","):
         params.reset()
         optimizers = build_optimizer(kind, params)
         step_ms = median_ms(functools.partial(step_all, optimizers), device, args.warmup, args.steps)
-        results[kind] = {"step_ms": step_ms, "vs_floor": step_ms / floor_ms, **profile_step(optimizers, device)}
+        results[kind] = {
+            "step_ms": step_ms,
+            "vs_floor": step_ms / floor_ms,
+            "vs_step_floor": step_ms / step_floor_ms,
+            **profile_step(optimizers, device),
+        }
         print_profile(kind, results[kind], args.top)
         del optimizers
         torch.cuda.empty_cache()
@@ -173,6 +244,10 @@ def main() -> None:
                     "experts": args.experts,
                     "matmul_tflops": ceiling["tflops"],
                     "ns_floor_ms": floor_ms,
+                    "copy_gb_per_s": bandwidth,
+                    "state_traffic_gb": traffic_gb,
+                    "state_traffic_floor_ms": traffic_ms,
+                    "step_floor_ms": step_floor_ms,
                     "results": results,
                 },
                 indent=1,
