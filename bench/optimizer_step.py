@@ -67,7 +67,12 @@ sees the same number of steps from both Muons):
 
 On CUDA it also prints the Newton–Schulz FLOP floor of the Muon matrices: their 5-step FLOPs, counted with
 symmetric products (3m²n + m³ per iteration, m ≤ n) and plainly (4m²n + 2m³), over the bf16 8192³ matmul
-rate measured in the same run.
+rate measured in the same run; and the step's floor, that NS floor (symmetric) plus the state traffic no step
+can avoid at the device-to-device copy rate measured in the same run (each byte read or written counted once):
+per Muon parameter the fp32 gradient read (4 bytes), the fp32 momentum read and written (8) and the fp32
+parameter read and written (8), 20 bytes (:data:`MUON_STATE_BYTES`); per AdamW parameter 28 (the gradient 4,
+the parameter 8, two moments 16: :data:`ADAMW_STATE_BYTES`). The products and the state's passes share one
+device's time, so the floors add. "× NS floor" and "× step floor" are the median step over each.
 
 Per-rank view (``--world-size W``, repeatable or a comma list): the Muon parameters are laid out as FSDP2 lays
 them over W ranks (``Shard(0)``, ``dtensor_muon.plan.simulate.fsdp_layout``) and planned by
@@ -89,7 +94,8 @@ Not included: the exchanges (the all-to-all of U to the owners and of O back), p
 buffers, the optimizer's metrics and non-finite checks, and the host work of planning. Reported per W: the
 busiest rank's planned FLOPs (its units' ``MuonRule.cost``, = max of the plan's per-rank FLOPs) and the mean,
 its share ms and the units' Newton–Schulz alone (ns ms), its NS floor (the units' FLOPs with symmetric products
-over the measured matmul rate; CUDA only) and share/floor; beside it a fused AdamW step (foreach on CPU) over
+over the measured matmul rate; CUDA only) and share/floor, its step floor (the NS floor plus
+:data:`MUON_STATE_BYTES` a value of its Muon shards at the copy rate) and share/step floor; beside it a fused AdamW step (foreach on CPU) over
 the same rank's FSDP shard of every parameter (about 1/W of each): AdamW share ms.
 """
 
@@ -669,6 +675,38 @@ def optimizer_label(kind: str) -> str:
     return LABELS[kind]
 
 
+MUON_STATE_BYTES = 20
+"""Bytes a Muon parameter's step must move at the least: the fp32 gradient read, momentum and parameter each read
+and written."""
+ADAMW_STATE_BYTES = 28
+"""Bytes an AdamW parameter's step must move at the least: the fp32 gradient read, the parameter and both moments
+each read and written."""
+
+
+def device_copy_gbps(device: torch.device, nbytes: int = 2**30, reps: int = 20) -> float:
+    """The device-to-device copy rate in GB/s, bytes read plus bytes written (``dst.copy_(src)`` on ``nbytes``
+    bytes of fp32, median of ``reps`` by CUDA events after warm-up)."""
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 2 * nbytes / (median(times) * 1e6)
+
+
+def state_bytes(muon_values: int, other_values: int) -> int:
+    """The state traffic no step can avoid: :data:`MUON_STATE_BYTES` a Muon value, :data:`ADAMW_STATE_BYTES` an
+    AdamW one."""
+    return MUON_STATE_BYTES * muon_values + ADAMW_STATE_BYTES * other_values
+
+
 def copy_rates(device: torch.device, nbytes: int, reps: int = 5) -> dict[str, float]:
     """GB/s of copies between pinned host memory and ``device``, median of ``reps``: host to device, device to
     host, and both directions at once (on two streams, the offload's pattern)."""
@@ -1043,9 +1081,10 @@ def run_share(
     steps: int,
     rate: float | None,
     spec: str = "1",
+    copy_gbps: float | None = None,
 ) -> dict[str, Any]:
     """Time the busiest rank's share (stacks as ``spec`` says: :func:`stack_spec`) and an AdamW step over its
-    shards; one result row."""
+    shards; one result row (floors with the matmul ``rate`` in FLOP/s and the copy rate ``copy_gbps``: CUDA)."""
     units_per_stack, constants = stack_spec(spec)
     work = ShareWork(share, group, device, units_per_stack)
     calls = len(work.inputs)
@@ -1060,6 +1099,8 @@ def run_share(
     free(device)
     syrk = sum(ns_flops(shape)[0] for shape, _ in share.units)
     floor_ms = 1e3 * syrk / rate if rate else None
+    shard_values = sum(torch.Size(shard).numel() for shard, _ in share.muon_shards)
+    step_floor_ms = floor_ms + state_bytes(shard_values, 0) / (copy_gbps * 1e6) if floor_ms and copy_gbps else None
     return {
         "world_size": share.world_size,
         "rank": share.rank,
@@ -1078,6 +1119,8 @@ def run_share(
         "ns_ms": ns_ms,
         "ns_floor_ms": floor_ms,
         "share_vs_floor": share_ms / floor_ms if floor_ms else None,
+        "step_floor_ms": step_floor_ms,
+        "share_vs_step_floor": share_ms / step_floor_ms if step_floor_ms else None,
         "adamw_share_ms": adamw_ms,
         "ns_tflop_syrk": syrk / 1e12,
     }
@@ -1172,6 +1215,7 @@ WHOLE_COLUMNS = [
     ("min_ms", "min ms", "{:.2f}"),
     ("vs_adamw", "× AdamW", "{:.2f}"),
     ("vs_ns_floor", "× NS floor", "{:.2f}"),
+    ("vs_step_floor", "× step floor", "{:.2f}"),
     ("launches", "launches", "{:,}"),
     ("host_ms", "host ms", "{:.2f}"),
     ("wall_ms", "wall ms", "{:.2f}"),
@@ -1194,6 +1238,8 @@ SHARE_COLUMNS = [
     ("ns_ms", "NS ms", "{:.2f}"),
     ("ns_floor_ms", "NS floor ms", "{:.2f}"),
     ("share_vs_floor", "share/floor", "{:.2f}"),
+    ("step_floor_ms", "step floor ms", "{:.2f}"),
+    ("share_vs_step_floor", "share/step floor", "{:.2f}"),
     ("adamw_share_ms", "AdamW share ms", "{:.2f}"),
 ]
 
@@ -1236,6 +1282,7 @@ def whole_step(args: Any, params: ParameterSet, floor: dict[str, float] | None) 
         row["vs_adamw"] = row["step_ms"] / adamw_ms
         if floor is not None and row["key"] != "adamw":
             row["vs_ns_floor"] = row["step_ms"] / floor["syrk_ms"]
+            row["vs_step_floor"] = row["step_ms"] / floor["step_ms"]
     return rows, {"checked_parameters": len(check), **differences}
 
 
@@ -1260,7 +1307,18 @@ def main() -> None:
 
     ceiling = matmul_ceiling(device) if device.type == "cuda" else None
     rate = ceiling["tflops"] * 1e12 if ceiling is not None else None
-    floor = {"syrk_ms": 1e3 * syrk_flops / rate, "plain_ms": 1e3 * plain_flops / rate} if rate else None
+    copy_gbps = device_copy_gbps(device) if device.type == "cuda" else None
+    floor = None
+    if rate and copy_gbps:
+        traffic = state_bytes(n_muon, n_params - n_muon)
+        floor = {
+            "syrk_ms": 1e3 * syrk_flops / rate,
+            "plain_ms": 1e3 * plain_flops / rate,
+            "copy_gbps": copy_gbps,
+            "state_gb": traffic / 1e9,
+            "traffic_ms": traffic / (copy_gbps * 1e6),
+        }
+        floor["step_ms"] = floor["syrk_ms"] + floor["traffic_ms"]
 
     rows: list[dict] = []
     extra: dict[str, Any] = {}
@@ -1277,7 +1335,9 @@ def main() -> None:
         print(
             f"bf16 {CEILING_SIZE}³ matmul: {ceiling['ms']:.3f} ms = {ceiling['tflops']:.0f} TFLOP/s; Newton–Schulz "
             f"floor of the Muon matrices at that rate: {floor['syrk_ms']:.1f} ms with symmetric products "
-            f"({syrk_flops / 1e12:.2f} TFLOP), {floor['plain_ms']:.1f} ms plain ({plain_flops / 1e12:.2f} TFLOP)"
+            f"({syrk_flops / 1e12:.2f} TFLOP), {floor['plain_ms']:.1f} ms plain ({plain_flops / 1e12:.2f} TFLOP); "
+            f"device copies {copy_gbps:.0f} GB/s: state traffic {floor['state_gb']:.1f} GB, {floor['traffic_ms']:.1f} "
+            f"ms; step floor {floor['step_ms']:.1f} ms"
         )
     if "checked_parameters" in extra:
         print(
@@ -1293,7 +1353,7 @@ def main() -> None:
         for world in args.world_size:
             share = rank_share(shapes, muon_names, group, world)
             for spec in dict.fromkeys(["1", *args.units_per_stack]):
-                per_rank.append(run_share(share, shapes, group, device, args.warmup, args.steps, rate, spec))
+                per_rank.append(run_share(share, shapes, group, device, args.warmup, args.steps, rate, spec, copy_gbps))
                 print(
                     f"  {world} ranks: busiest rank {share.rank}, stacks {spec}: {per_rank[-1]['share_ms']:.2f} ms",
                     flush=True,

@@ -161,3 +161,32 @@ def test_stacked_calls_keep_every_matrix_and_stack_only_like_units():
         ((8, 1408, 2048), True, None),
         ((16, 768, 2048), True, 8),
     ]
+
+
+def test_the_step_floors_bytes_are_the_state_the_optimizer_keeps():
+    """The step floor's state traffic (``state_bytes``: 20 bytes a Muon value, 28 an AdamW one) equals what one
+    step of dtensor_muon.Muon must read and write of the tensors it holds after that step, counted here from them:
+    each gradient read once, each parameter and each state tensor of its size read and written once."""
+    o = bench_module("optimizer_step")
+    params = o.ParameterSet(quick_shapes("qwen3_30b_a3b"), torch.device("cpu"))
+    params.reset()
+    (opt,) = o.build_optimizer("dtensor_muon", params)
+    opt.step()
+    counted = muon_values = 0
+    for name, p in params.named:
+        held = [t for t in tensors_in(opt.state[p]) if t.numel() == p.numel()]
+        assert held, f"{name}: no state of its size"
+        counted += p.grad.nbytes + 2 * p.nbytes + 2 * sum(t.nbytes for t in held)
+        muon_values += p.numel() if name in params.muon_names else 0
+    total = sum(p.numel() for _, p in params.named)
+    assert 0 < muon_values < total
+    assert o.state_bytes(muon_values, total - muon_values) == counted
+
+
+def tensors_in(state: object) -> list[torch.Tensor]:
+    """Every tensor in a parameter's optimizer state, nested dictionaries (owner states) included."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in tensors_in(v)]
+    return []

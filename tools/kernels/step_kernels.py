@@ -17,11 +17,9 @@ A kernel replayed inside a CUDA graph counts where the profiler reports it. The 
 the Muon matrices' Newton–Schulz FLOPs with symmetric products at the bf16 8192³ matmul rate measured first in the
 same process; each step's "× floor" is its median over it.
 
-The state-traffic floor: the bytes no optimizer step can avoid moving, at the device-to-device copy rate measured
-in the same process (each byte read or written counted once): per Muon parameter the fp32 gradient read (4), the
-fp32 momentum read and written (8) and the fp32 parameter read and written (8), 20 bytes; per AdamW parameter 28
-(the gradient 4, the parameter 8, two moments 16). The step's floor is the two floors' sum, Newton–Schulz's
-products and the state's passes never overlapping on one device; "× step floor" is the median over it.
+The step's floor, as optimizer_step.py's: that floor plus the state traffic no step can avoid (20 bytes a Muon
+parameter, 28 an AdamW one) at the device-to-device copy rate measured in the same process; "× step floor" is the
+median over it.
 """
 
 from __future__ import annotations
@@ -38,10 +36,12 @@ from optimizer_step import (
     MODELS,
     ParameterSet,
     build_optimizer,
+    device_copy_gbps,
     matmul_ceiling,
     median_ms,
     ns_flops,
     parameter_shapes,
+    state_bytes,
     step_all,
     sync,
 )
@@ -62,36 +62,14 @@ KINDS = (  # (kind, substrings of the kernel's name, in order: the first match n
 )
 
 
-MUON_STATE_BYTES = 20
-ADAMW_STATE_BYTES = 28
 GAPS = 6  # idle gaps listed per profiled step
 
 
-def copy_bandwidth(device: torch.device, gib: float = 1.0, reps: int = 20) -> float:
-    """Device-to-device copy rate in GB/s (bytes read plus bytes written over the median time of ``dst.copy_(src)``
-    on ``gib`` GiB of fp32)."""
-    src = torch.empty(int(gib * 2**28), device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return 2 * src.numel() * 4 / (times[len(times) // 2] * 1e6)
-
-
 def state_traffic_floor_ms(params: ParameterSet, gb_per_s: float) -> tuple[float, float]:
-    """(GB, ms): the step's unavoidable state traffic (:data:`MUON_STATE_BYTES`, :data:`ADAMW_STATE_BYTES` a
-    parameter) and its time at ``gb_per_s``."""
-    total = sum(
-        p.numel() * (MUON_STATE_BYTES if name in params.muon_names else ADAMW_STATE_BYTES) for name, p in params.named
-    )
+    """(GB, ms): the step's unavoidable state traffic (optimizer_step's :func:`state_bytes`) and its time at
+    ``gb_per_s``."""
+    muon = sum(p.numel() for name, p in params.named if name in params.muon_names)
+    total = state_bytes(muon, sum(p.numel() for _, p in params.named) - muon)
     return total / 1e9, total / (gb_per_s * 1e6)
 
 
@@ -211,7 +189,7 @@ def main() -> None:
     ceiling = matmul_ceiling(device)
     flops = sum(ns_flops(shape)[0] for name, shape in shapes if name in params.muon_names)
     floor_ms = 1e3 * flops / (ceiling["tflops"] * 1e12)
-    bandwidth = copy_bandwidth(device)
+    bandwidth = device_copy_gbps(device)
     traffic_gb, traffic_ms = state_traffic_floor_ms(params, bandwidth)
     step_floor_ms = floor_ms + traffic_ms
     print(
