@@ -94,8 +94,8 @@ Not included: the exchanges (the all-to-all of U to the owners and of O back), p
 buffers, the optimizer's metrics and non-finite checks, and the host work of planning. Reported per W: the
 busiest rank's planned FLOPs (its units' ``MuonRule.cost``, = max of the plan's per-rank FLOPs) and the mean,
 its share ms and the units' Newton–Schulz alone (ns ms), its NS floor (the units' FLOPs with symmetric products
-over the measured matmul rate; CUDA only) and share/floor, its step floor (the NS floor plus
-:data:`MUON_STATE_BYTES` a value of its Muon shards at the copy rate) and share/step floor; beside it a fused AdamW step (foreach on CPU) over
+over the measured matmul rate; CUDA only) and share/floor, its step floor (the NS floor plus the state traffic
+of its shards at the copy rate, as for the whole step) and share/step floor; beside it a fused AdamW step (foreach on CPU) over
 the same rank's FSDP shard of every parameter (about 1/W of each): AdamW share ms.
 """
 
@@ -1099,8 +1099,11 @@ def run_share(
     free(device)
     syrk = sum(ns_flops(shape)[0] for shape, _ in share.units)
     floor_ms = 1e3 * syrk / rate if rate else None
-    shard_values = sum(torch.Size(shard).numel() for shard, _ in share.muon_shards)
-    step_floor_ms = floor_ms + state_bytes(shard_values, 0) / (copy_gbps * 1e6) if floor_ms and copy_gbps else None
+    traffic = state_bytes(
+        sum(torch.Size(shard).numel() for shard, _ in share.muon_shards),
+        sum(torch.Size(shard).numel() for shard in share.other_shards),
+    )
+    step_floor_ms = floor_ms + traffic / (copy_gbps * 1e6) if floor_ms and copy_gbps else None
     return {
         "world_size": share.world_size,
         "rank": share.rank,
