@@ -118,6 +118,32 @@ def test_local_runs_of_experts_stack_and_keep_each_units_bits() -> None:
     assert len(stacked) == STEPS * (2 * 2 + 1)  # per step: 2 stacks per expert parameter, the dense matrix
 
 
+class AskedRule(HalvingRule):
+    """HalvingRule that counts how often the engine asks whether its units stack."""
+
+    asked: ClassVar[int] = 0
+
+    def stacks_units(self, group, shape, unit_size, device) -> bool:
+        AskedRule.asked += 1
+        return super().stacks_units(group, shape, unit_size, device)
+
+
+class AskedMuon(Muon):
+    rule = AskedRule()
+
+
+def test_whether_units_stack_is_asked_once_a_step_per_shape_and_group() -> None:
+    """The 16 units of 4 experts of EXPERTS (one group, one shape) stack after one question a step: on CUDA each
+    answer is a dispatch decision, and a model's experts can be hundreds of units of one shape."""
+    AskedRule.asked = 0
+    got, stacked = one_process(AskedMuon, EXPERTS, units=4)
+    want, _ = one_process(HalvingMuon, EXPERTS, units=4)
+    assert AskedRule.asked == STEPS
+    assert set(stacked) == {(16, 6, 8)} and len(stacked) == STEPS * 4
+    for (name, _), a, b in zip(EXPERTS, got, want):
+        assert torch.equal(a, b), name
+
+
 def test_units_of_matrices_wider_than_the_stack_limit_compute_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stacks form only for short sides up to STACK_MAX_SIDE (set here to 5, below the experts' 6): each unit of 4
     experts is then its own call, as without stacks, the same bits."""

@@ -125,6 +125,8 @@ class StepContext:
         self._staged: list[tuple[MatrixSpec, dict[str, Tensor]]] = []
         self._local_updates: list[tuple[Entry, Tensor, Tensor, tuple[int, int]]] = []
         self._written_beside: list[tuple[State, State]] = []  # offloaded (state, new state) until the commit
+        self.stacking_allowed: dict[tuple, bool] = {}
+        """The rule's ``stacks_units`` per (group id, shape, unit size, device), asked once a step (:mod:`.stacks`)."""
 
     def _shard_inputs(self, e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
         g = self.grads[e.index]

@@ -13,14 +13,16 @@ larger launches (docs/kernels.md "Expert stacks"). Units stack when
     at most ``units_per_stack(device)`` of them share a call (:mod:`dtensor_muon.kernels.batching`, whose
     ``group_into_stacks`` forms them in order).
 
-One matrix alone never joins a stack: a matrix and a batch of one may take different kernels.
+One matrix alone never joins a stack: a matrix and a batch of one may take different kernels. The rule's answer
+is asked once per step for each (param group, shape, unit size, device): a strategy asks for every unit of the
+step before its first stack computes, and a step can hold hundreds of units of one shape (Qwen3-30B-A3B's
+experts), while the answer on CUDA is a dispatch decision made on a stand-in tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from ..distributed.layout import local
 from ..kernels.batching import stacking_pays
 from ..plan import MatrixSpec
 from .context import StepContext
@@ -32,6 +34,8 @@ def stack_key(ctx: StepContext, specs: Sequence[MatrixSpec]) -> Hashable | None:
     if first.parts > 1 or not stacking_pays(len(specs), first.shape):
         return None
     e = ctx.entries[first.param_index]
-    if not ctx.rule.stacks_units(e.group, first.shape, len(specs), local(e.param).device):
-        return None
-    return (id(e.group), first.shape, len(specs))
+    key = (id(e.group), first.shape, len(specs), e.param.device)
+    allowed = ctx.stacking_allowed.get(key)
+    if allowed is None:
+        allowed = ctx.stacking_allowed[key] = ctx.rule.stacks_units(e.group, first.shape, len(specs), e.param.device)
+    return key[:3] if allowed else None
