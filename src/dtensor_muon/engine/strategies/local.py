@@ -38,18 +38,17 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
         for i in members:
             left[plan.routes[i].spec.param_index] += 1
     inputs: dict[int, Tensor] = {}  # U of fully local parameters, while some of their matrices are left
+    unit_specs = [[plan.routes[i].spec for i in members] for members in units]
+    blocks = [unit_block(specs) for specs in unit_specs]
 
-    def specs_of(members: list[int]) -> list[MatrixSpec]:
-        return [plan.routes[i].spec for i in members]
+    def one_view(stack: list[int], k: int) -> bool:  # the stack and unit k: one run of experts of one parameter
+        last, unit = blocks[stack[-1]], blocks[k]
+        return unit_specs[stack[-1]][0].param_index == unit_specs[k][0].param_index and continues(last, unit)
 
-    def one_view(stack: list[list[int]], members: list[int]) -> bool:  # the stack and the unit: one run of experts
-        last, unit = specs_of(stack[-1])[-1], specs_of(members)
-        return last.param_index == unit[0].param_index and stacked_box([last.box, *(s.box for s in unit)]) is not None
-
-    limit = units_per_stack(local(ctx.entries[specs_of(units[0])[0].param_index].param).device)
+    limit = units_per_stack(local(ctx.entries[unit_specs[0][0].param_index].param).device)
     with ctx.timer.phase("local_compute"):
-        for stack in group_into_stacks(units, lambda members: stack_key(ctx, specs_of(members)), limit, one_view):
-            specs = [spec for members in stack for spec in specs_of(members)]
+        for stack in group_into_stacks(range(len(units)), lambda k: stack_key(ctx, unit_specs[k]), limit, one_view):
+            specs = [spec for k in stack for spec in unit_specs[k]]
             e = ctx.entries[specs[0].param_index]
             if e.index in work.fully_local:
                 if e.index not in inputs:
@@ -57,8 +56,9 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
                 u = inputs[e.index]
             else:
                 u = ctx.inputs[e.index]
-            block = stacked_box([spec.box for spec in specs]) if len(specs) > 1 else specs[0].box
-            decide_as = len(stack[0]) if len(stack) > 1 else None
+            first, last = blocks[stack[0]], blocks[stack[-1]]
+            block = first if len(stack) == 1 else ((first[0][0], last[0][1]), *first[1:])  # type: ignore[index]
+            decide_as = len(units[stack[0]]) if len(stack) > 1 else None
             if block is not None:  # one view of the unit (or stack), one write of its O
                 _compute_block(ctx, work, e, specs, u, block, decide_as)
             else:
@@ -68,6 +68,24 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
                 if left[e.index] == 0:
                     del inputs[e.index]
     return []
+
+
+def unit_block(specs: list[MatrixSpec]) -> Box | None:
+    """The box of the local shard a unit fills, when one view holds it: its one matrix's box, or the run of whole
+    experts its matrices are (:func:`stacked_box`); None otherwise."""
+    return stacked_box([spec.box for spec in specs]) if len(specs) > 1 else specs[0].box
+
+
+def continues(before: Box | None, after: Box | None) -> bool:
+    """Whether the runs of experts ``before`` and ``after`` are one run, ``after`` right behind ``before``:
+    what :func:`stacked_box` asks of consecutive experts, for two runs."""
+    return (
+        before is not None
+        and after is not None
+        and len(before) >= 3
+        and before[1:] == after[1:]
+        and before[0][1] == after[0][0]
+    )
 
 
 def _compute_block(
