@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from itertools import pairwise, product
 from math import prod
 
+import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -164,8 +165,12 @@ def _check_placements(name: str, placements: tuple[Placement, ...], spec: DTenso
 
 
 def local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor, or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    """The local shard of a DTensor, or the tensor itself. Without autograd (an optimizer step) the DTensor's own
+    local tensor, the storage ``to_local()`` views: ``to_local()`` goes through an autograd function, several
+    microseconds a call, and a step calls this a few times for every parameter."""
+    if not isinstance(t, DTensor):
+        return t
+    return t.to_local() if torch.is_grad_enabled() else t._local_tensor
 
 
 def read_layout(name: str, tensor: Tensor, *, partial_as_replicate: bool = False) -> ParamLayout:

@@ -59,10 +59,8 @@ def check_gradients(
                     "autocast that leaves the gradient in another dtype); cast the gradient to the "
                     "parameter's dtype before step()",
                 )
-            if local(g).device != local(e.param).device:
-                raise PreflightError(
-                    e, f"gradient device {local(g).device} != parameter device {local(e.param).device}"
-                )
+            if g.device != e.param.device:  # a DTensor's device is its local piece's
+                raise PreflightError(e, f"gradient device {g.device} != parameter device {e.param.device}")
             if isinstance(e.param, DTensor) != isinstance(g, DTensor) or (
                 isinstance(g, DTensor) and g.device_mesh != e.param.device_mesh
             ):
