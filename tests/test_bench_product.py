@@ -120,3 +120,19 @@ def test_overlap_quick_gives_the_same_losses(tmp_path):
     args = result["args"]
     assert len(off) == args["warmup"] + args["steps"] >= 3
     assert on == off and result["losses_equal"] is True
+
+
+def test_engine_host_times_every_phase_of_a_multi_rank_step_on_every_parameter(tmp_path):
+    """bench/engine_host.py steps the model's every parameter (the count optimizer_step.py's shapes give) on 2 gloo
+    ranks, and each phase of the slowest rank fits in that step: per step a phase's maximum over ranks is at most
+    the step's, so the medians keep that order."""
+    engine_host = bench_module("engine_host")
+    optimizer_step = bench_module("optimizer_step")
+    result = run_quick("engine_host.py", tmp_path)
+    (row,) = result["rows"]
+    family, _ = optimizer_step.MODELS["qwen3_30b_a3b"]
+    shapes, _ = optimizer_step.parameter_shapes(family, optimizer_step.QUICK_FLAVORS["qwen3_30b_a3b"], 2, True, None)
+    assert row["parameters"] == len(shapes) and row["world_size"] == 2
+    assert row["step_ms"] > 0 and row["local_compute_ms"] + row["owner_compute_ms"] > 0
+    for phase in engine_host.PHASES:
+        assert 0 <= row[f"{phase}_ms"] <= row["step_ms"], phase
