@@ -166,8 +166,8 @@ def _check_placements(name: str, placements: tuple[Placement, ...], spec: DTenso
 
 def local(t: Tensor) -> Tensor:
     """The local shard of a DTensor, or the tensor itself. Without autograd (an optimizer step) the DTensor's own
-    local tensor, the storage ``to_local()`` views: ``to_local()`` goes through an autograd function, several
-    microseconds a call, and a step calls this a few times for every parameter."""
+    local tensor, which ``to_local()`` also returns there except for a Parameter, of which it makes a fresh view
+    each call (0.89 against 0.12 µs on torch 2.13; a step asks a few times for every parameter)."""
     if not isinstance(t, DTensor):
         return t
     return t.to_local() if torch.is_grad_enabled() else t._local_tensor
