@@ -95,8 +95,11 @@ buffers, the optimizer's metrics and non-finite checks, and the host work of pla
 busiest rank's planned FLOPs (its units' ``MuonRule.cost``, = max of the plan's per-rank FLOPs) and the mean,
 its share ms and the units' Newton–Schulz alone (ns ms), its NS floor (the units' FLOPs with symmetric products
 over the measured matmul rate; CUDA only) and share/floor, its step floor (the NS floor plus the state traffic
-of its shards at the copy rate, as for the whole step) and share/step floor; beside it a fused AdamW step (foreach on CPU) over
-the same rank's FSDP shard of every parameter (about 1/W of each): AdamW share ms.
+of its shards at the copy rate, as for the whole step) and share/step floor; the same share as a step of several
+ranks runs it (transactional share ms: the momentum pass gives U without advancing the buffer, which advances in
+a second pass after the directions, so that a step that fails on any rank changes nothing); beside it a fused
+AdamW step (foreach on CPU) over the same rank's FSDP shard of every parameter (about 1/W of each): AdamW share
+ms.
 """
 
 from __future__ import annotations
@@ -1028,12 +1031,16 @@ class ShareWork:
             with decide_as_batch(per_unit) if per_unit is not None else contextlib.nullcontext():
                 self.rule.direction(u, [{}] * (u.shape[0] if u.ndim == 3 else 1), self.group, self.runner)
 
-    def step(self) -> None:
-        """Momentum on the shards, the units' directions, the apply on the shards, AdamW on the other shards."""
+    def step(self, transactional: bool = False) -> None:
+        """Momentum on the shards, the units' directions, the apply on the shards, AdamW on the other shards.
+        ``transactional``: as a step of several ranks runs it, the momentum pass gives U without advancing the
+        buffer, and the buffer advances in a second pass after the directions (the commit)."""
         momentum, nesterov = self.group["momentum"], self.group["nesterov"]
         grads, bufs = [shard[1] for shard in self.shards], [shard[2] for shard in self.shards]
-        momentum_steps(grads, bufs, momentum, nesterov, write_buffer=True, want_input=True)  # as the optimizer
+        momentum_steps(grads, bufs, momentum, nesterov, write_buffer=not transactional, want_input=True)
         self.newton_schulz()
+        if transactional:  # the commit's advance, as MuonRule.advance_many runs it
+            momentum_steps(grads, bufs, momentum, False, write_buffer=True, want_input=False)
         decay = 1 - LR * WEIGHT_DECAY
         decay_and_add_many(  # the optimizer's apply
             [shard[0] for shard in self.shards],
@@ -1090,6 +1097,7 @@ def run_share(
     calls = len(work.inputs)
     with settings(constants):
         share_ms = median_ms(work.step, device, warmup, steps)
+        transactional_ms = median_ms(functools.partial(work.step, transactional=True), device, warmup, steps)
         ns_ms = median_ms(work.newton_schulz, device, 1, steps)
     del work
     free(device)
@@ -1124,6 +1132,7 @@ def run_share(
         "share_vs_floor": share_ms / floor_ms if floor_ms else None,
         "step_floor_ms": step_floor_ms,
         "share_vs_step_floor": share_ms / step_floor_ms if step_floor_ms else None,
+        "transactional_share_ms": transactional_ms,
         "adamw_share_ms": adamw_ms,
         "ns_tflop_syrk": syrk / 1e12,
     }
@@ -1243,6 +1252,7 @@ SHARE_COLUMNS = [
     ("share_vs_floor", "share/floor", "{:.2f}"),
     ("step_floor_ms", "step floor ms", "{:.2f}"),
     ("share_vs_step_floor", "share/step floor", "{:.2f}"),
+    ("transactional_share_ms", "transactional share ms", "{:.2f}"),
     ("adamw_share_ms", "AdamW share ms", "{:.2f}"),
 ]
 

@@ -190,3 +190,21 @@ def tensors_in(state: object) -> list[torch.Tensor]:
     if isinstance(state, dict):
         return [t for v in state.values() for t in tensors_in(v)]
     return []
+
+
+def test_the_transactional_share_computes_what_the_one_pass_share_does():
+    """The busiest rank's share timed as a multi-rank step runs it (momentum without advancing, the advance after
+    the directions) leaves every parameter and momentum buffer with the bits of the one-pass share, from the same
+    start (the library's prepare, then advance, equals its prepare_and_advance)."""
+    o = bench_module("optimizer_step")
+    shapes = quick_shapes("qwen3_30b_a3b")
+    muon_names = {n for n, s in shapes if uses_muon(n, torch.empty(s, device="meta"), None)}
+    share = o.rank_share(shapes, muon_names, o.muon_group(), 2)
+    one_pass, transactional = (o.ShareWork(share, o.muon_group(), torch.device("cpu")) for _ in range(2))
+    for _ in range(2):
+        one_pass.step()
+        transactional.step(transactional=True)
+    assert one_pass.shards
+    for a, b in zip(one_pass.shards, transactional.shards):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])  # parameter, momentum buffer
+        assert not torch.equal(a[2], torch.zeros_like(a[2]))  # the buffers did advance
