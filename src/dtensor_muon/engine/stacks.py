@@ -38,4 +38,4 @@ def stack_key(ctx: StepContext, specs: Sequence[MatrixSpec]) -> Hashable | None:
     allowed = ctx.stacking_allowed.get(key)
     if allowed is None:
         allowed = ctx.stacking_allowed[key] = ctx.rule.stacks_units(e.group, first.shape, len(specs), e.param.device)
-    return key[:3] if allowed else None
+    return key if allowed else None
