@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import benchmark_parser, markdown_table, median, write_result
-from optimizer_step import MODELS, QUICK_FLAVOR, QUICK_FLAVORS, parameter_shapes
+from optimizer_step import MODELS, model_shapes
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -41,9 +41,7 @@ PHASES = ("preflight", "consensus", "redistribute", "prepare", "local_compute", 
 def shrunk_shapes(model: str, layers: int, shrink: int, quick: bool) -> list[tuple[str, tuple[int, ...]]]:
     """The model's parameter shapes (all ``layers``), every side but an expert count divided by ``shrink``
     (at least 2); ``quick``: the model's cut-down flavor, as ``optimizer_step.py --quick`` takes it."""
-    family, flavor = MODELS[model]
-    flavor = QUICK_FLAVORS.get(model, QUICK_FLAVOR) if quick else flavor
-    shapes, _ = parameter_shapes(family, flavor, layers, quick, None)
+    shapes, _ = model_shapes(model, layers, quick)
     return [
         (name, tuple(d if (len(s) == 3 and i == 0) else max(2, d // shrink) for i, d in enumerate(s)))
         for name, s in shapes

@@ -464,6 +464,13 @@ def parameter_shapes(
     return torchtitan_shapes(family, flavor, layers, quick, experts), "torchtitan meta model"
 
 
+def model_shapes(model: str, layers: int | None, quick: bool = False, experts: int | None = None) -> tuple[Shapes, str]:
+    """:func:`parameter_shapes` of a :data:`MODELS` key, in its flavor or, with ``quick``, its cut-down one."""
+    family, flavor = MODELS[model]
+    flavor = QUICK_FLAVORS.get(model, QUICK_FLAVOR) if quick else flavor
+    return parameter_shapes(family, flavor, layers, quick, experts)
+
+
 def ns_flops(shape: tuple[int, ...], steps: int = NS_STEPS) -> tuple[float, float]:
     """Newton–Schulz FLOPs of a Muon parameter: (with symmetric products, plain), over all its matrices."""
     batch = shape[0] if len(shape) == 3 else 1
@@ -710,6 +717,24 @@ def state_bytes(muon_values: int, other_values: int) -> int:
     """The state traffic no step can avoid: :data:`MUON_STATE_BYTES` a Muon value, :data:`ADAMW_STATE_BYTES` an
     AdamW one."""
     return MUON_STATE_BYTES * muon_values + ADAMW_STATE_BYTES * other_values
+
+
+def step_floors(shapes: Shapes, muon_names: set[str], tflops: float, copy_gbps: float) -> dict[str, float]:
+    """The floors of a step over ``shapes`` (module docstring) at a matmul rate and a copy rate: the Muon matrices'
+    Newton–Schulz with symmetric products (``syrk_ms``) and plain (``plain_ms``), the state traffic (``state_gb``,
+    ``traffic_ms`` at ``copy_gbps``) and the step's floor (``step_ms`` = syrk_ms + traffic_ms)."""
+    muon = [shape for name, shape in shapes if name in muon_names]
+    muon_values = sum(torch.Size(shape).numel() for shape in muon)
+    traffic = state_bytes(muon_values, sum(torch.Size(shape).numel() for _, shape in shapes) - muon_values)
+    floors = {
+        "syrk_ms": 1e3 * sum(ns_flops(shape)[0] for shape in muon) / (tflops * 1e12),
+        "plain_ms": 1e3 * sum(ns_flops(shape)[1] for shape in muon) / (tflops * 1e12),
+        "copy_gbps": copy_gbps,
+        "state_gb": traffic / 1e9,
+        "traffic_ms": traffic / (copy_gbps * 1e6),
+    }
+    floors["step_ms"] = floors["syrk_ms"] + floors["traffic_ms"]
+    return floors
 
 
 def copy_rates(device: torch.device, nbytes: int, reps: int = 5) -> dict[str, float]:
@@ -1306,7 +1331,7 @@ def main() -> None:
     device = torch.device(args.device)
     family, flavor = MODELS[args.model]
     flavor = QUICK_FLAVORS.get(args.model, QUICK_FLAVOR) if args.quick else flavor
-    shapes, shapes_from = parameter_shapes(family, flavor, args.layers, args.quick, args.experts)
+    shapes, shapes_from = model_shapes(args.model, args.layers, args.quick, args.experts)
     muon_names = {n for n, s in shapes if uses_muon(n, torch.empty(s, device="meta"), None)}
     muon_shapes = [s for n, s in shapes if n in muon_names]
     n_params = sum(torch.Size(s).numel() for _, s in shapes)
@@ -1323,17 +1348,7 @@ def main() -> None:
     ceiling = matmul_ceiling(device) if device.type == "cuda" else None
     rate = ceiling["tflops"] * 1e12 if ceiling is not None else None
     copy_gbps = device_copy_gbps(device) if device.type == "cuda" else None
-    floor = None
-    if rate and copy_gbps:
-        traffic = state_bytes(n_muon, n_params - n_muon)
-        floor = {
-            "syrk_ms": 1e3 * syrk_flops / rate,
-            "plain_ms": 1e3 * plain_flops / rate,
-            "copy_gbps": copy_gbps,
-            "state_gb": traffic / 1e9,
-            "traffic_ms": traffic / (copy_gbps * 1e6),
-        }
-        floor["step_ms"] = floor["syrk_ms"] + floor["traffic_ms"]
+    floor = step_floors(shapes, muon_names, ceiling["tflops"], copy_gbps) if ceiling and copy_gbps else None
 
     rows: list[dict] = []
     extra: dict[str, Any] = {}

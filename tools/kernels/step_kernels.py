@@ -39,10 +39,9 @@ from optimizer_step import (
     device_copy_gbps,
     matmul_ceiling,
     median_ms,
-    ns_flops,
-    parameter_shapes,
-    state_bytes,
+    model_shapes,
     step_all,
+    step_floors,
     sync,
 )
 from torch.autograd import DeviceType
@@ -63,14 +62,6 @@ KINDS = (  # (kind, substrings of the kernel's name, in order: the first match n
 
 
 GAPS = 6  # idle gaps listed per profiled step
-
-
-def state_traffic_floor_ms(params: ParameterSet, gb_per_s: float) -> tuple[float, float]:
-    """(GB, ms): the step's unavoidable state traffic (optimizer_step's :func:`state_bytes`) and its time at
-    ``gb_per_s``."""
-    muon = sum(p.numel() for name, p in params.named if name in params.muon_names)
-    total = state_bytes(muon, sum(p.numel() for _, p in params.named) - muon)
-    return total / 1e9, total / (gb_per_s * 1e6)
 
 
 def idle_gaps(kernels: list, count: int) -> list[dict]:
@@ -183,19 +174,14 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("step_kernels.py profiles CUDA kernels: it needs a CUDA GPU")
     device = torch.device("cuda")
-    family, flavor = MODELS[args.model]
-    shapes, _ = parameter_shapes(family, flavor, args.layers, False, args.experts)
+    shapes, _ = model_shapes(args.model, args.layers, False, args.experts)
     params = ParameterSet(shapes, device)
     ceiling = matmul_ceiling(device)
-    flops = sum(ns_flops(shape)[0] for name, shape in shapes if name in params.muon_names)
-    floor_ms = 1e3 * flops / (ceiling["tflops"] * 1e12)
-    bandwidth = device_copy_gbps(device)
-    traffic_gb, traffic_ms = state_traffic_floor_ms(params, bandwidth)
-    step_floor_ms = floor_ms + traffic_ms
+    floors = step_floors(shapes, params.muon_names, ceiling["tflops"], device_copy_gbps(device))
     print(
-        f"bf16 8192³ matmul: {ceiling['tflops']:.0f} TFLOP/s; Newton–Schulz floor of the Muon matrices {floor_ms:.1f} "
-        f"ms; copy rate {bandwidth:.0f} GB/s; state traffic {traffic_gb:.1f} GB, floor {traffic_ms:.1f} ms; step "
-        f"floor {step_floor_ms:.1f} ms"
+        f"bf16 8192³ matmul: {ceiling['tflops']:.0f} TFLOP/s; Newton–Schulz floor of the Muon matrices "
+        f"{floors['syrk_ms']:.1f} ms; copy rate {floors['copy_gbps']:.0f} GB/s; state traffic {floors['state_gb']:.1f} "
+        f"GB, floor {floors['traffic_ms']:.1f} ms; step floor {floors['step_ms']:.1f} ms"
     )
     results = {}
     for kind in args.kinds.split(","):
@@ -204,8 +190,8 @@ def main() -> None:
         step_ms = median_ms(functools.partial(step_all, optimizers), device, args.warmup, args.steps)
         results[kind] = {
             "step_ms": step_ms,
-            "vs_floor": step_ms / floor_ms,
-            "vs_step_floor": step_ms / step_floor_ms,
+            "vs_floor": step_ms / floors["syrk_ms"],
+            "vs_step_floor": step_ms / floors["step_ms"],
             **profile_step(optimizers, device),
         }
         print_profile(kind, results[kind], args.top)
@@ -221,11 +207,7 @@ def main() -> None:
                     "layers": args.layers,
                     "experts": args.experts,
                     "matmul_tflops": ceiling["tflops"],
-                    "ns_floor_ms": floor_ms,
-                    "copy_gb_per_s": bandwidth,
-                    "state_traffic_gb": traffic_gb,
-                    "state_traffic_floor_ms": traffic_ms,
-                    "step_floor_ms": step_floor_ms,
+                    "floors": floors,
                     "results": results,
                 },
                 indent=1,
