@@ -83,6 +83,11 @@ def _interpreter_checks() -> dict[str, float]:
             untouched = b.clone()
             _launch_momentum(g, untouched, u, momentum, nesterov, False, True)
             out[f"buffer_kept_{key}"] = float((untouched != b).sum())
+            if dtype == torch.float32:  # U written in bf16 from fp32 state: torch's U rounded once to bf16
+                u16 = torch.empty_like(b, dtype=torch.bfloat16)
+                _launch_momentum(g, b.clone(), u16, momentum, nesterov, True, True)
+                bf16_eps = torch.finfo(torch.bfloat16).eps
+                out[f"input_bf16_{key}"] = ulps(u16, ref_u.to(torch.bfloat16), eps=bf16_eps)
         for decay, alpha in ((0.998, -0.02), (1.0, -3e-3)):
             p = b.clone()
             _launch_decay_and_add(p, o.to(torch.bfloat16), decay, alpha)
@@ -118,6 +123,9 @@ def interp() -> dict[str, float]:
 def test_momentum_kernel_matches_torch_within_two_roundings(interp, dtype, momentum, nesterov) -> None:
     key = f"{dtype}_{momentum}_{nesterov}"
     assert interp[f"buffer_{key}"] <= 2 and interp[f"input_{key}"] <= 2
+    if dtype == torch.float32:
+        # the fp32 U within two fp32 roundings of torch's, then rounded to bf16: at most one bf16 step apart
+        assert interp[f"input_bf16_{key}"] <= 1
     assert interp[f"buffer_kept_{key}"] == 0  # U alone leaves the buffer as it was
 
 
@@ -210,6 +218,14 @@ def test_on_the_gpu_the_kernels_give_torchs_bits(dtype) -> None:
         assert torch.equal(buffer, ref_b), (momentum, nesterov)
         assert torch.equal(u, ref_u), (momentum, nesterov)
         assert torch.equal(momentum_step(g, b.clone(), momentum, nesterov, write_buffer=False, want_input=True), ref_u)
+        for write_buffer in (True, False):  # U in bf16: torch's fp32 U rounded once, the buffer as in fp32
+            buffer = b.clone()
+            u = momentum_step(
+                g, buffer, momentum, nesterov, write_buffer=write_buffer, want_input=True, input_dtype=torch.bfloat16
+            )
+            assert torch.equal(buffer, ref_b if write_buffer else b)
+            expected = ref_b if write_buffer and not nesterov else ref_u.to(torch.bfloat16)  # U = B' itself there
+            assert u.dtype == expected.dtype and torch.equal(u, expected), (momentum, nesterov, write_buffer)
     update = o.to(torch.bfloat16)
     for decay, alpha in ((0.998, -0.02), (1.0, -3e-3)):
         p = b.clone()

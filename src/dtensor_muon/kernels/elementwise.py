@@ -11,11 +11,11 @@
 multiply-add, in fp32, rounded to the tensor's dtype; ``decay_and_add_`` rounds θ·(1 − γλ) to θ's dtype, then
 adds −γ'·O with one fused multiply-add, as ``mul_`` then ``add_(alpha=)`` do. torch runs the same steps as
 two or three kernels: on the Qwen3-30B-A3B shapes that is 24 + 18 bytes per fp32 element for momentum and
-apply, against 16 (12 without the buffer write) and 10 here. ``decay_and_add_with_norms_`` gives the step's
-metrics the norm of each matrix it applies (a unit of stacked experts: one launch instead of a norm's and the
-apply's); it ends in the norms as normalize.py's kernel ends in its scale, the last program of a matrix adding
-the block sums in a fixed order (:func:`.ordered_sum.store_partial_and_total`), so the norms are the same from
-launch to launch.
+apply, against 16 (14 with U written in bf16, 12 without the buffer write) and 10 here.
+``decay_and_add_with_norms_`` gives the step's metrics the norm of each matrix it applies (a unit of stacked
+experts: one launch instead of a norm's and the apply's); it ends in the norms as normalize.py's kernel ends in
+its scale, the last program of a matrix adding the block sums in a fixed order
+(:func:`.ordered_sum.store_partial_and_total`), so the norms are the same from launch to launch.
 
 On CUDA the kernels run on tensors of at least :data:`MIN_KERNEL_NUMEL` entries; smaller ones take torch's
 operations, which give the same bits there (``tests/test_elementwise_kernels.py`` checks it on the GPU), so the
@@ -157,11 +157,21 @@ def _kernel_applies(*tensors: Tensor, any_layout: int = 0) -> bool:
 
 
 def momentum_step(
-    grad: Tensor, buffer: Tensor, momentum: float, nesterov: bool, *, write_buffer: bool, want_input: bool
+    grad: Tensor,
+    buffer: Tensor,
+    momentum: float,
+    nesterov: bool,
+    *,
+    write_buffer: bool,
+    want_input: bool,
+    input_dtype: torch.dtype | None = None,
 ) -> Tensor | None:
     """The momentum pass (module formula) in one kernel: advances ``buffer`` in place when ``write_buffer``,
-    returns U (a new tensor of ``buffer``'s dtype) when ``want_input``, else None. Without the kernel
-    (:func:`_kernel_applies`) it runs the same steps as torch operations."""
+    returns U when ``want_input``, else None. A new U is written in ``input_dtype`` (default: ``buffer``'s),
+    rounded once to nearest even from the fp32 value, as the first cast of the direction that reads it would
+    round it: for Newton–Schulz in bf16, 2 bytes an entry written here and read there instead of 4, the same
+    bits. Without the kernel (:func:`_kernel_applies`) it runs the same steps as torch operations, and U keeps
+    ``buffer``'s dtype (a cast there would be a launch more), as it does where U is B' itself (no Nesterov)."""
     if not (write_buffer or want_input):
         raise ValueError("momentum_step: nothing to write (write_buffer and want_input are both False)")
     if not _kernel_applies(grad, buffer):
@@ -171,7 +181,7 @@ def momentum_step(
         want_input = False
     else:
         result = None
-    u = torch.empty_like(buffer) if want_input else buffer
+    u = torch.empty_like(buffer, dtype=input_dtype or buffer.dtype) if want_input else buffer
     with torch.cuda.device(buffer.device):
         _launch_momentum(grad, buffer, u, momentum, nesterov, write_buffer, want_input)
     return u if want_input else result
@@ -185,8 +195,10 @@ def momentum_steps(
     *,
     write_buffer: bool,
     want_input: bool,
+    input_dtype: torch.dtype | None = None,
 ) -> list[Tensor | None]:
-    """:func:`momentum_step` on each (grad, buffer) pair; the pairs the kernel does not take run as torch's
+    """:func:`momentum_step` on each (grad, buffer) pair (U in ``input_dtype`` where the kernel runs); the pairs
+    the kernel does not take run as torch's
     multi-tensor (``_foreach_``) lerps, a few launches for all of them instead of two each: the same lerps, so
     the same bits (on CPU torch's own loop of ``lerp``; on the GPU ``tests/test_elementwise_kernels.py``
     compares them)."""
@@ -196,7 +208,9 @@ def momentum_steps(
     small = []
     for i, (g, b) in enumerate(zip(grads, buffers)):
         if _kernel_applies(g, b) or g.shape != b.shape or g.dtype != b.dtype or g.device != b.device:
-            out[i] = momentum_step(g, b, momentum, nesterov, write_buffer=write_buffer, want_input=want_input)
+            out[i] = momentum_step(
+                g, b, momentum, nesterov, write_buffer=write_buffer, want_input=want_input, input_dtype=input_dtype
+            )
         else:
             small.append(i)
     if not small:

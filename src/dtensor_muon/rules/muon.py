@@ -79,7 +79,8 @@ def gpu_backend_runs(dtype: torch.dtype, shape: tuple[int, int], matrices: int, 
 
 class MomentumRule(MatrixRule):
     """A rule whose shard state is Muon's momentum buffer (module formula) in the group's ``momentum_dtype``:
-    ``prepare`` gives U, ``advance`` writes B'; a float32 group's shards at once take multi-tensor passes
+    ``prepare`` gives U (in the direction's ``input_dtype`` where the momentum kernel writes it: the same values
+    the direction reads), ``advance`` writes B'; a float32 group's shards at once take multi-tensor passes
     (:func:`momentum_steps`), the same bits."""
 
     shard_state_keys = MOMENTUM_KEYS
@@ -91,13 +92,17 @@ class MomentumRule(MatrixRule):
         return init_momentum_state(param, group_momentum_dtype(group), name)
 
     def prepare(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
-        return momentum_pass(grad, shard_state, group, write_buffer=False)  # type: ignore[return-value]
+        return momentum_pass(  # type: ignore[return-value]
+            grad, shard_state, group, write_buffer=False, input_dtype=self.input_dtype(group)
+        )
 
     def advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> None:
         momentum_pass(grad, shard_state, group, write_buffer=True, want_input=False)
 
     def prepare_and_advance(self, grad: Tensor, shard_state: dict[str, Tensor], group: Group) -> Tensor:
-        return momentum_pass(grad, shard_state, group, write_buffer=True)  # type: ignore[return-value]
+        return momentum_pass(  # type: ignore[return-value]
+            grad, shard_state, group, write_buffer=True, input_dtype=self.input_dtype(group)
+        )
 
     def prepare_many(
         self, grads: list[Tensor], shard_states: list[dict[str, Tensor]], group: Group, *, advance: bool
@@ -106,7 +111,13 @@ class MomentumRule(MatrixRule):
             return [momentum_pass(g, s, group, write_buffer=advance) for g, s in zip(grads, shard_states)]  # type: ignore[misc]
         buffers = [s[BUFFER] for s in shard_states]
         return momentum_steps(  # type: ignore[return-value]  (want_input: every entry is a tensor)
-            grads, buffers, group["momentum"], group["nesterov"], write_buffer=advance, want_input=True
+            grads,
+            buffers,
+            group["momentum"],
+            group["nesterov"],
+            write_buffer=advance,
+            want_input=True,
+            input_dtype=self.input_dtype(group),
         )
 
     def advance_many(self, grads: list[Tensor], shard_states: list[dict[str, Tensor]], group: Group) -> None:
@@ -119,11 +130,18 @@ class MomentumRule(MatrixRule):
 
 
 def momentum_pass(
-    grad: Tensor, shard_state: dict[str, Tensor], group: Group, *, write_buffer: bool, want_input: bool = True
+    grad: Tensor,
+    shard_state: dict[str, Tensor],
+    group: Group,
+    *,
+    write_buffer: bool,
+    want_input: bool = True,
+    input_dtype: torch.dtype | None = None,
 ) -> Tensor | None:
     """One momentum pass on a shard in the group's ``momentum_dtype``: B' written when ``write_buffer``, U
-    returned when ``want_input``. Raises ValueError when the held state is in another format than the group's
-    ``momentum_dtype`` says (it was changed after the state was created)."""
+    returned when ``want_input`` (a float32 buffer's kernel writes it in ``input_dtype``: :func:`momentum_step`).
+    Raises ValueError when the held state is in another format than the group's ``momentum_dtype`` says (it was
+    changed after the state was created)."""
     momentum_dtype = group_momentum_dtype(group)
     problem = held_format_problem(shard_state, momentum_dtype, grad.dtype)
     if problem is not None:
@@ -131,7 +149,13 @@ def momentum_pass(
     momentum, nesterov = group["momentum"], group["nesterov"] and want_input
     if momentum_dtype == "float32":
         return momentum_step(
-            grad, shard_state[BUFFER], momentum, nesterov, write_buffer=write_buffer, want_input=want_input
+            grad,
+            shard_state[BUFFER],
+            momentum,
+            nesterov,
+            write_buffer=write_buffer,
+            want_input=want_input,
+            input_dtype=input_dtype,
         )
     return stored_momentum_step(
         grad,
