@@ -1,15 +1,17 @@
 """Where a Newton–Schulz call's time goes when its products run back to back, against the same products
 timed alone.
 
-    PYTHONPATH=src python tools/kernels/chain_breakdown.py --shapes 4096x4096,64x2048x1408 --out chain.json
+    PYTHONPATH=src:bench python tools/kernels/chain_breakdown.py --shapes 4096x4096,64x2048x1408 --out chain.json
 
 For each shape and form ("standard", "gram"): the whole call timed by ``triton.testing.do_bench`` (median);
 the same call ``--calls`` times back to back with a CUDA event after every product (gram, poly,
 symmetric_product, apply, and the start), each product's time the gap between its event and the one
 before (so launch gaps count), median over the calls; and each distinct product timed alone by
 ``do_bench`` on the inputs it saw in the chain. "chain − alone" per product is what running in a chain
-costs (clock under sustained load, caches, launch gaps). Also prints the config the autotuner chose for
-each SYRK key.
+costs (clock under sustained load, caches, launch gaps). Beside them each kind's roofline
+(``bench/ns_roofline.py``: max(FLOPs / rate, bytes / copy rate) per product, at the bf16 8192³ matmul rate and
+the copy rate measured in the same run) and "chain / roofline", how far each kind runs from what the card allows
+it. Also prints the config the autotuner chose for each SYRK key.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 
 import torch
 import triton
+from ns_roofline import roofline
+from optimizer_step import device_copy_gbps, matmul_ceiling
 from torch import Tensor
 
 from dtensor_muon.kernels import triton_syrk, ws_syrk
@@ -81,7 +85,7 @@ def timed_call(g: Tensor, backend: TimedMatmuls, algorithm: str) -> None:
     in_layout_of(iterate(x, (KELLER_COEFFICIENTS,) * 5, backend, algorithm, scale), g)
 
 
-def breakdown(shape: tuple[int, ...], algorithm: str, calls: int) -> dict:
+def breakdown(shape: tuple[int, ...], algorithm: str, calls: int, tflops: float, gbps: float) -> dict:
     g = torch.randn(shape, device="cuda")
     whole = lambda: newton_schulz(g, algorithm=algorithm)
     whole()
@@ -109,6 +113,7 @@ def breakdown(shape: tuple[int, ...], algorithm: str, calls: int) -> dict:
         chain_by_kind.setdefault(kind, []).append(ms)
     alone = {kind: triton.testing.do_bench(fn) for kind, fn in backend.inputs.items()}
     whole_ms = triton.testing.do_bench(whole)
+    bounds = roofline(shape, algorithm, tflops, gbps)
     rows = [
         {
             "product": kind,
@@ -116,6 +121,7 @@ def breakdown(shape: tuple[int, ...], algorithm: str, calls: int) -> dict:
             "chain_ms_each": statistics.mean(times),
             "alone_ms": alone[kind],
             "chain_total_ms": sum(times),
+            "roofline_ms": bounds["kinds"][kind]["roofline_ms"] if kind in bounds["kinds"] else None,
         }
         for kind, times in chain_by_kind.items()
     ]
@@ -123,6 +129,8 @@ def breakdown(shape: tuple[int, ...], algorithm: str, calls: int) -> dict:
         "shape": "x".join(map(str, shape)),
         "algorithm": algorithm,
         "whole_do_bench_ms": whole_ms,
+        "roofline_ms": bounds["roofline_ms"],
+        "floor_ms": bounds["floor_ms"],
         "chain_sum_ms": statistics.median(totals),
         "alone_sum_ms": sum(r["count"] * r["alone_ms"] for r in rows),
         "rows": rows,
@@ -144,22 +152,32 @@ def main() -> None:
     args = parser.parse_args()
     if args.ws_min_work is not None:
         ws_syrk.WS_MIN_WORK = args.ws_min_work
+    tflops = matmul_ceiling(torch.device("cuda"))["tflops"]
+    gbps = device_copy_gbps(torch.device("cuda"))
+    print(f"bf16 8192³ matmul {tflops:.0f} TFLOP/s, copy rate {gbps:.0f} GB/s")
     results = []
     for spec in args.shapes.split(","):
         shape = tuple(int(v) for v in spec.split("x"))
         for algorithm in args.algorithms.split(","):
             print(f"[{time.strftime('%H:%M:%S')}] {spec} {algorithm}", flush=True)
-            r = breakdown(shape, algorithm, args.calls)
+            r = breakdown(shape, algorithm, args.calls, tflops, gbps)
             results.append(r)
             print(
                 f"{spec} {algorithm}: whole (do_bench) {r['whole_do_bench_ms']:.3f} ms, chain sum "
-                f"{r['chain_sum_ms']:.3f}, products alone summed {r['alone_sum_ms']:.3f}"
+                f"{r['chain_sum_ms']:.3f}, products alone summed {r['alone_sum_ms']:.3f}; roofline "
+                f"{r['roofline_ms']:.3f} ({r['whole_do_bench_ms'] / r['roofline_ms']:.2f}x), symmetric floor "
+                f"{r['floor_ms']:.3f} ({r['whole_do_bench_ms'] / r['floor_ms']:.2f}x)"
             )
-            print(f"  {'product':8} {'n':>3} {'chain ms':>9} {'alone ms':>9} {'chain-alone':>11}")
+            print(
+                f"  {'product':8} {'n':>3} {'chain ms':>9} {'alone ms':>9} {'chain-alone':>11} {'roofline ms':>11} "
+                f"{'chain/roofline':>14}"
+            )
             for row in r["rows"]:
+                bound = row["roofline_ms"]
+                ratio = f"{row['chain_total_ms'] / bound:14.2f}" if bound else f"{'':14}"
                 print(
                     f"  {row['product']:8} {row['count']:3d} {row['chain_ms_each']:9.4f} {row['alone_ms']:9.4f} "
-                    f"{row['chain_ms_each'] - row['alone_ms']:+11.4f}"
+                    f"{row['chain_ms_each'] - row['alone_ms']:+11.4f} {bound or 0:11.4f} {ratio}"
                 )
     tuned = {str(k[:7]): v for k, v in triton_syrk._TUNED.items()}
     print("autotuner's choices (m, k, batch, transposed, mode, epilogue, has_c):")
@@ -169,6 +187,8 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "device": torch.cuda.get_device_name(),
+            "matmul_tflops": tflops,
+            "copy_gbps": gbps,
             "torch": torch.__version__,
             "triton": triton.__version__,
             "results": results,
