@@ -68,11 +68,12 @@ test-avx2: $(STAMP)
 	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q tests
 
 # On a machine with a CUDA GPU: the whole suite, e2e and the GPU-only tests included (multi-rank tests put 2-4
-# gloo ranks on cuda:0); 8 pytest workers where pytest-xdist is installed. A test that needs more (two or more
+# gloo ranks on cuda:0); where pytest-xdist is installed, a pytest worker per 16 GiB of GPU memory (at most 8),
+# the trainings of real-dimension flavors one at a time (their xdist_group). A test that needs more (two or more
 # GPUs, NCCL) is skipped with a reason that says so: -rs lists them.
 test-gpu: $(STAMP)
 	@$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch sees no CUDA GPU here (make test runs the CPU suite)')"
-	$(PY) -m pytest -q -rs tests $$($(PY) -c "import xdist, torch; print('-n', max(1, min(8, torch.cuda.get_device_properties(0).total_memory // 2**34)))" 2>/dev/null)
+	$(PY) -m pytest -q -rs tests $$($(PY) -c "import xdist, torch; print('-n', max(1, min(8, torch.cuda.get_device_properties(0).total_memory // 2**34)), '--dist loadgroup')" 2>/dev/null)
 
 # ruff: lint rules and formatting as configured in pyproject.toml (CI runs this before the tests).
 lint: $(STAMP)

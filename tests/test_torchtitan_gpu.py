@@ -275,6 +275,7 @@ def check_log(output: str, losses: dict[int, float], steps: list[int], rule: str
 @pytest.mark.slow
 @pytest.mark.e2e
 @needs_gpu
+@pytest.mark.xdist_group("real_dimension_trainings")  # one at a time under make test-gpu: 20-30 GB each
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("model", CONFIGS)
 def test_gpu_flavor_trains_and_resumes_with_the_same_losses(tmp_path, model, optimizer):
