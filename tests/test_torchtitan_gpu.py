@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from titan_runs import torchrun
+from titan_runs import failure, torchrun
 
 pytest.importorskip("torchtitan")
 from torchtitan_ext.version import LINE, VERSION
@@ -288,7 +288,7 @@ def test_gpu_flavor_trains_and_resumes_with_the_same_losses(tmp_path, model, opt
     rule = optimizer.lower()
     try:
         code, output, uninterrupted = torchrun_on_gpu(config, dump, *args)
-        assert code == 0, output[-5000:]
+        assert code == 0, failure(output, 5000)
         check_log(output, uninterrupted, list(range(1, STEPS + 1)), rule)
         # each step's loss is over its own 2,048 tokens, so one step may rise over step 1 (SOAP on an H100:
         # 12.27, 12.00, 11.49, 12.42); a direction that does not descend stays above step 1 at every step
@@ -297,7 +297,7 @@ def test_gpu_flavor_trains_and_resumes_with_the_same_losses(tmp_path, model, opt
         shutil.rmtree(dump / "checkpoint" / f"step-{STEPS}")  # the weights-only last save: room on the disk
 
         code, output, resumed = torchrun_on_gpu(config, dump, *args, *RESUME)
-        assert code == 0, output[-5000:]
+        assert code == 0, failure(output, 5000)
         assert f"Training starts at step {SAVE_AT + 1}" in output, output[-5000:]
         after = list(range(SAVE_AT + 1, STEPS + 1))
         check_log(output, resumed, after, rule)

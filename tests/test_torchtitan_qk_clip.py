@@ -23,7 +23,7 @@ from torchtitan_ext.version import LINE
 if LINE != "0.2":
     pytest.skip("torchtitan 0.2.x tests", allow_module_level=True)
 
-from titan_runs import torchrun
+from titan_runs import failure, torchrun
 
 from torchtitan_ext import qk_clip, qk_clip_kernel
 
@@ -478,7 +478,7 @@ def test_a_low_tau_clips_flex_attention_heads_from_the_kernel_on_a_gpu(tmp_path)
             "--metrics.log_freq", "1", "--training.steps", "4", "--lr_scheduler.warmup_steps", "2",
             "--muon.qk_clip_tau", "0.1"]  # fmt: skip
     code, output, losses = torchrun("moe_tiny.toml", tmp_path, *args, nproc=1, timeout=900, env={}, tail=3000)
-    assert code == 0, output[-3000:]
+    assert code == 0, failure(output)
     assert "QK-clip: logit maxima of 6 attention layers: 6 from FlexAttention's kernel (max_scores)\n" in output + "\n"
     lines = [line for line in output.splitlines() if "optimizer: " in line]
     fields = [line.split("qk_clip max ")[1].split() for line in lines]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+\w.]+)")
+ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[\w.]+\.)?\w*(?:Error|Exception)\b:.*$", re.MULTILINE)
 CPU_ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 """One OpenMP thread per process (the processes of a CPU run share the machine's cores), and no GPU: on a machine
 with one, the launcher would otherwise train on CUDA with NCCL, which refuses two ranks on one GPU."""
@@ -48,3 +49,10 @@ def torchrun(
         for log in sorted(logs.rglob("stderr.log")):
             output += f"\n--- {log.relative_to(logs)} (tail) ---\n" + log.read_text(errors="replace")[-tail:]
     return proc.returncode, output, losses
+
+
+def failure(output: str, tail: int = 3000) -> str:
+    """A failed run's output for an assertion message: the first 5 distinct lines that name an exception (a
+    compiler's dump can push them far above the tail), then the last ``tail`` characters."""
+    named = list(dict.fromkeys(m.group(0).strip() for m in ERROR_LINE.finditer(output)))[:5]
+    return "\n".join(["exceptions named:", *named, "--- output tail ---", output[-tail:]]) if named else output[-tail:]
