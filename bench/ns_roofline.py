@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from optimizer_step import NS_STEPS, ns_flops
 from torch import Tensor
 
 from dtensor_muon.kernels.torch_matmuls import TorchMatmuls
 from dtensor_muon.linalg.newton_schulz import KELLER_COEFFICIENTS, iterate
 
 BF16_BYTES = 2
-NS_STEPS = 5
 KINDS = ("gram", "poly", "product", "apply")
 
 
@@ -121,16 +121,10 @@ def products(rows: int, cols: int, algorithm: str, steps: int = NS_STEPS) -> lis
     return backend.products
 
 
-def symmetric_floor_flops(rows: int, cols: int, steps: int = NS_STEPS) -> int:
-    """The benchmarks' floor per matrix: steps·(3m²n + m³)."""
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (3 * m * m * n + m**3)
-
-
 def roofline(shape: tuple[int, ...], algorithm: str, tflops: float, gbps: float) -> dict[str, Any]:
     """Per kind and in all, for a [B, rows, cols] (or [rows, cols]) call: the count, FLOPs, bytes, the least
     time in ms (``kinds``, ``roofline_ms``), that time with every product at the matmul rate (``compute_ms``),
-    and the symmetric floor at the same rate (``floor_ms``)."""
+    and the symmetric floor at the same rate (``floor_ms``: :func:`optimizer_step.ns_flops`)."""
     batch = shape[0] if len(shape) == 3 else 1
     rows, cols = shape[-2:]
     found = products(rows, cols, algorithm)
@@ -152,7 +146,7 @@ def roofline(shape: tuple[int, ...], algorithm: str, tflops: float, gbps: float)
         "kinds": kinds,
         "roofline_ms": sum(row["roofline_ms"] for row in kinds.values()),
         "compute_ms": 1e3 * sum(row["flops"] for row in kinds.values()) / (tflops * 1e12),
-        "floor_ms": 1e3 * batch * symmetric_floor_flops(rows, cols) / (tflops * 1e12),
+        "floor_ms": 1e3 * ns_flops(shape)[0] / (tflops * 1e12),
     }
 
 

@@ -464,10 +464,15 @@ def parameter_shapes(
     return torchtitan_shapes(family, flavor, layers, quick, experts), "torchtitan meta model"
 
 
-def model_shapes(model: str, layers: int | None, quick: bool = False, experts: int | None = None) -> tuple[Shapes, str]:
-    """:func:`parameter_shapes` of a :data:`MODELS` key, in its flavor or, with ``quick``, its cut-down one."""
+def model_flavor(model: str, quick: bool = False) -> tuple[str, str]:
+    """(family, flavor) of a :data:`MODELS` key: its flavor or, with ``quick``, its cut-down one."""
     family, flavor = MODELS[model]
-    flavor = QUICK_FLAVORS.get(model, QUICK_FLAVOR) if quick else flavor
+    return family, QUICK_FLAVORS.get(model, QUICK_FLAVOR) if quick else flavor
+
+
+def model_shapes(model: str, layers: int | None, quick: bool = False, experts: int | None = None) -> tuple[Shapes, str]:
+    """:func:`parameter_shapes` of a :data:`MODELS` key in :func:`model_flavor`'s flavor."""
+    family, flavor = model_flavor(model, quick)
     return parameter_shapes(family, flavor, layers, quick, experts)
 
 
@@ -1329,8 +1334,7 @@ def whole_step(args: Any, params: ParameterSet, floor: dict[str, float] | None) 
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
-    family, flavor = MODELS[args.model]
-    flavor = QUICK_FLAVORS.get(args.model, QUICK_FLAVOR) if args.quick else flavor
+    family, flavor = model_flavor(args.model, args.quick)
     shapes, shapes_from = model_shapes(args.model, args.layers, args.quick, args.experts)
     muon_names = {n for n, s in shapes if uses_muon(n, torch.empty(s, device="meta"), None)}
     muon_shapes = [s for n, s in shapes if n in muon_names]
