@@ -14,6 +14,7 @@ unit alone.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TypeVar
 
@@ -41,6 +42,15 @@ STACK_MAX_SIDE = 1024
 """Largest short side of a matrix whose units stack: 768-wide experts gain (above), DeepSeek-V3-16B's 1408×2048
 ones did not (its step 351.5 ms as units, 347.9 ms in stacks of 8; its busiest rank at 64 ranks 6.55 ms as
 units, 6.94 ms stacked)."""
+
+GATHER_MAX_UNITS = 4
+"""A holder's local units of a parameter that holds at most this many stackable units on the rank stack with the
+units of other parameters (:func:`holder_stack_keys`): their views are copied into one input, and each unit's O
+goes back to its own parameter. Longer runs stay in their own view of the shard, uncopied. Qwen3-30B-A3B's experts
+at 8 FSDP ranks, or at EP 8, are 2 units of 8 per parameter per rank: stacked per parameter they ran in calls of 16
+matrices, 29 calls on the busiest of 8 ranks; gathered, 8. The copy costs about 1.5 µs a 768×2048 bf16 matrix on
+an H200, against 3.4–6 µs a matrix gained in a 128-matrix stack (docs/kernels.md "Expert stacks"); at 4 units of
+8 a parameter already fills a stack of 32 matrices on its own."""
 
 _forced_stack: list[int] = []
 
@@ -102,3 +112,12 @@ def group_into_stacks(
         if k is not None:
             open_stack[k] = stacks[-1]
     return stacks
+
+
+def holder_stack_keys(params: Sequence[Hashable], keys: Sequence[Hashable | None]) -> list[Hashable | None]:
+    """The keys a holder's local units stack by, in their order: ``keys[i]`` the stack key of unit i (None: it
+    computes alone), ``params[i]`` its parameter. A unit of a parameter with at most :data:`GATHER_MAX_UNITS`
+    units of non-None key here keeps its key, so that it stacks with other parameters' units (its view is copied);
+    a unit of a longer run gets ``(key, parameter)``, so that it stacks only within its parameter."""
+    stackable = Counter(p for p, k in zip(params, keys) if k is not None)
+    return [None if k is None else k if stackable[p] <= GATHER_MAX_UNITS else (k, p) for p, k in zip(params, keys)]
