@@ -118,6 +118,77 @@ def test_local_runs_of_experts_stack_and_keep_each_units_bits() -> None:
     assert len(stacked) == STEPS * (2 * 2 + 1)  # per step: 2 stacks per expert parameter, the dense matrix
 
 
+THIRD = [("layers.0.moe.experts.w2", (32, 6, 8))]
+
+
+def test_short_runs_of_several_parameters_stack_together_and_keep_each_units_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every parameter's 8 units of 4 counted as a short run (GATHER_MAX_UNITS set to 8), stacks of 3 units
+    cross parameters: w1's units 6-7 and w3's unit 0 are copied into one call, and every unit's O goes back to its
+    own parameter (O = U/2: bit for bit); 24 units in 8 calls a step, as 3 parameters' units in order make them."""
+    monkeypatch.setattr(batching, "GATHER_MAX_UNITS", 8)
+    shapes = EXPERTS + THIRD
+    want, alone = one_process(HalvingMuon, shapes, units=1)
+    got, stacked = one_process(HalvingMuon, shapes, units=3)
+    for (name, _), a, b in zip(shapes, got, want):
+        assert torch.equal(a, b), name
+    assert alone == [(4, 6, 8)] * 24 * STEPS
+    assert stacked == [(12, 6, 8)] * 8 * STEPS
+
+
+def test_short_runs_stack_across_parameters_with_muon_within_fp32_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real Newton–Schulz (fp32) in stacks of 3 units that cross parameters, against units alone, within the bound
+    of :func:`test_muon_stacked_on_cpu_is_within_fp32_rounding_of_its_units`."""
+    monkeypatch.setattr(batching, "GATHER_MAX_UNITS", 8)
+    shapes = EXPERTS + THIRD
+    with one_thread():
+        want, _ = one_process(Muon, shapes, units=1)
+        got, _ = one_process(Muon, shapes, units=3)
+    lr_scale = OPTIONS["lr"] * max(1.0, 6 / 8) ** 0.5
+    bound = STEPS * lr_scale * 15 * 3.4445**5 * 8 * 2.0**-24
+    for (name, _), a, b in zip(shapes, got, want):
+        assert float((a - b).abs().max()) <= bound, name
+
+
+def test_holder_stack_keys_gather_only_short_runs() -> None:
+    """Parameter 0 holds 5 stackable units (more than GATHER_MAX_UNITS = 4): its key names it; parameter 1's 2 and
+    parameter 2's 4 keep the shared key; a unit that computes alone stays None and is not counted."""
+    params = [0] * 5 + [1, 1] + [2] * 4 + [3, 3]
+    keys: list = ["k"] * 11 + [None, "k"]
+    assert batching.holder_stack_keys(params, keys) == [("k", 0)] * 5 + ["k"] * 6 + [None, "k"]
+
+
+def expert_parallel_run(rank: int, world_size: int, units: int) -> dict[str, Any]:
+    """Expert parallelism: the experts split whole over the ranks (Shard(0)), every unit local to its holder."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world_size,))
+    shapes = EXPERTS + THIRD
+    HalvingRule.calls = []
+    params = [(n, torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]))) for n, p in initial(shapes)]
+    opt = HalvingMuon(params, **OPTIONS)
+    with stack_units(units):
+        for step in range(STEPS):
+            for (_, p), g in zip(params, gradient(shapes, step)):
+                p.grad = distribute_tensor(g, mesh, [Shard(0)])
+            opt.step()
+    return {"params": [full_tensor(p) for _, p in params], "calls": list(HalvingRule.calls)}
+
+
+def test_expert_parallel_holders_stack_across_parameters_and_equal_one_process() -> None:
+    """32 experts a parameter over 2 ranks: 4 units of 4 per parameter per rank, short runs, so each rank's 12
+    units of 3 parameters take 2 calls a step in stacks of up to 8 units (a stack per parameter took 3, units
+    alone 12), and the parameters equal one process's bit for bit."""
+    shapes = EXPERTS + THIRD
+    with one_thread():
+        want, _ = one_process(HalvingMuon, shapes, units=1)
+    results = run_distributed(expert_parallel_run, 2, 8)
+    for (name, _), got, expected in zip(shapes, results[0]["params"], want):
+        assert torch.equal(got, expected), name
+    for r in results:
+        assert r["calls"] == [(32, 6, 8), (16, 6, 8)] * STEPS
+
+
 class AskedRule(HalvingRule):
     """HalvingRule that counts how often the engine asks whether its units stack."""
 
@@ -269,14 +340,21 @@ class RecordingMuon(Muon):
 
 
 def gpu_run(units: int, front_end: type = RecordingMuon) -> tuple[list[Tensor], list[tuple[int, ...]]]:
-    RecordingMuonRule.calls = []
-    params = [(n, p.cuda().requires_grad_()) for n, p in initial(GPU_EXPERTS)]
-    opt = front_end(params)  # defaults: bf16 Newton–Schulz from CUDA graphs
     with stack_units(units):
-        for step in range(STEPS):
-            for (_, p), g in zip(params, gradient(GPU_EXPERTS, step)):
-                p.grad = g.cuda()
-            opt.step()
+        return gpu_run_of(GPU_EXPERTS, front_end)
+
+
+def gpu_run_of(
+    shapes: list[tuple[str, tuple[int, ...]]], front_end: type = RecordingMuon
+) -> tuple[list[Tensor], list[tuple[int, ...]]]:
+    """Parameters of ``shapes`` after STEPS steps on one process on the GPU; the calls' shapes."""
+    RecordingMuonRule.calls = []
+    params = [(n, p.cuda().requires_grad_()) for n, p in initial(shapes)]
+    opt = front_end(params)  # defaults: bf16 Newton–Schulz from CUDA graphs
+    for step in range(STEPS):
+        for (_, p), g in zip(params, gradient(shapes, step)):
+            p.grad = g.cuda()
+        opt.step()
     return [p.detach().cpu() for _, p in params], RecordingMuonRule.calls
 
 
@@ -337,6 +415,39 @@ def test_owners_sharing_one_gpu_stack_and_equal_one_process_unstacked_bitwise() 
     calls = [shape for r in results for shape in r["calls"]]
     assert sum(shape[0] for shape in calls) == 2 * 64 * STEPS and max(shape[0] for shape in calls) > 8
     for (name, _), a, b in zip(GPU_EXPERTS, results[0]["params"], want):
+        assert torch.equal(a, b), f"{name}: max |Δ| {float((a - b).abs().max()):.3e}"
+
+
+GPU_EXPERT_PARALLEL = [*GPU_EXPERTS, ("layers.0.moe.experts.w3", (64, 768, 2048))]
+
+
+def gpu_expert_parallel_run(rank: int, world_size: int) -> dict[str, Any]:
+    """The experts split whole over the ranks (Shard(0)) on one GPU: 4 units of 8 per parameter per rank."""
+    mesh = init_device_mesh("cuda", (world_size,))
+    params = [
+        (n, torch.nn.Parameter(distribute_tensor(p.cuda(), mesh, [Shard(0)]))) for n, p in initial(GPU_EXPERT_PARALLEL)
+    ]
+    RecordingMuonRule.calls = []
+    opt = RecordingMuon(params)
+    for step in range(STEPS):
+        for (_, p), g in zip(params, gradient(GPU_EXPERT_PARALLEL, step)):
+            p.grad = distribute_tensor(g.cuda(), mesh, [Shard(0)])
+        opt.step()
+    return {"params": [full_tensor(p) for _, p in params], "calls": list(RecordingMuonRule.calls)}
+
+
+@requires_cuda
+@pytest.mark.slow
+def test_expert_parallel_ranks_sharing_one_gpu_stack_across_parameters_bitwise() -> None:
+    """Expert parallelism over 2 ranks on one GPU: each rank holds 4 units of 8 experts of each of 3 parameters
+    (short runs), so w1's and w3's wide units stack together, copied into one call of 64 matrices, and w2's tall
+    ones into one of 32; the parameters equal one process's, whose units compute alone, bit for bit."""
+    with stack_units(1):
+        want, _ = gpu_run_of(GPU_EXPERT_PARALLEL)
+    results = run_distributed(gpu_expert_parallel_run, 2, device="cuda")
+    for r in results:
+        assert r["calls"] == [(64, 768, 2048), (32, 2048, 768)] * STEPS
+    for (name, _), a, b in zip(GPU_EXPERT_PARALLEL, results[0]["params"], want):
         assert torch.equal(a, b), f"{name}: max |Δ| {float((a - b).abs().max()):.3e}"
 
 
