@@ -83,10 +83,12 @@ device, with real random data and no communication. Its share per step, in the o
 - the momentum step (``B.lerp_(g)``, then the Nesterov input) on its FSDP shard of every Muon parameter, all shards
   at once as the optimizer runs them (``momentum_steps``: a fused pass per large shard, multi-tensor lerps for the rest);
 - every unit it computes (owned and local), as one tensor ``[B, m, n]`` or ``[m, n]``: bf16 for an owned unit
-  (it arrives on the bf16 wire), fp32 for a local one (read from the shard), through ``MuonRule.direction``
+  (it arrives on the bf16 wire), for a local one as the momentum pass writes U (bf16 on CUDA, fp32 elsewhere),
+  through ``MuonRule.direction``
   with the optimizer's Newton–Schulz runner (``NewtonSchulzGraphs`` on CUDA, ``newton_schulz`` elsewhere); with
   ``--units-per-stack N``, also a row per N whose same-size units of one shape and origin run N to a call
-  (:func:`stacked_calls`, the dispatch deciding as for one unit);
+  (:func:`stacked_calls`, the dispatch deciding as for one unit; a stack that gathers several parameters' local
+  units copies their runs into one input every step, as the engine does);
 - the apply (``θ·(1 − γλ) − γ'·O``) on its shard of every Muon parameter, O taken from a preallocated buffer;
 - ``torch.optim.AdamW`` (fused on CUDA, foreach elsewhere, as the optimizer runs it) on its shard of every other parameter.
 
@@ -109,8 +111,9 @@ import copy
 import functools
 import gc
 import importlib
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,7 +125,7 @@ from torch.autograd import DeviceType
 
 from dtensor_muon import AttentionHeads, Muon
 from dtensor_muon.distributed.layout import box_shape
-from dtensor_muon.kernels.batching import group_into_stacks, stack_units, stacking_pays
+from dtensor_muon.kernels.batching import group_into_stacks, holder_stack_keys, stack_units, stacking_pays
 from dtensor_muon.kernels.elementwise import decay_and_add_many, momentum_steps
 from dtensor_muon.kernels.shapes import decide_as_batch
 from dtensor_muon.linalg.newton_schulz import newton_schulz
@@ -1006,26 +1009,38 @@ def rank_share(shapes: Shapes, muon_names: set[str], group: dict[str, Any], worl
 
 def stacked_calls(
     units: list[tuple[tuple[int, ...], bool]], units_per_stack: int, params: list[int] | None = None
-) -> list[tuple[tuple[int, ...], bool, int | None]]:
+) -> list[tuple[tuple[int, ...], bool, int | None, list[int] | None]]:
     """The share's units as calls with stacks of up to ``units_per_stack`` units: (call shape, owned, matrices
-    per unit when the call is a stack of several, else None). Batched units of one shape (where stacking pays) and
+    per unit when the call is a stack of several, else None, and the units of each parameter's run when the stack
+    gathers several parameters' local units, else None). Batched units of one shape (where stacking pays) and
     origin stack k at a time in their order, as the engine stacks an owner's units (over consecutive exchange
-    buckets); local units stack only with those of their own parameter (``params``: each unit's parameter), as a
-    holder's do (one run of experts of the shard)."""
+    buckets). Local units (``params``: each unit's parameter) stack as a holder's do
+    (:func:`dtensor_muon.kernels.batching.holder_stack_keys`): those of parameters with at most
+    ``GATHER_MAX_UNITS`` stackable units on the rank across parameters, their views copied into one input; the
+    others only with their own parameter's (one run of experts of the shard)."""
 
-    def key(i: int) -> tuple | None:
+    def own_key(i: int) -> tuple | None:
         shape, owned = units[i]
-        if len(shape) != 3 or not stacking_pays(shape[0], shape[1:]):
-            return None
-        return (shape, owned) if owned or params is None else (shape, owned, params[i])
+        return (shape, owned) if len(shape) == 3 and stacking_pays(shape[0], shape[1:]) else None
 
+    keys: list[Hashable | None] = [own_key(i) for i in range(len(units))]
+    if params is not None:
+        held = [i for i, (_, owned) in enumerate(units) if not owned]
+        for i, key in zip(held, holder_stack_keys([params[i] for i in held], [keys[i] for i in held])):
+            keys[i] = key
     calls = []
-    for stack in group_into_stacks(range(len(units)), key, units_per_stack):
+    for stack in group_into_stacks(range(len(units)), keys.__getitem__, units_per_stack):
         shape, owned = units[stack[0]]
         if len(stack) == 1:
-            calls.append((shape, owned, None))
-        else:
-            calls.append(((len(stack) * shape[0], *shape[1:]), owned, shape[0]))
+            calls.append((shape, owned, None, None))
+            continue
+        runs = [1]
+        for before, after in itertools.pairwise(stack):
+            if owned or params is None or params[before] == params[after]:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        calls.append(((len(stack) * shape[0], *shape[1:]), owned, shape[0], runs if len(runs) > 1 else None))
     return calls
 
 
@@ -1041,8 +1056,14 @@ class ShareWork:
             return torch.randn(shape, generator=gen, device=device).to(dtype)
 
         calls = stacked_calls(share.units, units_per_stack, share.unit_params)
-        self.inputs = [randn(shape, torch.bfloat16 if owned else torch.float32) for shape, owned, _ in calls]
-        self.decide_as = [per_unit for _, _, per_unit in calls]
+        # a local unit's U as the momentum pass writes it (the direction's input dtype on CUDA, fp32 elsewhere)
+        held = self.rule.input_dtype(group) if device.type == "cuda" else torch.float32
+        self.inputs: list[list[torch.Tensor]] = []  # per call: its input, or the runs its input is copied from
+        for shape, owned, per_unit, runs in calls:
+            dtype = torch.bfloat16 if owned else held
+            pieces = [(per_unit * units, *shape[1:]) for units in runs] if runs is not None else [shape]
+            self.inputs.append([randn(piece, dtype) for piece in pieces])
+        self.decide_as = [per_unit for _, _, per_unit, _ in calls]
         self.shards = [
             (randn(s), randn(s), torch.zeros(s, device=device), randn(s), self.rule.adjusted_lr(group, m))
             for s, m in share.muon_shards
@@ -1059,7 +1080,8 @@ class ShareWork:
 
     def newton_schulz(self) -> None:
         """The direction of every unit (or stack of units), through the optimizer's runner."""
-        for u, per_unit in zip(self.inputs, self.decide_as):
+        for pieces, per_unit in zip(self.inputs, self.decide_as):
+            u = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # a gathered stack's copy, as the engine's
             with decide_as_batch(per_unit) if per_unit is not None else contextlib.nullcontext():
                 self.rule.direction(u, [{}] * (u.shape[0] if u.ndim == 3 else 1), self.group, self.runner)
 

@@ -139,27 +139,33 @@ def test_stacked_calls_keep_every_matrix_and_stack_only_like_units():
     units = [((8, 6, 4), False)] * 5 + [((8, 6, 4), True)] * 3 + [((2, 6, 4), False)] * 2 + [((6, 4), False)] * 3
     calls = o.stacked_calls(units, 4)
     assert calls == [
-        ((32, 6, 4), False, 8),
-        ((8, 6, 4), False, None),  # the fifth local unit of 8 alone: no stack
-        ((24, 6, 4), True, 8),
-        ((4, 6, 4), False, 2),
-        ((6, 4), False, None),
-        ((6, 4), False, None),
-        ((6, 4), False, None),
+        ((32, 6, 4), False, 8, None),
+        ((8, 6, 4), False, None, None),  # the fifth local unit of 8 alone: no stack
+        ((24, 6, 4), True, 8, None),
+        ((4, 6, 4), False, 2, None),
+        ((6, 4), False, None, None),
+        ((6, 4), False, None, None),
+        ((6, 4), False, None, None),
     ]
-    assert o.stacked_calls(units, 1) == [(shape, owned, None) for shape, owned in units]
-    params = [0, 0, 1, 1, 1, 2, 3, 4, 5, 5, 6, 7, 8]  # local units stack only within their parameter
+    assert o.stacked_calls(units, 1) == [(shape, owned, None, None) for shape, owned in units]
+    params = [0, 0, 1, 1, 1, 2, 3, 4, 5, 5, 6, 7, 8]  # short local runs (at most GATHER_MAX_UNITS) gather
     assert o.stacked_calls(units, 4, params)[:4] == [
-        ((16, 6, 4), False, 8),
-        ((24, 6, 4), False, 8),
-        ((24, 6, 4), True, 8),  # owned units of several parameters stack
-        ((4, 6, 4), False, 2),
+        ((32, 6, 4), False, 8, [2, 2]),  # parameter 0's 2 units and 1's first 2, copied into one input
+        ((8, 6, 4), False, None, None),
+        ((24, 6, 4), True, 8, None),  # owned units of several parameters stack
+        ((4, 6, 4), False, 2, None),
+    ]
+    long_run = [((8, 6, 4), False)] * 7  # parameter 0's 5 units stay in their own view, parameter 1's 2 gather
+    assert o.stacked_calls(long_run, 4, [0] * 5 + [1, 1]) == [
+        ((32, 6, 4), False, 8, None),
+        ((8, 6, 4), False, None, None),
+        ((16, 6, 4), False, 8, None),
     ]
     wide = [((8, 1408, 2048), True)] * 2 + [((8, 768, 2048), True)] * 2  # sides above STACK_MAX_SIDE stay alone
     assert o.stacked_calls(wide, 4) == [
-        ((8, 1408, 2048), True, None),
-        ((8, 1408, 2048), True, None),
-        ((16, 768, 2048), True, 8),
+        ((8, 1408, 2048), True, None, None),
+        ((8, 1408, 2048), True, None, None),
+        ((16, 768, 2048), True, 8, None),
     ]
 
 
