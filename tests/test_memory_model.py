@@ -299,3 +299,21 @@ def test_stacks_count_the_workspace_and_graphs_of_their_calls():
     assert stacks.exchange == alone.exchange
     assert OptimizerMemory.from_rule(*optimizer_rule("muon")[:2], 2, units_per_stack=4).units_per_stack == 4
     assert OptimizerMemory.from_rule(*optimizer_rule("mop")[:2], 4, units_per_stack=4).units_per_stack == 1
+
+
+def test_a_stack_of_short_runs_keeps_every_parameters_input_it_spans():
+    """Three expert parameters [16, 3, 5] over 2 ranks: each rank holds 8 experts of each, 4 units of 2, short runs
+    (at most GATHER_MAX_UNITS) that stack across parameters. In stacks of 3 units the calls span p0 | p0 p1 | p1 p2
+    | p2, so two parameters' U (8·15 elements each, 4 bytes) are alive at once; in stacks of 4 each call is one
+    parameter's, and without stacks one parameter's U at a time."""
+    layouts = [fsdp_layout(f"layers.{k}.experts", (16, 3, 5), 2) for k in range(3)]
+    plan = build_plan(layouts, [0, 1, 2], 2**20, 2)
+    meshes = [MeshPlan(plan, dict(enumerate(layouts)))]
+    one_shard = 4 * 8 * 15
+
+    def exchange(units_per_stack: int) -> list[int]:
+        return [r.exchange for r in memory_per_rank(meshes, [], replace(MUON, units_per_stack=units_per_stack), 2)]
+
+    assert exchange(1) == [one_shard] * 2
+    assert exchange(3) == [2 * one_shard] * 2
+    assert exchange(4) == [one_shard] * 2

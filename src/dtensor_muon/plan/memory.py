@@ -31,7 +31,8 @@ elements. Per rank r:
   + o·Σ_units B·m·n over the owned and tensor-parallel units r computes (their direction outputs O, in the
   rule's input dtype o, held until the return exchanges are launched)
   + max(w·assembled, u·local): the larger of the largest bucket's whole matrices assembled on r (one bucket
-  at a time) and the largest fully local parameter's U (the local units run first, one parameter's U at once).
+  at a time) and the fully local parameters' U alive at once (the local units run first; a parameter's U lives
+  from its first call to its last, and a stack of short runs spans several parameters: :func:`local_inputs`).
   All of a step's exchange buffers counted as alive at once: an upper bound of their peak (NCCL frees a
   bucket's send buffer once it is waited for).
 - ``ns_workspace`` = max over the calls r makes of B·ω·(2mn + 4m²), ω the Newton–Schulz working dtype's
@@ -67,12 +68,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..distributed.layout import Box, ParamLayout, box_numel
-from ..kernels.batching import group_into_stacks, stacking_pays
+from ..kernels.batching import group_into_stacks, holder_stack_keys, stacking_pays
 from ..kernels.low_precision import INT8_BLOCK, MOMENTUM_DTYPES, int8_blocks
 from ..linalg.newton_schulz import resolve_ns_dtype
 from ..linalg.ns_graphs import MAX_GRAPH_WORK
 from .model import Plan
-from .placement import GatherAll, Owned, TensorParallelGroup
+from .placement import GatherAll, Local, Owned, TensorParallelGroup
 from .views import matrix_shape_of_box
 
 if TYPE_CHECKING:
@@ -367,13 +368,11 @@ def exchange_per_rank(mesh: MeshPlan, optimizer: OptimizerMemory) -> list[int]:
     u, w, o = optimizer.input_itemsize, optimizer.wire_itemsize, optimizer.output_itemsize
     fully_local = plan.fully_local_params()
     routed = [0] * world  # elements of the shards of the parameters not fully local
-    local = [0] * world  # the largest fully local shard
     for k, layout in mesh.layouts.items():
-        for rank, box in enumerate(layout.boxes):
-            if k in fully_local:
-                local[rank] = max(local[rank], box_numel(box))
-            else:
+        if k not in fully_local:
+            for rank, box in enumerate(layout.boxes):
                 routed[rank] += box_numel(box)
+    local = local_inputs(mesh, optimizer.units_per_stack)
     wire = [0] * world  # elements sent and received, out and back
     outputs = [0] * world  # elements of O held
     for route in plan.routes:
@@ -403,6 +402,38 @@ def exchange_per_rank(mesh: MeshPlan, optimizer: OptimizerMemory) -> list[int]:
     return [
         (u + w) * routed[r] + w * wire[r] + o * outputs[r] + max(w * assembled[r], u * local[r]) for r in range(world)
     ]
+
+
+def local_inputs(mesh: MeshPlan, units_per_stack: int) -> list[int]:
+    """Per rank, the most elements of fully local parameters' U alive at once while its local units run
+    (:mod:`..engine.strategies.local`): a parameter's U from the call that takes its first unit to the one that
+    takes its last. Calls are the holder's stacks (:func:`..kernels.batching.holder_stack_keys`: short runs of
+    several parameters in one call, so every parameter a stack spans is alive together); without stacks, the
+    largest fully local shard."""
+    plan = mesh.plan
+    fully_local = plan.fully_local_params()
+    held: list[list[tuple[int, tuple[int, int] | None]]] = [[] for _ in range(plan.world_size)]
+    for u in plan.units_placed(Local):
+        route = plan.routes[plan.units[u].members[0]]
+        batch, shape = len(plan.units[u].members), route.spec.shape
+        key = (batch, shape) if route.spec.parts == 1 and stacking_pays(batch, shape) else None
+        for rank in dict.fromkeys(rank for rank, _ in route.holders):
+            held[rank].append((route.spec.param_index, key))
+    out = []
+    for rank, units in enumerate(held):
+        params = [p for p, _ in units]
+        keys = holder_stack_keys(params, [k for _, k in units])
+        span: dict[int, list[int]] = {}  # fully local parameter: [first call, last call]
+        for call, stack in enumerate(group_into_stacks(range(len(units)), keys.__getitem__, units_per_stack)):
+            for i in stack:
+                if params[i] in fully_local:
+                    span.setdefault(params[i], [call, call])[1] = call
+        alive = [0] * (max((last for _, last in span.values()), default=-1) + 1)
+        for param, (first, last) in span.items():
+            for call in range(first, last + 1):
+                alive[call] += box_numel(mesh.layouts[param].boxes[rank])
+        out.append(max(alive, default=0))
+    return out
 
 
 def assembled_per_rank(plan: Plan, bucket: list[int]) -> dict[int, int]:
