@@ -935,7 +935,7 @@ class RankShare:
     other_shards: list[tuple[int, ...]]
     """Its non-empty shards of the other (AdamW) parameters."""
     unit_params: list[int] = field(default_factory=list)
-    """Per unit, the index of its parameter (local units stack only within one parameter)."""
+    """Per unit, the index of its parameter (which local units stack together: :func:`stacked_calls`)."""
 
     @property
     def units_owned(self) -> int:

@@ -38,7 +38,7 @@ elements. Per rank r:
 - ``ns_workspace`` = max over the calls r makes of B·ω·(2mn + 4m²), ω the Newton–Schulz working dtype's
   bytes (a call: a unit of B matrices, or with stacks, :mod:`..engine.stacks`, up to ``units_per_stack``
   same-size units of one shape where stacking pays, B their matrices together; counted as if every such unit of
-  r joined a stack, an upper bound where a holder's local units stack only within one run of experts): the start
+  r joined a stack, an upper bound where a holder's long runs stack only within their parameter): the start
   X₀ and the current X, and the m×m matrices of the Gram form (R, Z, Q and a product; the standard form needs
   two: X·Xᵀ and b·A + c·A·A). 0 for a rule that runs no Newton–Schulz (MOP's SVD and
   SOAP's products: their direction workspace is not modelled).
