@@ -46,11 +46,11 @@ units, 6.94 ms stacked)."""
 GATHER_MAX_UNITS = 4
 """A holder's local units of a parameter that holds at most this many stackable units on the rank stack with the
 units of other parameters (:func:`holder_stack_keys`): their views are copied into one input, and each unit's O
-goes back to its own parameter. Longer runs stay in their own view of the shard, uncopied. Qwen3-30B-A3B's experts
-at 8 FSDP ranks, or at EP 8, are 2 units of 8 per parameter per rank: stacked per parameter they ran in calls of 16
-matrices, 29 calls on the busiest of 8 ranks; gathered, 8. The copy costs about 1.5 µs a 768×2048 bf16 matrix on
-an H200, against 3.4–6 µs a matrix gained in a 128-matrix stack (docs/kernels.md "Expert stacks"); at 4 units of
-8 a parameter already fills a stack of 32 matrices on its own."""
+goes back to its own parameter. Longer runs stay in their own view of the shard, uncopied (4 units of 8 already
+make a stack of 32 matrices). Qwen3-30B-A3B's experts at 8 FSDP ranks, or at EP 8, are 2 units of 8 per parameter
+per rank: stacked per parameter, the busiest of 8 ranks made 29 calls and its share took 20.6–20.9 ms; gathered,
+8 calls and 18.4–18.7 ms on one H200, the copy (about 1.5 µs a 768×2048 bf16 matrix) included (BENCHMARKS.md
+"Expert stacks")."""
 
 _forced_stack: list[int] = []
 
