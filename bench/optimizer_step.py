@@ -99,8 +99,9 @@ its share ms and the units' Newton–Schulz alone (ns ms), its NS floor (the uni
 over the measured matmul rate; CUDA only) and share/floor, its step floor (the NS floor plus the state traffic
 of its shards at the copy rate, as for the whole step) and share/step floor; the same share as a step of several
 ranks runs it (transactional share ms: the momentum pass gives U without advancing the buffer, which advances in
-a second pass after the directions, so that a step that fails on any rank changes nothing); beside it a fused
-AdamW step (foreach on CPU) over the same rank's FSDP shard of every parameter (about 1/W of each): AdamW share
+a second pass after the directions, so that a step that fails on any rank changes nothing); the share without
+Newton–Schulz (element-wise ms: the momentum pass, the apply and AdamW on its other shards) against the traffic
+floor of its shards' state at the copy rate (CUDA only) and their ratio; beside it a fused AdamW step (foreach on CPU) over the same rank's FSDP shard of every parameter (about 1/W of each): AdamW share
 ms.
 """
 
@@ -1085,14 +1086,16 @@ class ShareWork:
             with decide_as_batch(per_unit) if per_unit is not None else contextlib.nullcontext():
                 self.rule.direction(u, [{}] * (u.shape[0] if u.ndim == 3 else 1), self.group, self.runner)
 
-    def step(self, transactional: bool = False) -> None:
+    def step(self, transactional: bool = False, directions: bool = True) -> None:
         """Momentum on the shards, the units' directions, the apply on the shards, AdamW on the other shards.
         ``transactional``: as a step of several ranks runs it, the momentum pass gives U without advancing the
-        buffer, and the buffer advances in a second pass after the directions (the commit)."""
+        buffer, and the buffer advances in a second pass after the directions (the commit). ``directions=False``:
+        the element-wise passes and AdamW alone, without Newton–Schulz."""
         momentum, nesterov = self.group["momentum"], self.group["nesterov"]
         grads, bufs = [shard[1] for shard in self.shards], [shard[2] for shard in self.shards]
         momentum_steps(grads, bufs, momentum, nesterov, write_buffer=not transactional, want_input=True)
-        self.newton_schulz()
+        if directions:
+            self.newton_schulz()
         if transactional:  # the commit's advance, as MuonRule.advance_many runs it
             momentum_steps(grads, bufs, momentum, False, write_buffer=True, want_input=False)
         decay = 1 - LR * WEIGHT_DECAY
@@ -1153,6 +1156,7 @@ def run_share(
         share_ms = median_ms(work.step, device, warmup, steps)
         transactional_ms = median_ms(functools.partial(work.step, transactional=True), device, warmup, steps)
         ns_ms = median_ms(work.newton_schulz, device, 1, steps)
+        elementwise_ms = median_ms(functools.partial(work.step, directions=False), device, warmup, steps)
     del work
     free(device)
     adamw = adamw_share(share, shapes, device)
@@ -1165,7 +1169,8 @@ def run_share(
         sum(torch.Size(shard).numel() for shard, _ in share.muon_shards),
         sum(torch.Size(shard).numel() for shard in share.other_shards),
     )
-    step_floor_ms = floor_ms + traffic / (copy_gbps * 1e6) if floor_ms and copy_gbps else None
+    traffic_ms = traffic / (copy_gbps * 1e6) if copy_gbps else None
+    step_floor_ms = floor_ms + traffic_ms if floor_ms and traffic_ms else None
     return {
         "world_size": share.world_size,
         "rank": share.rank,
@@ -1187,6 +1192,9 @@ def run_share(
         "step_floor_ms": step_floor_ms,
         "share_vs_step_floor": share_ms / step_floor_ms if step_floor_ms else None,
         "transactional_share_ms": transactional_ms,
+        "elementwise_ms": elementwise_ms,
+        "traffic_floor_ms": traffic_ms,
+        "elementwise_vs_floor": elementwise_ms / traffic_ms if traffic_ms else None,
         "adamw_share_ms": adamw_ms,
         "ns_tflop_syrk": syrk / 1e12,
     }
@@ -1307,6 +1315,9 @@ SHARE_COLUMNS = [
     ("step_floor_ms", "step floor ms", "{:.2f}"),
     ("share_vs_step_floor", "share/step floor", "{:.2f}"),
     ("transactional_share_ms", "transactional share ms", "{:.2f}"),
+    ("elementwise_ms", "element-wise ms", "{:.2f}"),
+    ("traffic_floor_ms", "traffic floor ms", "{:.2f}"),
+    ("elementwise_vs_floor", "element-wise/floor", "{:.2f}"),
     ("adamw_share_ms", "AdamW share ms", "{:.2f}"),
 ]
 

@@ -130,6 +130,7 @@ def test_quick_run_writes_overhead_and_per_rank_fields(model, tmp_path):
     assert share["calls"] == share["units"] and share["units"] / 2 <= stacked["calls"] <= share["units"]
     assert share["world_size"] == 8 and share["share_ms"] > 0 and share["adamw_share_ms"] > 0
     assert share["ns_floor_ms"] is None  # CPU: no matmul rate measured
+    assert share["elementwise_ms"] > 0 and share["traffic_floor_ms"] is None  # nor a copy rate
     most, computed = independent_max_rank_flops(quick_shapes(model), 8)
     assert share["planned_flops"] == share["max_rank_flops"] == most == computed
 
