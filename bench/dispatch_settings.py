@@ -6,8 +6,9 @@
 Names (:data:`TUNABLES`): the Gluon kernel's (``WS_MIN_WORK``, ``WS_MAX_DIM``, ``TURN_LEAD``, ``STAGES``), the
 SYRK floors (``MIN_SYRK_DIM``, ``MIN_SYRK_TILES``, ``MIN_SMALL_SYRK_TILES``, ``MIN_GLUON_SYRK_DIM``,
 ``MIN_GLUON_SYRK_TILES``), the dispatch's (``MIN_GPU_BACKEND_WORK``, the Gram form's aspects and work floors),
-``MAX_GRAPH_WORK`` and ``STACK_MAX_SIDE`` (which units stack); docs/kernels.md
-"Measured constants" says what each is and how it was chosen.
+``MAX_GRAPH_WORK``, ``STACK_MAX_SIDE`` (which units stack), ``GATHER_MAX_UNITS`` (which of a holder's units stack
+across parameters) and ``MIN_KERNEL_NUMEL`` (the smallest shard the fused element-wise kernels take); docs/kernels.md
+"Measured constants" and each constant's docstring say what it is and how it was chosen.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import contextlib
 from collections.abc import Iterator
 from types import ModuleType
 
-from dtensor_muon.kernels import batching, dispatch, triton_matmuls, use_backend, ws_syrk
+from dtensor_muon.kernels import batching, dispatch, elementwise, triton_matmuls, use_backend, ws_syrk
 from dtensor_muon.linalg import ns_graphs
 
 TUNABLES: dict[str, ModuleType] = {
@@ -44,6 +45,8 @@ TUNABLES: dict[str, ModuleType] = {
     ),
     "MAX_GRAPH_WORK": ns_graphs,
     "STACK_MAX_SIDE": batching,
+    "GATHER_MAX_UNITS": batching,
+    "MIN_KERNEL_NUMEL": elementwise,
 }
 
 

@@ -1150,9 +1150,9 @@ def run_share(
     """Time the busiest rank's share (stacks as ``spec`` says: :func:`stack_spec`) and an AdamW step over its
     shards; one result row (floors with the matmul ``rate`` in FLOP/s and the copy rate ``copy_gbps``: CUDA)."""
     units_per_stack, constants = stack_spec(spec)
-    work = ShareWork(share, group, device, units_per_stack)
-    calls = len(work.inputs)
-    with settings(constants):
+    with settings(constants):  # the calls are formed under the constants too (STACK_MAX_SIDE, GATHER_MAX_UNITS)
+        work = ShareWork(share, group, device, units_per_stack)
+        calls = len(work.inputs)
         share_ms = median_ms(work.step, device, warmup, steps)
         transactional_ms = median_ms(functools.partial(work.step, transactional=True), device, warmup, steps)
         ns_ms = median_ms(work.newton_schulz, device, 1, steps)

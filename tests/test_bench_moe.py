@@ -215,3 +215,24 @@ def test_the_transactional_share_computes_what_the_one_pass_share_does():
     for a, b in zip(one_pass.shards, transactional.shards):
         assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])  # parameter, momentum buffer
         assert not torch.equal(a[2], torch.zeros_like(a[2]))  # the buffers did advance
+
+
+def test_a_share_forms_its_calls_under_the_rows_constants(monkeypatch):
+    """``--units-per-stack 2:GATHER_MAX_UNITS=0`` keeps every local unit to its own parameter's stacks: the row's
+    calls are those the constant gives (set here by hand), not the default's, and the constant is restored."""
+    o = bench_module("optimizer_step")
+    from dtensor_muon.kernels import batching
+
+    shapes = quick_shapes("qwen3_30b_a3b")
+    muon_names = {n for n, s in shapes if uses_muon(n, torch.empty(s, device="meta"), None)}
+    share = o.rank_share(shapes, muon_names, o.muon_group(), 8)
+    before = batching.GATHER_MAX_UNITS
+    default = len(o.stacked_calls(share.units, 2, share.unit_params))
+    with monkeypatch.context() as m:
+        m.setattr(batching, "GATHER_MAX_UNITS", 0)
+        per_parameter = len(o.stacked_calls(share.units, 2, share.unit_params))
+    assert per_parameter > default
+    cpu = torch.device("cpu")
+    rows = [o.run_share(share, shapes, o.muon_group(), cpu, 0, 1, None, spec) for spec in ("2", "2:GATHER_MAX_UNITS=0")]
+    assert [row["calls"] for row in rows] == [default, per_parameter]
+    assert before == batching.GATHER_MAX_UNITS  # restored
