@@ -68,12 +68,16 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
             runs = one_view_runs(stack, one_view)
             decide_as = len(units[stack[0]]) if len(stack) > 1 else None
             if len(runs) > 1:
-                pieces = [
-                    (ctx.entries[params[run[0]]], [spec for k in run for spec in unit_specs[k]], run_block(run, blocks))
+                gathered = [
+                    (
+                        ctx.entries[params[run[0]]],
+                        [spec for k in run for spec in unit_specs[k]],
+                        shard_input(params[run[0]]),
+                        run_block(run, blocks),
+                    )
                     for run in runs
                 ]
-                gathered = [(e, specs, shard_input(e.index), block) for e, specs, block in pieces]
-                _compute_gathered(ctx, work, gathered, len(units[stack[0]]))
+                _compute_gathered(ctx, work, gathered, decide_as)
             else:
                 specs = [spec for k in stack for spec in unit_specs[k]]
                 e = ctx.entries[params[stack[0]]]
@@ -153,7 +157,7 @@ def _compute_gathered(
     ctx: StepContext,
     work: MeshWork,
     runs: list[tuple[Entry, list[MatrixSpec], Tensor, Box | None]],
-    decide_as: int,
+    decide_as: int | None,
 ) -> None:
     """A stack of units from several runs (of several parameters, :func:`.batching.holder_stack_keys`): each run's
     view of its parameter's U (``(e, specs, u, box)``; a run that no one view holds, matrix by matrix) copied into
