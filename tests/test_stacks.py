@@ -10,6 +10,7 @@ is bitwise (the dispatch decides as for one unit, and the kernels compute each m
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar
 
 import pytest
@@ -159,20 +160,33 @@ def test_holder_stack_keys_gather_only_short_runs() -> None:
     assert batching.holder_stack_keys(params, keys) == [("k", 0)] * 5 + ["k"] * 6 + [None, "k"]
 
 
-def expert_parallel_run(rank: int, world_size: int, units: int) -> dict[str, Any]:
-    """Expert parallelism: the experts split whole over the ranks (Shard(0)), every unit local to its holder."""
+def sharded_run(
+    rank: int,
+    world_size: int,
+    front_end: type,
+    shapes: list[tuple[str, tuple[int, ...]]],
+    dim: int,
+    device: str,
+    units: int | None,
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    """STEPS steps of ``front_end(params, **options)`` on ``shapes`` split along ``dim`` over the ranks on ``device``
+    (``Shard(0)``: whole experts, every unit local to its holder; ``Shard(1)``: along their rows, every expert
+    travels to an owner), with stacks of up to ``units`` units (None: the device's default). Returns the
+    parameters after them and the shapes of the calls the front end's rule recorded."""
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (world_size,))
-    shapes = EXPERTS + THIRD
-    HalvingRule.calls = []
-    params = [(n, torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]))) for n, p in initial(shapes)]
-    opt = HalvingMuon(params, **OPTIONS)
-    with stack_units(units):
+    mesh = init_device_mesh(device, (world_size,))
+    recorder = type(front_end.rule)
+    recorder.calls = []
+    placements = [Shard(dim)]
+    params = [(n, torch.nn.Parameter(distribute_tensor(p.to(device), mesh, placements))) for n, p in initial(shapes)]
+    opt = front_end(params, **options)
+    with stack_units(units) if units is not None else contextlib.nullcontext():
         for step in range(STEPS):
             for (_, p), g in zip(params, gradient(shapes, step)):
-                p.grad = distribute_tensor(g, mesh, [Shard(0)])
+                p.grad = distribute_tensor(g.to(device), mesh, placements)
             opt.step()
-    return {"params": [full_tensor(p) for _, p in params], "calls": list(HalvingRule.calls)}
+    return {"params": [full_tensor(p) for _, p in params], "calls": list(recorder.calls)}
 
 
 def test_expert_parallel_holders_stack_across_parameters_and_equal_one_process() -> None:
@@ -182,7 +196,7 @@ def test_expert_parallel_holders_stack_across_parameters_and_equal_one_process()
     shapes = EXPERTS + THIRD
     with one_thread():
         want, _ = one_process(HalvingMuon, shapes, units=1)
-    results = run_distributed(expert_parallel_run, 2, 8)
+    results = run_distributed(sharded_run, 2, HalvingMuon, shapes, 0, "cpu", 8, OPTIONS)
     for (name, _), got, expected in zip(shapes, results[0]["params"], want):
         assert torch.equal(got, expected), name
     for r in results:
@@ -288,21 +302,6 @@ def test_muon_stacked_on_cpu_is_within_fp32_rounding_of_its_units() -> None:
 
 
 # ---------------------------------------------------------------- owners across ranks
-def owned_run(rank: int, world_size: int, units: int, device: str, bucket_size_mb: float = 64.0) -> dict[str, Any]:
-    """Experts split along their rows (Shard(1)): every expert travels to an owner, which stacks its units."""
-    torch.set_num_threads(1)
-    mesh = init_device_mesh(device, (world_size,))
-    HalvingRule.calls = []
-    params = [(n, torch.nn.Parameter(distribute_tensor(p.to(device), mesh, [Shard(1)]))) for n, p in initial(EXPERTS)]
-    opt = HalvingMuon(params, **OPTIONS, bucket_size_mb=bucket_size_mb)
-    with stack_units(units):
-        for step in range(STEPS):
-            for (_, p), g in zip(params, gradient(EXPERTS, step)):
-                p.grad = distribute_tensor(g.to(device), mesh, [Shard(1)])
-            opt.step()
-    return {"params": [full_tensor(p) for _, p in params], "calls": list(HalvingRule.calls)}
-
-
 @pytest.mark.parametrize(
     "world_size,bucket_size_mb",
     [(2, 64.0), (3, 64.0), (2, 1e-4)],
@@ -312,7 +311,8 @@ def test_owners_stack_units_and_equal_one_process(world_size: int, bucket_size_m
     """With one bucket per unit (104 bytes a bucket), an owner computes consecutive buckets together to stack."""
     with one_thread():
         want, _ = one_process(HalvingMuon, EXPERTS, units=1)
-    results = run_distributed(owned_run, world_size, 8, "cpu", bucket_size_mb)
+    options = OPTIONS | {"bucket_size_mb": bucket_size_mb}
+    results = run_distributed(sharded_run, world_size, HalvingMuon, EXPERTS, 1, "cpu", 8, options)
     for (name, _), got, expected in zip(EXPERTS, results[0]["params"], want):
         assert torch.equal(got, expected), name
     calls = [shape for r in results for shape in r["calls"]]
@@ -391,27 +391,15 @@ def test_units_on_the_torch_backend_do_not_stack_on_the_gpu() -> None:
     assert RecordingMuonRule.calls == [(4, 768, 2048)] * 8
 
 
-def gpu_owned_run(rank: int, world_size: int, units: int) -> dict[str, Any]:
-    """One bucket for all (512 MB of bf16 matrices): each owner receives half the units of each parameter at once."""
-    mesh = init_device_mesh("cuda", (world_size,))
-    params = [(n, torch.nn.Parameter(distribute_tensor(p.cuda(), mesh, [Shard(1)]))) for n, p in initial(GPU_EXPERTS)]
-    RecordingMuonRule.calls = []
-    opt = RecordingMuon(params, bucket_size_mb=512)
-    with stack_units(units):
-        for step in range(STEPS):
-            for (_, p), g in zip(params, gradient(GPU_EXPERTS, step)):
-                p.grad = distribute_tensor(g.cuda(), mesh, [Shard(1)])
-            opt.step()
-    return {"params": [full_tensor(p) for _, p in params], "calls": list(RecordingMuonRule.calls)}
-
-
 @requires_cuda
 @pytest.mark.slow
 def test_owners_sharing_one_gpu_stack_and_equal_one_process_unstacked_bitwise() -> None:
     """The experts split along their rows over 2 ranks on one GPU (bf16 wire): each owner stacks the units of a
     bucket, and the result is one process's with every unit alone."""
     want, _ = gpu_run(1)
-    results = run_distributed(gpu_owned_run, 2, 8, device="cuda")
+    # one bucket for all (512 MB of bf16 matrices): each owner receives half the units of each parameter at once
+    options = {"bucket_size_mb": 512}
+    results = run_distributed(sharded_run, 2, RecordingMuon, GPU_EXPERTS, 1, "cuda", 8, options, device="cuda")
     calls = [shape for r in results for shape in r["calls"]]
     assert sum(shape[0] for shape in calls) == 2 * 64 * STEPS and max(shape[0] for shape in calls) > 8
     for (name, _), a, b in zip(GPU_EXPERTS, results[0]["params"], want):
@@ -419,21 +407,6 @@ def test_owners_sharing_one_gpu_stack_and_equal_one_process_unstacked_bitwise() 
 
 
 GPU_EXPERT_PARALLEL = [*GPU_EXPERTS, ("layers.0.moe.experts.w3", (64, 768, 2048))]
-
-
-def gpu_expert_parallel_run(rank: int, world_size: int) -> dict[str, Any]:
-    """The experts split whole over the ranks (Shard(0)) on one GPU: 4 units of 8 per parameter per rank."""
-    mesh = init_device_mesh("cuda", (world_size,))
-    params = [
-        (n, torch.nn.Parameter(distribute_tensor(p.cuda(), mesh, [Shard(0)]))) for n, p in initial(GPU_EXPERT_PARALLEL)
-    ]
-    RecordingMuonRule.calls = []
-    opt = RecordingMuon(params)
-    for step in range(STEPS):
-        for (_, p), g in zip(params, gradient(GPU_EXPERT_PARALLEL, step)):
-            p.grad = distribute_tensor(g.cuda(), mesh, [Shard(0)])
-        opt.step()
-    return {"params": [full_tensor(p) for _, p in params], "calls": list(RecordingMuonRule.calls)}
 
 
 @requires_cuda
@@ -444,7 +417,7 @@ def test_expert_parallel_ranks_sharing_one_gpu_stack_across_parameters_bitwise()
     ones into one of 32; the parameters equal one process's, whose units compute alone, bit for bit."""
     with stack_units(1):
         want, _ = gpu_run_of(GPU_EXPERT_PARALLEL)
-    results = run_distributed(gpu_expert_parallel_run, 2, device="cuda")
+    results = run_distributed(sharded_run, 2, RecordingMuon, GPU_EXPERT_PARALLEL, 0, "cuda", None, {}, device="cuda")
     for r in results:
         assert r["calls"] == [(64, 768, 2048), (32, 2048, 768)] * STEPS
     for (name, _), a, b in zip(GPU_EXPERT_PARALLEL, results[0]["params"], want):
