@@ -1059,6 +1059,7 @@ class ShareWork:
         calls = stacked_calls(share.units, units_per_stack, share.unit_params)
         # a local unit's U as the momentum pass writes it (the direction's input dtype on CUDA, fp32 elsewhere)
         held = self.rule.input_dtype(group) if device.type == "cuda" else torch.float32
+        self.input_dtype = held
         self.inputs: list[list[torch.Tensor]] = []  # per call: its input, or the runs its input is copied from
         for shape, owned, per_unit, runs in calls:
             dtype = torch.bfloat16 if owned else held
@@ -1093,7 +1094,15 @@ class ShareWork:
         the element-wise passes and AdamW alone, without Newton–Schulz."""
         momentum, nesterov = self.group["momentum"], self.group["nesterov"]
         grads, bufs = [shard[1] for shard in self.shards], [shard[2] for shard in self.shards]
-        momentum_steps(grads, bufs, momentum, nesterov, write_buffer=not transactional, want_input=True)
+        momentum_steps(  # U in the direction's input dtype, as MomentumRule.prepare_many asks for it
+            grads,
+            bufs,
+            momentum,
+            nesterov,
+            write_buffer=not transactional,
+            want_input=True,
+            input_dtype=self.input_dtype,
+        )
         if directions:
             self.newton_schulz()
         if transactional:  # the commit's advance, as MuonRule.advance_many runs it
