@@ -26,12 +26,11 @@ bitwise equal to ``torch.optim.Muon``.
 
 from __future__ import annotations
 
-import struct
-
 import torch
 from torch import Tensor
 
 from .counters import ticket_counters
+from .lerp import as_fp32, lerp_weights
 
 try:
     import triton
@@ -50,14 +49,8 @@ launch, more than the traffic it saves on a small shard.
 Chosen by measurement: BENCHMARKS.md "Whole optimizer step", the shard-size rule (re-measure: bench/elementwise.py)."""
 
 if triton is not None:
+    from .lerp import lerp
     from .ordered_sum import store_partial_and_total
-
-    @triton.jit
-    def _lerp(start, end, weight, one_minus_weight, SMALL: tl.constexpr):
-        """ATen's lerp in fp32: start + w·(end − start) for a small w, else end − (end − start)·(1 − w)."""
-        if SMALL:
-            return tl.fma(end - start, weight, start)
-        return tl.fma(-(end - start), one_minus_weight, end)
 
     @triton.jit
     def _momentum_kernel(
@@ -81,13 +74,13 @@ if triton is not None:
         inside = offsets < N
         g = tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        advanced = _lerp(b, g, w_advance, one_minus_w_advance, SMALL_ADVANCE).to(b_ptr.dtype.element_ty)
+        advanced = lerp(b, g, w_advance, one_minus_w_advance, SMALL_ADVANCE).to(b_ptr.dtype.element_ty)
         if WRITE_BUFFER:
             tl.store(b_ptr + offsets, advanced, mask=inside)
         if WRITE_INPUT:
             u = advanced.to(tl.float32)
             if NESTEROV:
-                u = _lerp(g, u, w_nesterov, one_minus_w_nesterov, SMALL_NESTEROV)
+                u = lerp(g, u, w_nesterov, one_minus_w_nesterov, SMALL_NESTEROV)
             tl.store(u_ptr + offsets, u.to(u_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
@@ -123,18 +116,6 @@ if triton is not None:
         )
         if last:
             tl.store(norms_ptr + matrix, tl.sqrt(total))
-
-
-def _fp32(value: float) -> float:
-    """``value`` as the fp32 number a kernel receives (Python's double rounded to nearest)."""
-    return struct.unpack("f", struct.pack("f", value))[0]
-
-
-def _lerp_weights(weight: float) -> tuple[float, float, bool]:
-    """(w, 1 − w, |w| < 0.5) in fp32, as ATen's lerp computes them for a scalar weight (1 − w: the fp32
-    difference, exact in double and rounded once)."""
-    w = _fp32(weight)
-    return w, _fp32(1.0 - w), abs(w) < 0.5
 
 
 def _kernel_applies(*tensors: Tensor, any_layout: int = 0) -> bool:
@@ -232,8 +213,8 @@ def _launch_momentum(
     grad: Tensor, buffer: Tensor, u: Tensor, momentum: float, nesterov: bool, write_buffer: bool, write_input: bool
 ) -> None:
     """The momentum kernel over ``buffer.numel()`` entries (any device the running Triton serves)."""
-    w_advance, one_minus_advance, small_advance = _lerp_weights(1 - momentum)
-    w_nesterov, one_minus_nesterov, small_nesterov = _lerp_weights(momentum)
+    w_advance, one_minus_advance, small_advance = lerp_weights(1 - momentum)
+    w_nesterov, one_minus_nesterov, small_nesterov = lerp_weights(momentum)
     n = buffer.numel()
     _momentum_kernel[(triton.cdiv(n, BLOCK),)](
         grad,
@@ -328,7 +309,7 @@ def _launch_decay_and_add(param: Tensor, update: Tensor, decay: float, alpha: fl
     """The decay-and-add kernel over ``param.numel()`` entries (any device the running Triton serves)."""
     n = param.numel()
     _decay_and_add_kernel[(triton.cdiv(n, BLOCK),)](
-        param, update, n, _fp32(decay), _fp32(alpha), BLOCK=BLOCK, num_warps=4
+        param, update, n, as_fp32(decay), as_fp32(alpha), BLOCK=BLOCK, num_warps=4
     )
 
 
@@ -346,8 +327,8 @@ def _launch_decay_and_add_with_norms(param: Tensor, update: Tensor, decay: float
         ticket_counters(param.device, matrices),
         norms,
         per_matrix,
-        _fp32(decay),
-        _fp32(alpha),
+        as_fp32(decay),
+        as_fp32(alpha),
         BLOCK=BLOCK,
         CHUNK=CHUNK,
         num_warps=4,

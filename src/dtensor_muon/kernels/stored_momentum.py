@@ -7,7 +7,7 @@
         hashed from B' and g, or int8 with s' = max|B'|/127 per block and q' = round_half_even(B'/s')), U rounded
         once to the gradient's dtype
 
-``lerp`` is ATen's, as in :mod:`.elementwise`. The kernels run where :func:`_stored_kernel_applies` says (CUDA,
+``lerp`` is ATen's (:mod:`.lerp`). The kernels run where :func:`_stored_kernel_applies` says (CUDA,
 contiguous, of any size) and give the torch operations' bits: integer operations, IEEE divisions (``div_rn``),
 the same lerp, and no multiply-add contracted that torch rounds twice; elsewhere the torch operations run. Unlike
 float32 momentum, whose small shards share a few multi-tensor launches (:func:`.elementwise.momentum_steps`), a
@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .elementwise import BLOCK, _lerp_weights
+from .elementwise import BLOCK
+from .lerp import lerp_weights
 from .low_precision import HASH_MULTIPLIER, INT8_BLOCK, decode_int8, encode_int8, round_bf16_stochastic
 
 try:
@@ -34,7 +35,7 @@ INT8_ROWS = 16
 """Rows of one int8 momentum program (each ``INT8_BLOCK`` entries of its rows: one scale per row)."""
 
 if triton is not None:
-    from .elementwise import _lerp
+    from .lerp import lerp
 
     _HASH_MULTIPLIER: tl.constexpr = tl.constexpr(HASH_MULTIPLIER)
 
@@ -76,13 +77,13 @@ if triton is not None:
         inside = offsets < N
         g = tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        advanced = _lerp(b, g, w_advance, one_minus_w_advance, SMALL_ADVANCE)
+        advanced = lerp(b, g, w_advance, one_minus_w_advance, SMALL_ADVANCE)
         if WRITE_BUFFER:
             tl.store(b_ptr + offsets, _stochastic_bf16(advanced, g), mask=inside)
         if WRITE_INPUT:
             u = advanced
             if NESTEROV:
-                u = _lerp(g, u, w_nesterov, one_minus_w_nesterov, SMALL_NESTEROV)
+                u = lerp(g, u, w_nesterov, one_minus_w_nesterov, SMALL_NESTEROV)
             tl.store(u_ptr + offsets, u.to(u_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
@@ -119,7 +120,7 @@ if triton is not None:
         g = tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
         q = tl.load(q_ptr + offsets, mask=inside, other=0).to(tl.float32)
         s = tl.load(s_ptr + scale_offsets, mask=row_inside, other=0.0)
-        advanced = _lerp(q * s[:, None], g, w_advance, one_minus_w_advance, SMALL_ADVANCE)
+        advanced = lerp(q * s[:, None], g, w_advance, one_minus_w_advance, SMALL_ADVANCE)
         if WRITE_BUFFER:
             new_s = tl.div_rn(tl.max(tl.where(inside, tl.abs(advanced), 0.0), axis=1), 127.0)
             quotient = tl.div_rn(advanced, new_s[:, None])
@@ -132,7 +133,7 @@ if triton is not None:
         if WRITE_INPUT:
             u = advanced
             if NESTEROV:
-                u = _lerp(g, u, w_nesterov, one_minus_w_nesterov, SMALL_NESTEROV)
+                u = lerp(g, u, w_nesterov, one_minus_w_nesterov, SMALL_NESTEROV)
             tl.store(u_ptr + offsets, u.to(u_ptr.dtype.element_ty), mask=inside)
 
 
@@ -218,8 +219,8 @@ def _launch_stored_momentum(
     write_input: bool,
 ) -> None:
     """The stored-momentum kernel of ``buffer``'s format (any device the running Triton serves)."""
-    w_advance, one_minus_advance, small_advance = _lerp_weights(1 - momentum)
-    w_nesterov, one_minus_nesterov, small_nesterov = _lerp_weights(momentum)
+    w_advance, one_minus_advance, small_advance = lerp_weights(1 - momentum)
+    w_nesterov, one_minus_nesterov, small_nesterov = lerp_weights(momentum)
     weights = (w_advance, one_minus_advance, w_nesterov, one_minus_nesterov)
     flags = dict(
         SMALL_ADVANCE=small_advance,
