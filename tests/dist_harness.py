@@ -230,6 +230,8 @@ def _call(rank: int, world_size: int, request: bytes, state: _ProcessState, grou
         _CPU_MESHES.clear()
         _clear_dtensor_caches()
         gc.collect()  # optimizers, meshes and the Works they hold go before their groups
+        if torch.cuda.is_initialized():  # an idle worker keeps its CUDA context, not the call's cached blocks
+            torch.cuda.empty_cache()
         _destroy_groups_since(groups)
         state.restore()
         dist.barrier()
