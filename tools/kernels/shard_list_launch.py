@@ -5,13 +5,13 @@ whether a list launch would take the shards of a high world size (Qwen3-30B-A3B 
 
     PYTHONPATH=src python tools/kernels/shard_list_launch.py --out shard_list_launch.json
 
-A list launch reads a table on the device (int64, copied from pinned host memory each call: from pageable
-memory the copy would wait for the stream's work): per shard [entries, first program, each tensor's offset in
-elements from its role's first tensor (the tensors of a role share a dtype)], then per program its shard. Two
-kernel shapes:
+A list launch reads a table on the device (int64, one row per shard: [entries, its first program, each tensor's
+offset in elements from its role's first tensor (the tensors of a role share a dtype)], copied from pinned host
+memory each call: from pageable memory the copy would wait for the stream's work); a program finds its shard by
+binary search over the rows' first programs. Two kernel shapes:
 
 - ``chunk``: a program per ``CHUNK`` entries of a shard, looping over them ``BLOCK`` at a time;
-- ``block``: a program per ``BLOCK`` entries (the table holds a shard index for each).
+- ``block``: a program per ``BLOCK`` entries.
 
 Both compute :mod:`dtensor_muon.kernels.elementwise`'s arithmetic (ATen's lerp; θ·d rounded, then one fused
 multiply-add), so each path's bits are checked against torch's multi-tensor passes. Per case and path: host ms
@@ -19,15 +19,21 @@ per call (calls queued back to back), device ms per call (CUDA events around the
 the device synchronized around each call (as ``bench/optimizer_step.py``'s share rows time a step), and GB/s over
 the device time (momentum: 16 bytes an fp32 entry with U in fp32, 14 with U in bf16; apply: 10 with O in bf16).
 
-Why: in ``bench/optimizer_step.py``'s share rows, the library with such list launches in its passes over a rank's
-shards took longer than with today's paths, though fewer bytes move (BENCHMARKS.md, "Element-wise passes at
-high world sizes"); the wall column here, per pass, is the one to set beside those rows.
+``--table-cost`` (any machine): the host's µs to build one table for each case's shards, this layout against the
+one first measured in the library's passes (:func:`owner_table`: an entry per program, built with
+``torch.repeat_interleave`` and ``triton.cdiv``).
+
+Why: in ``bench/optimizer_step.py``'s share rows, the library with list launches (the owner table) in its passes
+over a rank's shards took longer than with today's paths, though fewer bytes move (BENCHMARKS.md, "Element-wise
+passes at high world sizes"); the wall column here, per pass, is the one to set beside those rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -50,12 +56,26 @@ CASES = {
 
 
 @triton.jit
+def _shard_row(table_ptr, SHARDS, ROW: tl.constexpr, STEPS: tl.constexpr):
+    """This program's shard row: the last row whose first program is at most this one (binary search over the
+    rows' column 1 in ``STEPS`` ≥ log2(SHARDS) halvings)."""
+    program = tl.program_id(0)
+    lo = program * 0
+    hi = lo + SHARDS
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        below = tl.load(table_ptr + ROW * mid + 1) <= program
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return table_ptr + ROW * lo, program
+
+
+@triton.jit
 def _momentum_chunk_kernel(table_ptr, g_base, b_base, u_base, SHARDS, w_a, omw_a, w_n, omw_n, SMALL_A: tl.constexpr,
-                           SMALL_N: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+                           SMALL_N: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """B' = lerp(B, g, 1 − μ) into b, U = lerp(g, B', μ) into u on this program's chunk; row: [entries, first
     program, g, b, u offsets]."""
-    program = tl.program_id(0)
-    row = table_ptr + 5 * tl.load(table_ptr + 5 * SHARDS + program)
+    row, program = _shard_row(table_ptr, SHARDS, 5, STEPS)
     end = tl.load(row)
     start = (program - tl.load(row + 1)) * CHUNK
     g_ptr, b_ptr, u_ptr = g_base + tl.load(row + 2), b_base + tl.load(row + 3), u_base + tl.load(row + 4)
@@ -72,10 +92,9 @@ def _momentum_chunk_kernel(table_ptr, g_base, b_base, u_base, SHARDS, w_a, omw_a
 
 @triton.jit
 def _momentum_block_kernel(table_ptr, g_base, b_base, u_base, SHARDS, w_a, omw_a, w_n, omw_n, SMALL_A: tl.constexpr,
-                           SMALL_N: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """The same on this program's ``BLOCK`` entries (the table's program entries count blocks)."""
-    program = tl.program_id(0)
-    row = table_ptr + 5 * tl.load(table_ptr + 5 * SHARDS + program)
+                           SMALL_N: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """The same on this program's ``BLOCK`` entries (the rows' first programs count blocks)."""
+    row, program = _shard_row(table_ptr, SHARDS, 5, STEPS)
     offsets = (program - tl.load(row + 1)) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < tl.load(row)
     g_ptr, b_ptr, u_ptr = g_base + tl.load(row + 2), b_base + tl.load(row + 3), u_base + tl.load(row + 4)
@@ -88,10 +107,11 @@ def _momentum_block_kernel(table_ptr, g_base, b_base, u_base, SHARDS, w_a, omw_a
 
 
 @triton.jit
-def _apply_chunk_kernel(table_ptr, p_base, o_base, SHARDS, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+def _apply_chunk_kernel(
+    table_ptr, p_base, o_base, SHARDS, STEPS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr
+):
     """θ ← round(θ·d) + a·O on this program's chunk; row: [entries, first program, θ, O offsets, d, a bits]."""
-    program = tl.program_id(0)
-    row = table_ptr + 6 * tl.load(table_ptr + 6 * SHARDS + program)
+    row, program = _shard_row(table_ptr, SHARDS, 6, STEPS)
     end = tl.load(row)
     start = (program - tl.load(row + 1)) * CHUNK
     p_ptr, o_ptr = p_base + tl.load(row + 2), o_base + tl.load(row + 3)
@@ -107,7 +127,25 @@ def _apply_chunk_kernel(table_ptr, p_base, o_base, SHARDS, BLOCK: tl.constexpr, 
 
 
 def table(roles: list[list[torch.Tensor]], extra: list[list[int]], per_program: int) -> tuple[torch.Tensor, int]:
-    """The launch's table (module docstring) with a program per ``per_program`` entries; (table, programs)."""
+    """The launch's table (module docstring) with a program per ``per_program`` entries; (table, programs). One
+    row per shard, built in plain integers (an ``array``, no per-program entries): the host's cost grows with
+    the shards, not with the entries (``--table-cost``)."""
+    offsets = [[(t.data_ptr() - ts[0].data_ptr()) // t.element_size() for t in ts] for ts in roles]
+    entries = [t.numel() for t in roles[0]]
+    rows: list[int] = []
+    programs = 0
+    for i, n in enumerate(entries):
+        rows += [n, programs, *(role[i] for role in offsets), *extra[i]]
+        programs += -(-n // per_program)
+    host = torch.frombuffer(array.array("q", rows), dtype=torch.int64)
+    host = host.pin_memory() if torch.cuda.is_available() else host.clone()
+    return host.to(roles[0][0].device, non_blocking=True), programs
+
+
+def owner_table(roles: list[list[torch.Tensor]], extra: list[list[int]], per_program: int) -> tuple[torch.Tensor, int]:
+    """The layout first measured in the library's passes, for the host-time comparison (``--table-cost``): the
+    rows, then each program's shard (``torch.repeat_interleave``), the counts by ``triton.cdiv`` (Triton's JIT
+    wrapper when called from Python)."""
     rows: list[int] = []
     counts: list[int] = []
     for i, entries in enumerate(t.numel() for t in roles[0]):
@@ -115,15 +153,20 @@ def table(roles: list[list[torch.Tensor]], extra: list[list[int]], per_program: 
         rows += [entries, sum(counts), *offsets, *extra[i]]
         counts.append(triton.cdiv(entries, per_program))
     owners = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-    host = torch.empty(len(rows) + owners.numel(), dtype=torch.int64, pin_memory=True)
+    host = torch.empty(len(rows) + owners.numel(), dtype=torch.int64, pin_memory=torch.cuda.is_available())
     host[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
     host[len(rows) :] = owners
-    return host.to(roles[0][0].device, non_blocking=True), int(owners.numel())
+    return host, int(owners.numel())
+
+
+def halvings(shards: int) -> int:
+    """Binary-search steps that find any of ``shards`` rows (the kernels' ``STEPS``)."""
+    return max(1, (shards - 1).bit_length())
 
 
 def paths(grads, buffers, params, updates, u_dtype) -> dict[str, dict[str, Callable[[], list[torch.Tensor]]]]:
     """Per pass, per path: one call over every shard, returning what it wrote (for the bits check)."""
-    shards = len(grads)
+    shards, steps = len(grads), halvings(len(grads))
     w_a, omw_a, small_a = lerp_weights(1 - MOMENTUM)
     w_n, omw_n, small_n = lerp_weights(MOMENTUM)
 
@@ -137,9 +180,11 @@ def paths(grads, buffers, params, updates, u_dtype) -> dict[str, dict[str, Calla
         tab, programs = table([grads, buffers, inputs], [[]] * shards, chunk if kernel == "chunk" else BLOCK)
         args = (tab, grads[0], buffers[0], inputs[0], shards, w_a, omw_a, w_n, omw_n)
         if kernel == "chunk":
-            _momentum_chunk_kernel[(programs,)](*args, SMALL_A=small_a, SMALL_N=small_n, BLOCK=BLOCK, CHUNK=chunk)
+            _momentum_chunk_kernel[(programs,)](
+                *args, SMALL_A=small_a, SMALL_N=small_n, STEPS=steps, BLOCK=BLOCK, CHUNK=chunk
+            )
         else:
-            _momentum_block_kernel[(programs,)](*args, SMALL_A=small_a, SMALL_N=small_n, BLOCK=BLOCK)
+            _momentum_block_kernel[(programs,)](*args, SMALL_A=small_a, SMALL_N=small_n, STEPS=steps, BLOCK=BLOCK)
         return inputs
 
     def today_apply() -> list[torch.Tensor]:
@@ -149,7 +194,7 @@ def paths(grads, buffers, params, updates, u_dtype) -> dict[str, dict[str, Calla
     def list_apply(chunk: int) -> list[torch.Tensor]:
         factors = [[fp32_bits(DECAY), fp32_bits(ALPHA)]] * shards
         tab, programs = table([params, updates], factors, chunk)
-        _apply_chunk_kernel[(programs,)](tab, params[0], updates[0], shards, BLOCK=BLOCK, CHUNK=chunk)
+        _apply_chunk_kernel[(programs,)](tab, params[0], updates[0], shards, STEPS=steps, BLOCK=BLOCK, CHUNK=chunk)
         return params
 
     momentum: dict[str, Callable[[], list[torch.Tensor]]] = {"today": today_momentum}
@@ -236,19 +281,52 @@ def run_case(name: str, sizes: list[int], u_dtype: torch.dtype, reps: int) -> li
     return rows
 
 
+def table_cost(reps: int) -> list[dict]:
+    """Host µs to build one launch's table for each case's shards (momentum's three roles; views of one entry,
+    so it runs anywhere), by :func:`table` and :func:`owner_table`, chunked and per block."""
+    rows = []
+    for name, sizes in CASES.items():
+        roles = [
+            [torch.empty(1, dtype=dtype).expand(n) for n in sizes] for dtype in (torch.float32,) * 2 + (torch.bfloat16,)
+        ]
+        for builder in (table, owner_table):
+            for per_program in (16 * BLOCK, BLOCK):
+                builder(roles, [[]] * len(sizes), per_program)
+                start = time.perf_counter()
+                for _ in range(reps):
+                    builder(roles, [[]] * len(sizes), per_program)
+                us = (time.perf_counter() - start) / reps * 1e6
+                rows.append({"case": name, "builder": builder.__name__, "per_program": per_program, "host_us": us})
+                print(
+                    f"{name:16s} {builder.__name__:10s} a program per {per_program:6d} entries: {us:8.1f} µs",
+                    flush=True,
+                )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {sorted(CASES)}")
     parser.add_argument("--input-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="U's dtype")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--table-cost", action="store_true", help="only the host cost of the tables (any machine)")
     parser.add_argument("--out", default=None, help="JSON result file")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    u_dtype = getattr(torch, args.input_dtype)
-    rows = [row for name in args.cases.split(",") for row in run_case(name, CASES[name], u_dtype, args.reps)]
+    if args.table_cost:
+        rows = table_cost(args.reps)
+    elif not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (--table-cost runs anywhere)")
+    else:
+        u_dtype = getattr(torch, args.input_dtype)
+        rows = [row for name in args.cases.split(",") for row in run_case(name, CASES[name], u_dtype, args.reps)]
     if args.out:
-        machine = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        machine = {
+            "device": device,
+            "host_cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+        }
         Path(args.out).write_text(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=1))
 
 
