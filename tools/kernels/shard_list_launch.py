@@ -71,6 +71,18 @@ def _shard_row(table_ptr, SHARDS, ROW: tl.constexpr, STEPS: tl.constexpr):
 
 
 @triton.jit
+def _momentum_entries(g_ptr, b_ptr, u_ptr, offsets, inside, w_a, omw_a, w_n, omw_n, SMALL_A: tl.constexpr,
+                      SMALL_N: tl.constexpr):  # fmt: skip
+    """B' = lerp(B, g, 1 − μ) into b and U = lerp(g, B', μ) into u at ``offsets`` (where ``inside``)."""
+    g = tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    advanced = lerp(b, g, w_a, omw_a, SMALL_A).to(b_ptr.dtype.element_ty)
+    tl.store(b_ptr + offsets, advanced, mask=inside)
+    u = lerp(g, advanced.to(tl.float32), w_n, omw_n, SMALL_N)
+    tl.store(u_ptr + offsets, u.to(u_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
 def _momentum_chunk_kernel(table_ptr, g_base, b_base, u_base, SHARDS, w_a, omw_a, w_n, omw_n, SMALL_A: tl.constexpr,
                            SMALL_N: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """B' = lerp(B, g, 1 − μ) into b, U = lerp(g, B', μ) into u on this program's chunk; row: [entries, first
@@ -82,12 +94,7 @@ def _momentum_chunk_kernel(table_ptr, g_base, b_base, u_base, SHARDS, w_a, omw_a
     for step in range(0, CHUNK, BLOCK):
         offsets = start + step + tl.arange(0, BLOCK)
         inside = offsets < end
-        g = tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        advanced = lerp(b, g, w_a, omw_a, SMALL_A).to(b_base.dtype.element_ty)
-        tl.store(b_ptr + offsets, advanced, mask=inside)
-        u = lerp(g, advanced.to(tl.float32), w_n, omw_n, SMALL_N)
-        tl.store(u_ptr + offsets, u.to(u_base.dtype.element_ty), mask=inside)
+        _momentum_entries(g_ptr, b_ptr, u_ptr, offsets, inside, w_a, omw_a, w_n, omw_n, SMALL_A, SMALL_N)
 
 
 @triton.jit
@@ -98,12 +105,7 @@ def _momentum_block_kernel(table_ptr, g_base, b_base, u_base, SHARDS, w_a, omw_a
     offsets = (program - tl.load(row + 1)) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < tl.load(row)
     g_ptr, b_ptr, u_ptr = g_base + tl.load(row + 2), b_base + tl.load(row + 3), u_base + tl.load(row + 4)
-    g = tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    advanced = lerp(b, g, w_a, omw_a, SMALL_A).to(b_base.dtype.element_ty)
-    tl.store(b_ptr + offsets, advanced, mask=inside)
-    u = lerp(g, advanced.to(tl.float32), w_n, omw_n, SMALL_N)
-    tl.store(u_ptr + offsets, u.to(u_base.dtype.element_ty), mask=inside)
+    _momentum_entries(g_ptr, b_ptr, u_ptr, offsets, inside, w_a, omw_a, w_n, omw_n, SMALL_A, SMALL_N)
 
 
 @triton.jit
