@@ -7,7 +7,8 @@ Names (:data:`TUNABLES`): the Gluon kernel's (``WS_MIN_WORK``, ``WS_MAX_DIM``, `
 SYRK floors (``MIN_SYRK_DIM``, ``MIN_SYRK_TILES``, ``MIN_SMALL_SYRK_TILES``, ``MIN_GLUON_SYRK_DIM``,
 ``MIN_GLUON_SYRK_TILES``), the dispatch's (``MIN_GPU_BACKEND_WORK``, the Gram form's aspects and work floors),
 ``MAX_GRAPH_WORK``, ``STACK_MAX_SIDE`` (which units stack), ``GATHER_MAX_UNITS`` (which of a holder's units stack
-across parameters) and ``MIN_KERNEL_NUMEL`` (the smallest shard the fused element-wise kernels take); docs/kernels.md
+across parameters), ``MIN_KERNEL_NUMEL`` (the smallest shard the fused element-wise kernels take) and
+``MIN_LIST_NUMEL`` (the fewest entries a list of smaller shards needs for one launch over all of them); docs/kernels.md
 "Measured constants" and each constant's docstring say what it is and how it was chosen.
 """
 
@@ -17,7 +18,7 @@ import contextlib
 from collections.abc import Iterator
 from types import ModuleType
 
-from dtensor_muon.kernels import batching, dispatch, elementwise, triton_matmuls, use_backend, ws_syrk
+from dtensor_muon.kernels import batching, dispatch, elementwise, shard_lists, triton_matmuls, use_backend, ws_syrk
 from dtensor_muon.linalg import ns_graphs
 
 TUNABLES: dict[str, ModuleType] = {
@@ -47,6 +48,7 @@ TUNABLES: dict[str, ModuleType] = {
     "STACK_MAX_SIDE": batching,
     "GATHER_MAX_UNITS": batching,
     "MIN_KERNEL_NUMEL": elementwise,
+    "MIN_LIST_NUMEL": shard_lists,
 }
 
 

@@ -1,15 +1,18 @@
-"""Muon's element-wise passes per shard size: the fused Triton kernels against torch's operations, as a rank
-issues them (one call per shard, ``--tensors`` shards of one size back to back, the device synchronized once
-after them), so that the host's launch cost shows where the shards are small.
+"""Muon's element-wise passes per shard size: the fused Triton kernels (one launch per shard, and one launch for
+the whole list of shards) against torch's multi-tensor operations, as a rank issues them (``--tensors``
+shards of one size in one call, the device synchronized before and after it), so that the host's launch cost
+shows where the shards are small.
 
     PYTHONPATH=src python bench/elementwise.py              # GPU: the table, bench/results/elementwise.json
     PYTHONPATH=src python bench/elementwise.py --quick      # anywhere: torch's operations on tiny sizes
 
 Passes (see :mod:`dtensor_muon.kernels.elementwise`): ``momentum`` (B' = lerp(B, g, 1 − μ) written back, U =
-lerp(g, B', μ) returned: one kernel, or torch's ``lerp_`` then ``lerp``) and ``apply`` (θ ← θ·(1 − γλ) − γ'·O
-with O in bf16: one kernel, or ``mul_`` then ``add_``). Per size and path: median µs per call over
-``--rounds`` rounds, the effective bandwidth (bytes the pass must move: 16 per fp32 entry for momentum, 10 for
-apply, over the time), and which path :data:`MIN_KERNEL_NUMEL` picks for that size. fp32 tensors.
+lerp(g, B', μ) returned in fp32) and ``apply`` (θ ← θ·(1 − γλ) − γ'·O with O in bf16). Paths: ``foreach``
+(torch's ``_foreach_lerp_`` and ``_foreach_lerp``, or ``_foreach_mul_`` and ``_foreach_add_``), ``kernel`` (the
+one-shard kernel on each shard) and ``list`` (:mod:`dtensor_muon.kernels.shard_lists`: every shard in one
+launch). Per size and path: median µs per shard over ``--rounds`` rounds, the effective bandwidth (bytes the
+pass must move: 16 per fp32 entry for momentum, 10 for apply, over the time), and the path the library picks
+there (:data:`MIN_KERNEL_NUMEL` per shard, then :data:`MIN_LIST_NUMEL` over the list). fp32 tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from common import benchmark_parser, markdown_table, median, write_result
 
 from dtensor_muon.kernels import elementwise as ew
+from dtensor_muon.kernels import shard_lists
 
 MOMENTUM, NESTEROV, DECAY, ALPHA = 0.95, True, 0.998, -0.02
 BYTES = {"momentum": 16, "apply": 10}
@@ -32,30 +36,45 @@ def passes(n: int, count: int, device: torch.device) -> dict[str, dict[str, Call
     grads, bufs, params = ([torch.randn(n, generator=gen, device=device) for _ in range(count)] for _ in range(3))
     updates = [torch.randn(n, generator=gen, device=device).to(torch.bfloat16) for _ in range(count)]
 
+    def foreach_momentum() -> None:
+        torch._foreach_lerp_(bufs, grads, 1 - MOMENTUM)
+        torch._foreach_lerp(grads, bufs, MOMENTUM)
+
     def kernel_momentum() -> None:
         for g, b in zip(grads, bufs):
             ew._launch_momentum(g, b, torch.empty_like(b), MOMENTUM, NESTEROV, True, True)
 
-    def torch_momentum() -> None:
-        for g, b in zip(grads, bufs):
-            ew._momentum_step_torch(g, b, MOMENTUM, NESTEROV, True, True)
+    def list_momentum() -> None:
+        shard_lists.momentum_list(grads, bufs, MOMENTUM, NESTEROV, write_buffer=True, want_input=True)
+
+    def foreach_apply() -> None:
+        torch._foreach_mul_(params, DECAY)
+        torch._foreach_add_(params, updates, alpha=ALPHA)
 
     def kernel_apply() -> None:
         for p, o in zip(params, updates):
             ew._launch_decay_and_add(p, o, DECAY, ALPHA)
 
-    def torch_apply() -> None:
-        for p, o in zip(params, updates):
-            p.mul_(DECAY)
-            p.add_(o, alpha=ALPHA)
+    def list_apply() -> None:
+        shard_lists.decay_and_add_list(params, updates, [DECAY] * count, [ALPHA] * count)
 
     out: dict[str, dict[str, Callable[[], None]]] = {
-        "momentum": {"torch": torch_momentum},
-        "apply": {"torch": torch_apply},
+        "momentum": {"foreach": foreach_momentum},
+        "apply": {"foreach": foreach_apply},
     }
     if device.type == "cuda" and ew.triton is not None:
-        out["momentum"]["kernel"], out["apply"]["kernel"] = kernel_momentum, kernel_apply
+        out["momentum"].update(kernel=kernel_momentum, list=list_momentum)
+        out["apply"].update(kernel=kernel_apply, list=list_apply)
     return out
+
+
+def picked(n: int, count: int, device: torch.device) -> str:
+    """The path the library takes for ``count`` shards of ``n`` entries."""
+    if device.type != "cuda" or ew.triton is None:
+        return "foreach"
+    if n >= ew.MIN_KERNEL_NUMEL:
+        return "kernel"
+    return "list" if n * count >= shard_lists.MIN_LIST_NUMEL else "foreach"
 
 
 def time_call(fn: Callable[[], None], device: torch.device, rounds: int) -> float:
@@ -79,7 +98,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
-    sizes = [1 << 10, 1 << 12] if args.quick else [1 << k for k in range(16, 27, 2)]
+    sizes = (
+        [1 << 10, 1 << 12] if args.quick else [1 << 14, 1 << 16, 1 << 18, 1 << 20, 3 << 20, 1 << 22, 1 << 24, 1 << 26]
+    )
     rows = []
     for n in sizes:
         count = args.tensors if n * args.tensors <= 1 << 30 else max(1, (1 << 30) // n)
@@ -91,10 +112,10 @@ def main() -> None:
                         "pass": name,
                         "entries": n,
                         "path": path,
-                        "calls": count,
-                        "us_per_call": 1e6 * seconds,
+                        "shards": count,
+                        "us_per_shard": 1e6 * seconds,
                         "gb_s": BYTES[name] * n / seconds / 1e9,
-                        "picked": path == ("kernel" if n >= ew.MIN_KERNEL_NUMEL and device.type == "cuda" else "torch"),
+                        "picked": path == picked(n, count, device),
                     }
                 )
         if device.type == "cuda":
@@ -103,14 +124,14 @@ def main() -> None:
         ("pass", "pass", "{}"),
         ("entries", "entries", "{:,}"),
         ("path", "path", "{}"),
-        ("calls", "calls", "{}"),
-        ("us_per_call", "µs per call", "{:.1f}"),
+        ("shards", "shards", "{}"),
+        ("us_per_shard", "µs per shard", "{:.1f}"),
         ("gb_s", "GB/s", "{:.0f}"),
         ("picked", "picked", "{}"),
     ]
-    print(f"{device}; MIN_KERNEL_NUMEL = {ew.MIN_KERNEL_NUMEL:,}")
+    print(f"{device}; MIN_KERNEL_NUMEL = {ew.MIN_KERNEL_NUMEL:,}, MIN_LIST_NUMEL = {shard_lists.MIN_LIST_NUMEL:,}")
     print(markdown_table(rows, columns))
-    write_result(args, rows, min_kernel_numel=ew.MIN_KERNEL_NUMEL)
+    write_result(args, rows, min_kernel_numel=ew.MIN_KERNEL_NUMEL, min_list_numel=shard_lists.MIN_LIST_NUMEL)
 
 
 if __name__ == "__main__":

@@ -101,8 +101,10 @@ of its shards at the copy rate, as for the whole step) and share/step floor; the
 ranks runs it (transactional share ms: the momentum pass gives U without advancing the buffer, which advances in
 a second pass after the directions, so that a step that fails on any rank changes nothing); the share without
 Newton–Schulz (element-wise ms: the momentum pass, the apply and AdamW on its other shards) against the traffic
-floor of its shards' state at the copy rate (CUDA only) and their ratio; beside it a fused AdamW step (foreach on CPU) over the same rank's FSDP shard of every parameter (about 1/W of each): AdamW share
-ms.
+floor of its shards' state at the copy rate (CUDA only) and their ratio, with its host ms, device ms and
+launches (one unprofiled and one profiled call, as for the whole step's host overhead below), and the whole
+share's device ms and launches; beside it a fused AdamW step (foreach on CPU) over the same rank's FSDP shard of
+every parameter (about 1/W of each): AdamW share ms.
 """
 
 from __future__ import annotations
@@ -1165,7 +1167,10 @@ def run_share(
         share_ms = median_ms(work.step, device, warmup, steps)
         transactional_ms = median_ms(functools.partial(work.step, transactional=True), device, warmup, steps)
         ns_ms = median_ms(work.newton_schulz, device, 1, steps)
-        elementwise_ms = median_ms(functools.partial(work.step, directions=False), device, warmup, steps)
+        elementwise = functools.partial(work.step, directions=False)
+        elementwise_ms = median_ms(elementwise, device, warmup, steps)
+        elementwise_profile = {**host_timing(elementwise, device), **profile_counts(elementwise, device)}
+        share_profile = profile_counts(work.step, device)
     del work
     free(device)
     adamw = adamw_share(share, shapes, device)
@@ -1204,6 +1209,11 @@ def run_share(
         "elementwise_ms": elementwise_ms,
         "traffic_floor_ms": traffic_ms,
         "elementwise_vs_floor": elementwise_ms / traffic_ms if traffic_ms else None,
+        "elementwise_host_ms": elementwise_profile["host_ms"],
+        "elementwise_device_ms": elementwise_profile["device_ms"],
+        "elementwise_launches": elementwise_profile["launches"],
+        "share_device_ms": share_profile["device_ms"],
+        "share_launches": share_profile["launches"],
         "adamw_share_ms": adamw_ms,
         "ns_tflop_syrk": syrk / 1e12,
     }
@@ -1327,6 +1337,11 @@ SHARE_COLUMNS = [
     ("elementwise_ms", "element-wise ms", "{:.2f}"),
     ("traffic_floor_ms", "traffic floor ms", "{:.2f}"),
     ("elementwise_vs_floor", "element-wise/floor", "{:.2f}"),
+    ("elementwise_host_ms", "element-wise host ms", "{:.2f}"),
+    ("elementwise_device_ms", "element-wise device ms", "{:.2f}"),
+    ("elementwise_launches", "element-wise launches", "{}"),
+    ("share_device_ms", "share device ms", "{:.2f}"),
+    ("share_launches", "share launches", "{}"),
     ("adamw_share_ms", "AdamW share ms", "{:.2f}"),
 ]
 

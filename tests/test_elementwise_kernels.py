@@ -25,6 +25,7 @@ from dtensor_muon.kernels.elementwise import (
     momentum_step,
     momentum_steps,
 )
+from dtensor_muon.kernels.shard_lists import MIN_LIST_NUMEL, list_takes
 
 MOMENTUM_CASES = [(0.95, True), (0.95, False), (0.3, True)]  # 0.3: the large-weight branch of the first lerp
 
@@ -110,6 +111,71 @@ def _interpreter_checks() -> dict[str, float]:
             out[f"norms_rel_{key}"] = float((norms.double() / exact - 1).abs().max())
             out[f"norms_repeat_differ_{key}"] = float((norms != norms_again).sum() + (p != p_again).sum())
     out["norms_counters_left_zero"] = float(all(int(c.abs().sum()) == 0 for c in _COUNTERS.values()))
+    out.update(_list_checks())
+    return out
+
+
+LIST_SIZES = [5000, 0, 1, 3 * 16384 + 5, 777] + [40] * 30
+"""A list of shards for the list launches: an empty one, a single entry, one of several programs whose last
+chunk is partial, and enough rows (35, 34 of them non-empty) for six halvings of the binary search."""
+
+
+def _shard_views(sizes: list[int], dtype: torch.dtype, gen: torch.Generator, skew: int) -> list[torch.Tensor]:
+    """Shards of these sizes as contiguous views of one storage, ``skew`` entries apart (odd: not 16-byte
+    aligned), in reversed order (the first shard is not the lowest address)."""
+    flat = torch.randn(sum(sizes) + skew * (len(sizes) + 1), generator=gen).to(dtype)
+    views, at = [], skew
+    for n in reversed(sizes):
+        views.append(flat[at : at + n])
+        at += n + skew
+    return views[::-1]
+
+
+def _list_checks() -> dict[str, float]:
+    """Entries where the list launches (shard_lists.py) differ from the one-shard kernels on each shard, both
+    under the interpreter: the same arithmetic must give the same bits, in every momentum mode, with U in bf16,
+    per-shard factors, and shards that are views at unaligned distances."""
+    from dtensor_muon.kernels.elementwise import _launch_decay_and_add, _launch_momentum
+    from dtensor_muon.kernels.shard_lists import decay_and_add_list, momentum_list
+
+    gen = torch.Generator().manual_seed(2)
+    out = {}
+    for skew in (0, 3):
+        grads = _shard_views(LIST_SIZES, torch.float32, gen, skew)
+        bufs = _shard_views(LIST_SIZES, torch.float32, gen, skew)
+        for momentum, nesterov in MOMENTUM_CASES:
+            for write_buffer, want_input, u_dtype in ((True, True, torch.float32), (False, True, torch.bfloat16),
+                                                      (True, True, torch.bfloat16), (True, False, None)):  # fmt: skip
+                buffers = [b.clone() for b in bufs]
+                inputs = momentum_list(
+                    grads, buffers, momentum, nesterov, write_buffer=write_buffer, want_input=want_input,
+                    input_dtype=u_dtype,
+                )  # fmt: skip
+                differ = 0
+                for g, b, kept, u in zip(grads, bufs, buffers, inputs):
+                    ref_b = b.clone()
+                    ref_u = torch.empty_like(b, dtype=u_dtype) if want_input else ref_b
+                    if write_buffer and not nesterov and want_input:
+                        ref_u = ref_b  # U is B' itself
+                    _launch_momentum(g, ref_b, ref_u, momentum, nesterov, write_buffer, ref_u is not ref_b)
+                    differ += int((kept != (ref_b if write_buffer else b)).sum())
+                    if want_input:
+                        differ += int((u != ref_u).sum()) + int(u.dtype != ref_u.dtype)
+                    else:
+                        differ += int(u is not None)
+                out[f"list_momentum_differ_{skew}_{momentum}_{nesterov}_{write_buffer}_{want_input}_{u_dtype}"] = differ
+        params = _shard_views(LIST_SIZES, torch.float32, gen, skew)
+        updates = _shard_views(LIST_SIZES, torch.bfloat16, gen, skew)
+        decays = [0.998 if i % 3 else 1.0 for i in range(len(LIST_SIZES))]
+        alphas = [-0.02 if i % 2 else -3e-3 for i in range(len(LIST_SIZES))]
+        applied = [p.clone() for p in params]
+        decay_and_add_list(applied, updates, decays, alphas)
+        differ = 0
+        for p, o, got, decay, alpha in zip(params, updates, applied, decays, alphas):
+            ref = p.clone()
+            _launch_decay_and_add(ref, o, decay, alpha)
+            differ += int((got != ref).sum())
+        out[f"list_apply_differ_{skew}"] = differ
     return out
 
 
@@ -147,6 +213,14 @@ def test_apply_with_norms_kernel_matches_torch_and_repeats_itself(interp, dtype,
     assert interp["norms_counters_left_zero"] == 1
 
 
+def test_list_launches_give_the_one_shard_kernels_bits_on_every_shard(interp) -> None:
+    """shard_lists.py's launches against the one-shard kernels under the interpreter (same arithmetic, so no
+    rounding may differ): every momentum mode, U in fp32 and bf16, per-shard factors, unaligned views."""
+    listed = {key: value for key, value in interp.items() if key.startswith("list_")}
+    assert len(listed) == 2 * (4 * len(MOMENTUM_CASES) + 1)
+    assert all(value == 0 for value in listed.values()), {k: v for k, v in listed.items() if v}
+
+
 def test_off_gpu_the_entry_points_are_torchs_operations() -> None:
     g, b, o = _inputs(torch.float32, "cpu")
     for momentum, nesterov in MOMENTUM_CASES:
@@ -166,20 +240,31 @@ def test_off_gpu_the_entry_points_are_torchs_operations() -> None:
         decay_and_add_with_norms_(b.clone(), o, 0.998, -0.02, 3)
 
 
-def check_many_equal_torch(device: str, sizes: list[int]) -> None:
-    """momentum_steps over shards of these sizes = torch's lerps on each, bit for bit, in every mode; and
-    decay_and_add_many = torch's mul_ and add_ on each."""
+def check_many_equal_torch(device: str, sizes: list[int], skew: int | None = None) -> None:
+    """momentum_steps over shards of these sizes = torch's lerps on each, bit for bit, in every mode (U in fp32
+    and, where a kernel writes it, torch's U rounded once to bf16); and decay_and_add_many = torch's mul_ and
+    add_ on each. ``skew``: the shards are views of one storage that far apart (:func:`_shard_views`)."""
     gen = torch.Generator().manual_seed(3)
-    grads = [torch.randn(n, generator=gen).to(device) for n in sizes]
-    bufs = [torch.randn(n, generator=gen).to(device) for n in sizes]
+    if skew is None:
+        grads = [torch.randn(n, generator=gen).to(device) for n in sizes]
+        bufs = [torch.randn(n, generator=gen).to(device) for n in sizes]
+    else:
+        grads, bufs = (_shard_views(sizes, torch.float32, gen, skew) for _ in range(2))
+        grads, bufs = [g.to(device) for g in grads], [b.to(device) for b in bufs]
     for momentum, nesterov in MOMENTUM_CASES:
         for write_buffer in (True, False):
-            buffers = [b.clone() for b in bufs]
-            inputs = momentum_steps(grads, buffers, momentum, nesterov, write_buffer=write_buffer, want_input=True)
-            for g, b, kept, u in zip(grads, bufs, buffers, inputs):
-                ref_b, ref_u = torch_momentum(g, b, momentum, nesterov)
-                assert torch.equal(u, ref_u), (momentum, nesterov, write_buffer, g.numel())
-                assert torch.equal(kept, ref_b if write_buffer else b)
+            for u_dtype in (None, torch.bfloat16):
+                buffers = [b.clone() for b in bufs]
+                inputs = momentum_steps(
+                    grads, buffers, momentum, nesterov, write_buffer=write_buffer, want_input=True, input_dtype=u_dtype
+                )
+                for g, b, kept, u in zip(grads, bufs, buffers, inputs):
+                    ref_b, ref_u = torch_momentum(g, b, momentum, nesterov)
+                    if u.dtype != ref_u.dtype:  # written by a kernel in bf16: torch's U rounded once
+                        assert u_dtype == torch.bfloat16 and not (write_buffer and not nesterov)
+                        ref_u = ref_u.to(u_dtype)
+                    assert torch.equal(u, ref_u), (momentum, nesterov, write_buffer, u_dtype, g.numel())
+                    assert torch.equal(kept, ref_b if write_buffer else b)
         advanced = [b.clone() for b in bufs]  # the advance alone (a transactional step's commit)
         assert momentum_steps(grads, advanced, momentum, False, write_buffer=True, want_input=False) == [None] * len(
             bufs
@@ -201,9 +286,22 @@ def test_many_shards_at_once_equal_torchs_lerps_on_each() -> None:
         momentum_steps([torch.ones(2)], [torch.ones(2)], 0.9, True, write_buffer=False, want_input=False)
 
 
+LISTED_SIZES = [MIN_KERNEL_NUMEL, 3 << 20, 1 << 20, 4097, 1, 0, 3 << 20]
+"""A rank's shards at a high world size: one for the one-shard kernel, the rest below it holding more than
+MIN_LIST_NUMEL entries together (one list launch per pass)."""
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_the_gpu_many_shards_at_once_give_torchs_bits() -> None:
-    check_many_equal_torch("cuda", [MIN_KERNEL_NUMEL, 1 << 20, 4097, 1])  # the kernel and the multi-tensor path
+    """The one-shard kernel with torch's multi-tensor passes, then with the list launches (separate tensors,
+    and unaligned views of one storage), give torch's bits on every shard."""
+    small = [1 << 20, 4097, 1]
+    assert sum(small) < MIN_LIST_NUMEL  # a list too small for the list launch: torch's multi-tensor passes
+    check_many_equal_torch("cuda", [MIN_KERNEL_NUMEL, *small])
+    listed = [torch.empty(n, device="cuda") for n in LISTED_SIZES if n < MIN_KERNEL_NUMEL]
+    assert list_takes(listed, listed)
+    for skew in (None, 3):
+        check_many_equal_torch("cuda", LISTED_SIZES, skew)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

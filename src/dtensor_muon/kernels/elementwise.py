@@ -17,9 +17,11 @@ experts: one launch instead of a norm's and the apply's); it ends in the norms a
 its scale, the last program of a matrix adding the block sums in a fixed order
 (:func:`.ordered_sum.store_partial_and_total`), so the norms are the same from launch to launch.
 
-On CUDA the kernels run on tensors of at least :data:`MIN_KERNEL_NUMEL` entries; smaller ones take torch's
-operations, which give the same bits there (``tests/test_elementwise_kernels.py`` checks it on the GPU), so the
-step stays bitwise the same at every world size, whatever size each rank's shards have. Off CUDA (and for a
+On CUDA the kernels run on tensors of at least :data:`MIN_KERNEL_NUMEL` entries; a rank's smaller shards take
+one launch for the whole list (:mod:`.shard_lists`, the same arithmetic: :mod:`.entrywise`) where they hold
+:data:`.shard_lists.MIN_LIST_NUMEL` entries together, else torch's multi-tensor operations. All give the same
+bits there (``tests/test_elementwise_kernels.py`` checks it on the GPU), so the step stays bitwise the same at
+every world size, whatever size each rank's shards have. Off CUDA (and for a
 tensor lr, a non-contiguous region, or without Triton) the torch operations run, which on CPU keeps the step
 bitwise equal to ``torch.optim.Muon``.
 """
@@ -31,6 +33,7 @@ from torch import Tensor
 
 from .counters import ticket_counters
 from .lerp import as_fp32, lerp_weights
+from .shard_lists import decay_and_add_list, list_takes, momentum_list
 
 try:
     import triton
@@ -49,7 +52,7 @@ launch, more than the traffic it saves on a small shard.
 Chosen by measurement: BENCHMARKS.md "Whole optimizer step", the shard-size rule (re-measure: bench/elementwise.py)."""
 
 if triton is not None:
-    from .lerp import lerp
+    from .entrywise import decay_and_add_entries, momentum_entries
     from .ordered_sum import store_partial_and_total
 
     @triton.jit
@@ -71,27 +74,28 @@ if triton is not None:
     ):
         """B' = lerp(B, g, 1 − μ) into b (WRITE_BUFFER); U = lerp(g, B', μ) or B' into u (WRITE_INPUT)."""
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < N
-        g = tl.load(g_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        advanced = lerp(b, g, w_advance, one_minus_w_advance, SMALL_ADVANCE).to(b_ptr.dtype.element_ty)
-        if WRITE_BUFFER:
-            tl.store(b_ptr + offsets, advanced, mask=inside)
-        if WRITE_INPUT:
-            u = advanced.to(tl.float32)
-            if NESTEROV:
-                u = lerp(g, u, w_nesterov, one_minus_w_nesterov, SMALL_NESTEROV)
-            tl.store(u_ptr + offsets, u.to(u_ptr.dtype.element_ty), mask=inside)
+        momentum_entries(
+            g_ptr,
+            b_ptr,
+            u_ptr,
+            offsets,
+            offsets < N,
+            w_advance,
+            one_minus_w_advance,
+            w_nesterov,
+            one_minus_w_nesterov,
+            SMALL_ADVANCE,
+            SMALL_NESTEROV,
+            NESTEROV,
+            WRITE_BUFFER,
+            WRITE_INPUT,
+        )
 
     @triton.jit
     def _decay_and_add_kernel(p_ptr, o_ptr, N, decay, alpha, BLOCK: tl.constexpr):
         """θ ← round(θ·decay) + alpha·O (one fused multiply-add)."""
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < N
-        p = tl.load(p_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        o = tl.load(o_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        decayed = (p * decay).to(p_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(p_ptr + offsets, tl.fma(o, alpha, decayed).to(p_ptr.dtype.element_ty), mask=inside)
+        decay_and_add_entries(p_ptr, o_ptr, offsets, offsets < N, decay, alpha)
 
     @triton.jit
     def _decay_and_add_norms_kernel(
@@ -106,11 +110,7 @@ if triton is not None:
         blocks = tl.num_programs(0)
         offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < N
-        entries = matrix * N + offsets
-        p = tl.load(p_ptr + entries, mask=inside, other=0.0).to(tl.float32)
-        o = tl.load(o_ptr + entries, mask=inside, other=0.0).to(tl.float32)
-        decayed = (p * decay).to(p_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(p_ptr + entries, tl.fma(o, alpha, decayed).to(p_ptr.dtype.element_ty), mask=inside)
+        o = decay_and_add_entries(p_ptr, o_ptr, matrix * N + offsets, inside, decay, alpha)
         last, total = store_partial_and_total(
             partial_ptr, counter_ptr, matrix, block, blocks, tl.sum(o * o, axis=0), CHUNK
         )
@@ -178,11 +178,11 @@ def momentum_steps(
     want_input: bool,
     input_dtype: torch.dtype | None = None,
 ) -> list[Tensor | None]:
-    """:func:`momentum_step` on each (grad, buffer) pair (U in ``input_dtype`` where the kernel runs); the pairs
-    the kernel does not take run as torch's
-    multi-tensor (``_foreach_``) lerps, a few launches for all of them instead of two each: the same lerps, so
-    the same bits (on CPU torch's own loop of ``lerp``; on the GPU ``tests/test_elementwise_kernels.py``
-    compares them)."""
+    """:func:`momentum_step` on each (grad, buffer) pair (U in ``input_dtype`` where a kernel runs). The pairs
+    the one-shard kernel does not take (below :data:`MIN_KERNEL_NUMEL`) run together: as one list launch
+    (:func:`.shard_lists.momentum_list`) where :func:`.shard_lists.list_takes` them, else as torch's
+    multi-tensor (``_foreach_``) lerps, a few launches for all of them: the same lerps, so the same bits (on CPU
+    torch's own loop of ``lerp``; on the GPU ``tests/test_elementwise_kernels.py`` compares them)."""
     if not (write_buffer or want_input):
         raise ValueError("momentum_steps: nothing to write (write_buffer and want_input are both False)")
     out: list[Tensor | None] = [None] * len(grads)
@@ -197,6 +197,19 @@ def momentum_steps(
     if not small:
         return out
     g_small, b_small = [grads[i] for i in small], [buffers[i] for i in small]
+    if list_takes(g_small, b_small):
+        lists = momentum_list(
+            g_small,
+            b_small,
+            momentum,
+            nesterov,
+            write_buffer=write_buffer,
+            want_input=want_input,
+            input_dtype=input_dtype,
+        )
+        for i, u in zip(small, lists):
+            out[i] = u
+        return out
     if write_buffer:
         torch._foreach_lerp_(b_small, g_small, 1 - momentum)
         advanced = b_small
@@ -289,16 +302,25 @@ def decay_and_add_with_norms_(
 def decay_and_add_many(
     params: list[Tensor], updates: list[Tensor], decays: list[float | Tensor], alphas: list[float | Tensor]
 ) -> None:
-    """:func:`decay_and_add_` on each (θ, O, decay, alpha); the pairs the kernel does not take, grouped by
-    (decay, alpha), run as torch's multi-tensor ``_foreach_mul_`` and ``_foreach_add_(alpha=)``: a few launches
-    for all of them instead of two each, the same operations, so the same bits (on CPU torch's own loop of
-    ``mul_`` and ``add_``; on the GPU ``tests/test_elementwise_kernels.py`` compares them)."""
-    small: dict[tuple[float, float, torch.device], list[int]] = {}
+    """:func:`decay_and_add_` on each (θ, O, decay, alpha). The pairs the one-shard kernel does not take run
+    together: those of one (θ dtype, O dtype) as one list launch (:func:`.shard_lists.decay_and_add_list`)
+    where :func:`.shard_lists.list_takes` them, the rest grouped by (decay, alpha) as torch's multi-tensor
+    ``_foreach_mul_`` and ``_foreach_add_(alpha=)``: the same operations, so the same bits (on CPU torch's own
+    loop of ``mul_`` and ``add_``; on the GPU ``tests/test_elementwise_kernels.py`` compares them)."""
+    listed: dict[tuple[torch.dtype, torch.dtype, torch.device], list[int]] = {}
     for i, (p, o, decay, alpha) in enumerate(zip(params, updates, decays, alphas)):
         if isinstance(decay, Tensor) or isinstance(alpha, Tensor) or _apply_kernel_takes(p, o, decay, alpha):
             decay_and_add_(p, o, decay, alpha)
         else:
-            small.setdefault((decay, alpha, p.device), []).append(i)
+            listed.setdefault((p.dtype, o.dtype, p.device), []).append(i)
+    small: dict[tuple[float, float, torch.device], list[int]] = {}
+    for indices in listed.values():
+        targets, sources = [params[i] for i in indices], [updates[i] for i in indices]
+        if list_takes(targets, sources):
+            decay_and_add_list(targets, sources, [decays[i] for i in indices], [alphas[i] for i in indices])  # type: ignore[misc]
+            continue
+        for i in indices:
+            small.setdefault((decays[i], alphas[i], params[i].device), []).append(i)  # type: ignore[index]
     for (decay, alpha, _), indices in small.items():
         targets = [params[i] for i in indices]
         torch._foreach_mul_(targets, decay)

@@ -10,10 +10,10 @@
 ``lerp`` is ATen's (:mod:`.lerp`). The kernels run where :func:`_stored_kernel_applies` says (CUDA,
 contiguous, of any size) and give the torch operations' bits: integer operations, IEEE divisions (``div_rn``),
 the same lerp, and no multiply-add contracted that torch rounds twice; elsewhere the torch operations run. Unlike
-float32 momentum, whose small shards share a few multi-tensor launches (:func:`.elementwise.momentum_steps`), a
-stored format has no multi-tensor form in torch: its torch operations are about twenty launches per shard, so the
-one-launch kernel is the faster at every size, small shards included (a Qwen3-30B-A3B expert shard at 64 ranks
-holds 3.1 M entries, below :data:`.elementwise.MIN_KERNEL_NUMEL`).
+float32 momentum, whose small shards share one launch (:func:`.elementwise.momentum_steps`), a stored format
+takes a launch per shard at every size, small shards included (a Qwen3-30B-A3B expert shard at 64 ranks holds
+3.1 M entries, below :data:`.elementwise.MIN_KERNEL_NUMEL`): its torch operations are about twenty launches per
+shard, with no multi-tensor form in torch.
 """
 
 from __future__ import annotations

@@ -1,0 +1,255 @@
+"""Muon's element-wise passes over a whole list of small shards in ONE Triton launch each (GPU):
+
+    momentum_list:        for every shard i: B'_i = lerp(B_i, g_i, 1 − μ), U_i = lerp(g_i, B'_i, μ) or B'_i
+    decay_and_add_list:   for every shard i: θ_i ← round(θ_i·d_i) + a_i·O_i
+
+with :mod:`.entrywise`'s arithmetic, so each shard gets the bits the one-shard kernels and torch's operations
+give it. Shards below :data:`.elementwise.MIN_KERNEL_NUMEL` entries (a rank's shards at a high world size:
+Qwen3-30B-A3B's expert shards hold 3.1 M entries at 64 ranks) would otherwise take torch's multi-tensor passes,
+which move 24 + 20 bytes an fp32 entry for momentum and apply against 14 + 10 here (U written in bf16, O read
+in bf16), or one Triton launch each, whose host cost is several times the traffic it saves.
+
+The launch reads a table (int64, one row per non-empty shard, built on the host and copied from pinned memory):
+
+    [entries, first program, each tensor's offset in elements from its role's first tensor, per-shard scalars]
+
+A program covers ``CHUNK`` entries of one shard, ``BLOCK`` at a time; it finds its shard by binary search over
+the rows' first programs (``STEPS`` ≥ log2(rows) halvings), so the table holds a row per shard, not an entry
+per program: the host's cost grows with the shards, not with their entries. The tensors of a role share a dtype
+and a device and are contiguous (:func:`list_takes`); U of a whole list is one allocation, viewed per shard.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+
+import torch
+from torch import Tensor
+
+from .lerp import fp32_bits, lerp_weights
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package imports without Triton; list_takes is then False everywhere
+    triton = None
+
+BLOCK = 2048
+CHUNK = 8 * BLOCK
+"""Entries per program: 16,384 (loops of ``BLOCK``). Chosen on an H100 over a rank's shards of Qwen3-30B-A3B at
+64 ranks (BENCHMARKS.md, "Element-wise passes at high world sizes"): 8 blocks a program moved momentum at 2.7
+TB/s and the apply at 2.5, 16 at 2.3 and 2.6, one block a program at 1.2 (``bench/elementwise.py`` re-measures)."""
+MIN_LIST_NUMEL = 1 << 22
+"""The fewest entries (over a list's shards together) that take a list launch: below it torch's multi-tensor
+passes, whose host cost is a few launches and no table, are as fast (``bench/elementwise.py``'s list rows)."""
+
+if triton is not None:
+    from .entrywise import decay_and_add_entries, momentum_entries
+
+    @triton.jit
+    def _shard_row(table_ptr, SHARDS, ROW: tl.constexpr, STEPS: tl.constexpr):
+        """(this program's row, this program): the last row whose first program (column 1) is at most this
+        program, by binary search in ``STEPS`` halvings."""
+        program = tl.program_id(0)
+        lo = program * 0
+        hi = lo + SHARDS
+        for _ in tl.static_range(STEPS):
+            mid = (lo + hi) // 2
+            below = tl.load(table_ptr + ROW * mid + 1) <= program
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid)
+        return table_ptr + ROW * lo, program
+
+    @triton.jit
+    def _momentum_list_kernel(
+        table_ptr,
+        g_base,
+        b_base,
+        u_base,
+        SHARDS,
+        w_advance,
+        one_minus_w_advance,
+        w_nesterov,
+        one_minus_w_nesterov,
+        SMALL_ADVANCE: tl.constexpr,
+        SMALL_NESTEROV: tl.constexpr,
+        NESTEROV: tl.constexpr,
+        WRITE_BUFFER: tl.constexpr,
+        WRITE_INPUT: tl.constexpr,
+        STEPS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):
+        """The momentum entries (:func:`.entrywise.momentum_entries`) of this program's chunk; row: [entries,
+        first program, g, B, U offsets]."""
+        row, program = _shard_row(table_ptr, SHARDS, 5, STEPS)
+        end = tl.load(row)
+        start = (program - tl.load(row + 1)) * CHUNK
+        g_ptr, b_ptr, u_ptr = g_base + tl.load(row + 2), b_base + tl.load(row + 3), u_base + tl.load(row + 4)
+        for step in tl.static_range(0, CHUNK, BLOCK):
+            offsets = start + step + tl.arange(0, BLOCK)
+            momentum_entries(
+                g_ptr,
+                b_ptr,
+                u_ptr,
+                offsets,
+                offsets < end,
+                w_advance,
+                one_minus_w_advance,
+                w_nesterov,
+                one_minus_w_nesterov,
+                SMALL_ADVANCE,
+                SMALL_NESTEROV,
+                NESTEROV,
+                WRITE_BUFFER,
+                WRITE_INPUT,
+            )
+
+    @triton.jit
+    def _decay_and_add_list_kernel(
+        table_ptr, p_base, o_base, SHARDS, STEPS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr
+    ):
+        """The decay-and-add entries (:func:`.entrywise.decay_and_add_entries`) of this program's chunk; row:
+        [entries, first program, θ, O offsets, decay's and alpha's fp32 bits]."""
+        row, program = _shard_row(table_ptr, SHARDS, 6, STEPS)
+        end = tl.load(row)
+        start = (program - tl.load(row + 1)) * CHUNK
+        p_ptr, o_ptr = p_base + tl.load(row + 2), o_base + tl.load(row + 3)
+        decay = tl.load(row + 4).to(tl.int32).to(tl.float32, bitcast=True)
+        alpha = tl.load(row + 5).to(tl.int32).to(tl.float32, bitcast=True)
+        for step in tl.static_range(0, CHUNK, BLOCK):
+            offsets = start + step + tl.arange(0, BLOCK)
+            decay_and_add_entries(p_ptr, o_ptr, offsets, offsets < end, decay, alpha)
+
+
+def list_takes(*roles: list[Tensor]) -> bool:
+    """Whether one list launch can take these roles' tensors (shard i is ``role[i]`` of each role): Triton
+    present; every tensor on one CUDA device, contiguous and floating; a role's tensors of one dtype, whose
+    distances from its first tensor are whole elements; shard i of every role with the same entries; and
+    :data:`MIN_LIST_NUMEL` entries over the shards together."""
+    first = roles[0]
+    if triton is None or not first or not first[0].is_cuda:
+        return False
+    if sum(t.numel() for t in first) < MIN_LIST_NUMEL:
+        return False
+    device = first[0].device
+    for role, base in zip(roles, _bases(roles)):
+        dtype, size = base.dtype, base.element_size()
+        for t, shard in zip(role, first):
+            if not (
+                t.dtype == dtype
+                and t.device == device
+                and t.is_contiguous()
+                and t.is_floating_point()
+                and t.numel() == shard.numel()
+                and (t.data_ptr() - base.data_ptr()) % size == 0
+            ):
+                return False
+    return True
+
+
+def _table(roles: list[list[Tensor]], scalars: list[list[int]], per_program: int) -> tuple[Tensor | None, int, int]:
+    """(the launch's table on the roles' device, programs, rows): a row per non-empty shard (module
+    docstring), with ``scalars[i]`` at the end of shard i's row; the offsets count from each role's first
+    non-empty tensor (:func:`_bases`). No table where every shard is empty."""
+    bases = [t.data_ptr() for t in _bases(roles)]
+    rows: list[int] = []
+    programs = shards = 0
+    for i, t in enumerate(roles[0]):
+        n = t.numel()
+        if n:
+            offsets = ((role[i].data_ptr() - base) // role[i].element_size() for role, base in zip(roles, bases))
+            rows += [n, programs, *offsets, *scalars[i]]
+            programs += -(-n // per_program)
+            shards += 1
+    if not rows:
+        return None, 0, 0
+    host = torch.frombuffer(array.array("q", rows), dtype=torch.int64)
+    device = roles[0][0].device
+    if device.type != "cuda":  # the Triton interpreter (tests): the table stays on the host
+        return host.clone(), programs, shards
+    return host.pin_memory().to(device, non_blocking=True), programs, shards
+
+
+def _bases(roles: list[list[Tensor]]) -> list[Tensor]:
+    """Each role's first non-empty tensor: the pointer the kernel's offsets count from (an empty tensor may
+    have none)."""
+    first = next(i for i, t in enumerate(roles[0]) if t.numel())
+    return [role[first] for role in roles]
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """The device current for a launch (CUDA), or nothing to set (the Triton interpreter's CPU tensors)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def halvings(rows: int) -> int:
+    """Binary-search steps that find any of ``rows`` rows (the kernels' ``STEPS``)."""
+    return max(1, (rows - 1).bit_length())
+
+
+def momentum_list(
+    grads: list[Tensor],
+    buffers: list[Tensor],
+    momentum: float,
+    nesterov: bool,
+    *,
+    write_buffer: bool,
+    want_input: bool,
+    input_dtype: torch.dtype | None = None,
+) -> list[Tensor | None]:
+    """:func:`.elementwise.momentum_step` on every (grad, buffer) pair in one launch (the pairs
+    :func:`list_takes`): advances the buffers in place when ``write_buffer`` and returns each U (in
+    ``input_dtype``, default the buffers' dtype; views of one allocation) when ``want_input``, else Nones. U is
+    B' itself without Nesterov when the buffers are written (nothing more is written)."""
+    if not (write_buffer or want_input):
+        raise ValueError("momentum_list: nothing to write (write_buffer and want_input are both False)")
+    write_input = want_input and not (write_buffer and not nesterov)
+    if write_input:
+        flat = torch.empty(
+            sum(b.numel() for b in buffers), dtype=input_dtype or buffers[0].dtype, device=buffers[0].device
+        )
+        inputs = [u.view(b.shape) for u, b in zip(flat.split([b.numel() for b in buffers]), buffers)]
+    else:
+        inputs = buffers
+    roles = [grads, buffers, inputs]
+    table, programs, shards = _table(roles, [[]] * len(grads), CHUNK)
+    w_advance, one_minus_advance, small_advance = lerp_weights(1 - momentum)
+    w_nesterov, one_minus_nesterov, small_nesterov = lerp_weights(momentum)
+    if programs:
+        with _on(buffers[0].device):
+            _momentum_list_kernel[(programs,)](
+                table,
+                *_bases(roles),
+                shards,
+                w_advance,
+                one_minus_advance,
+                w_nesterov,
+                one_minus_nesterov,
+                SMALL_ADVANCE=small_advance,
+                SMALL_NESTEROV=small_nesterov,
+                NESTEROV=nesterov,
+                WRITE_BUFFER=write_buffer,
+                WRITE_INPUT=write_input,
+                STEPS=halvings(shards),
+                BLOCK=BLOCK,
+                CHUNK=CHUNK,
+                num_warps=4,
+            )
+    if not want_input:
+        return [None] * len(grads)
+    return list(inputs)
+
+
+def decay_and_add_list(params: list[Tensor], updates: list[Tensor], decays: list[float], alphas: list[float]) -> None:
+    """:func:`.elementwise.decay_and_add_` on every (θ, O, decay, alpha) in one launch (the pairs
+    :func:`list_takes`; float factors, each passed to the kernel as fp32)."""
+    scalars = [[fp32_bits(d), fp32_bits(a)] for d, a in zip(decays, alphas)]
+    roles = [params, updates]
+    table, programs, shards = _table(roles, scalars, CHUNK)
+    if programs:
+        with _on(params[0].device):
+            _decay_and_add_list_kernel[(programs,)](
+                table, *_bases(roles), shards, STEPS=halvings(shards), BLOCK=BLOCK, CHUNK=CHUNK, num_warps=4
+            )
