@@ -25,7 +25,7 @@ from dtensor_muon.kernels.elementwise import (
     momentum_step,
     momentum_steps,
 )
-from dtensor_muon.kernels.shard_lists import MIN_LIST_NUMEL, list_takes
+from dtensor_muon.kernels.shard_lists import MIN_LIST_NUMEL, layout_of, list_layout
 
 MOMENTUM_CASES = [(0.95, True), (0.95, False), (0.3, True)]  # 0.3: the large-weight branch of the first lerp
 
@@ -221,6 +221,26 @@ def test_list_launches_give_the_one_shard_kernels_bits_on_every_shard(interp) ->
     assert all(value == 0 for value in listed.values()), {k: v for k, v in listed.items() if v}
 
 
+def test_a_list_layout_addresses_views_and_refuses_what_one_launch_cannot() -> None:
+    """layout_of: each tensor's distance in elements from its role's first non-empty tensor (views of one
+    storage: their storage offsets' differences); None for a non-contiguous tensor, a second dtype in a role,
+    shards of different sizes across roles, or integer tensors. list_layout takes no CPU list."""
+    flat = torch.zeros(100)
+    views = [flat[40:40], flat[50:60], flat[10:13], flat[70:90]]
+    other = [torch.zeros(n) for n in (0, 10, 3, 20)]
+    layout = layout_of([views, other])
+    assert layout is not None and layout.entries == [0, 10, 3, 20]
+    assert layout.offsets[0][1:] == [0, -40, 20] and layout.bases[0] is views[1]
+    step = other[2].element_size()
+    assert layout.offsets[1][1:] == [(t.data_ptr() - other[1].data_ptr()) // step for t in other[1:]]
+    square = torch.zeros(4, 4)
+    assert layout_of([[square.mT], [square]]) is None  # not contiguous
+    assert layout_of([[flat[:4], square[0].to(torch.bfloat16)], [flat[:4], flat[:4]]]) is None  # two dtypes
+    assert layout_of([[flat[:4]], [flat[:5]]]) is None  # shard 0: 4 entries and 5
+    assert layout_of([[torch.zeros(4, dtype=torch.int32)]]) is None
+    assert list_layout(views, other) is None  # CPU tensors: torch's multi-tensor passes
+
+
 def test_off_gpu_the_entry_points_are_torchs_operations() -> None:
     g, b, o = _inputs(torch.float32, "cpu")
     for momentum, nesterov in MOMENTUM_CASES:
@@ -299,7 +319,7 @@ def test_on_the_gpu_many_shards_at_once_give_torchs_bits() -> None:
     assert sum(small) < MIN_LIST_NUMEL  # a list too small for the list launch: torch's multi-tensor passes
     check_many_equal_torch("cuda", [MIN_KERNEL_NUMEL, *small])
     listed = [torch.empty(n, device="cuda") for n in LISTED_SIZES if n < MIN_KERNEL_NUMEL]
-    assert list_takes(listed, listed)
+    assert list_layout(listed, listed) is not None
     for skew in (None, 3):
         check_many_equal_torch("cuda", LISTED_SIZES, skew)
 

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .counters import ticket_counters
 from .lerp import as_fp32, lerp_weights
-from .shard_lists import decay_and_add_list, list_takes, momentum_list
+from .shard_lists import decay_and_add_list, list_layout, momentum_list
 
 try:
     import triton
@@ -180,7 +180,7 @@ def momentum_steps(
 ) -> list[Tensor | None]:
     """:func:`momentum_step` on each (grad, buffer) pair (U in ``input_dtype`` where a kernel runs). The pairs
     the one-shard kernel does not take (below :data:`MIN_KERNEL_NUMEL`) run together: as one list launch
-    (:func:`.shard_lists.momentum_list`) where :func:`.shard_lists.list_takes` them, else as torch's
+    (:func:`.shard_lists.momentum_list`) where :func:`.shard_lists.list_layout` takes them, else as torch's
     multi-tensor (``_foreach_``) lerps, a few launches for all of them: the same lerps, so the same bits (on CPU
     torch's own loop of ``lerp``; on the GPU ``tests/test_elementwise_kernels.py`` compares them)."""
     if not (write_buffer or want_input):
@@ -197,7 +197,8 @@ def momentum_steps(
     if not small:
         return out
     g_small, b_small = [grads[i] for i in small], [buffers[i] for i in small]
-    if list_takes(g_small, b_small):
+    layout = list_layout(g_small, b_small)
+    if layout is not None:
         lists = momentum_list(
             g_small,
             b_small,
@@ -206,6 +207,7 @@ def momentum_steps(
             write_buffer=write_buffer,
             want_input=want_input,
             input_dtype=input_dtype,
+            layout=layout,
         )
         for i, u in zip(small, lists):
             out[i] = u
@@ -304,7 +306,7 @@ def decay_and_add_many(
 ) -> None:
     """:func:`decay_and_add_` on each (θ, O, decay, alpha). The pairs the one-shard kernel does not take run
     together: those of one (θ dtype, O dtype) as one list launch (:func:`.shard_lists.decay_and_add_list`)
-    where :func:`.shard_lists.list_takes` them, the rest grouped by (decay, alpha) as torch's multi-tensor
+    where :func:`.shard_lists.list_layout` takes them, the rest grouped by (decay, alpha) as torch's multi-tensor
     ``_foreach_mul_`` and ``_foreach_add_(alpha=)``: the same operations, so the same bits (on CPU torch's own
     loop of ``mul_`` and ``add_``; on the GPU ``tests/test_elementwise_kernels.py`` compares them)."""
     listed: dict[tuple[torch.dtype, torch.dtype, torch.device], list[int]] = {}
@@ -316,8 +318,10 @@ def decay_and_add_many(
     small: dict[tuple[float, float, torch.device], list[int]] = {}
     for indices in listed.values():
         targets, sources = [params[i] for i in indices], [updates[i] for i in indices]
-        if list_takes(targets, sources):
-            decay_and_add_list(targets, sources, [decays[i] for i in indices], [alphas[i] for i in indices])  # type: ignore[misc]
+        layout = list_layout(targets, sources)
+        if layout is not None:
+            factors = [decays[i] for i in indices], [alphas[i] for i in indices]
+            decay_and_add_list(targets, sources, *factors, layout=layout)  # type: ignore[arg-type]
             continue
         for i in indices:
             small.setdefault((decays[i], alphas[i], params[i].device), []).append(i)  # type: ignore[index]

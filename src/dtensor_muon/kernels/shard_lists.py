@@ -16,13 +16,17 @@ The launch reads a table (int64, one row per non-empty shard, built on the host 
 A program covers ``CHUNK`` entries of one shard, ``BLOCK`` at a time; it finds its shard by binary search over
 the rows' first programs (``STEPS`` ≥ log2(rows) halvings), so the table holds a row per shard, not an entry
 per program: the host's cost grows with the shards, not with their entries. The tensors of a role share a dtype
-and a device and are contiguous (:func:`list_takes`); U of a whole list is one allocation, viewed per shard.
+and a device and are contiguous (:func:`layout_of`); U of a whole list is one allocation, viewed per shard.
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -32,7 +36,7 @@ from .lerp import fp32_bits, lerp_weights
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the package imports without Triton; list_takes is then False everywhere
+except ImportError:  # the package imports without Triton; list_layout then takes no list
     triton = None
 
 BLOCK = 2048
@@ -123,60 +127,83 @@ if triton is not None:
             decay_and_add_entries(p_ptr, o_ptr, offsets, offsets < end, decay, alpha)
 
 
-def list_takes(*roles: list[Tensor]) -> bool:
-    """Whether one list launch can take these roles' tensors (shard i is ``role[i]`` of each role): Triton
-    present; every tensor on one CUDA device, contiguous and floating; a role's tensors of one dtype, whose
-    distances from its first tensor are whole elements; shard i of every role with the same entries; and
-    :data:`MIN_LIST_NUMEL` entries over the shards together."""
-    first = roles[0]
-    if triton is None or not first or not first[0].is_cuda:
-        return False
-    if sum(t.numel() for t in first) < MIN_LIST_NUMEL:
-        return False
-    device = first[0].device
-    for role, base in zip(roles, _bases(roles)):
-        dtype, size = base.dtype, base.element_size()
-        for t, shard in zip(role, first):
-            if not (
-                t.dtype == dtype
-                and t.device == device
-                and t.is_contiguous()
-                and t.is_floating_point()
-                and t.numel() == shard.numel()
-                and (t.data_ptr() - base.data_ptr()) % size == 0
+@dataclass(frozen=True)
+class ListLayout:
+    """Where a list's shards lie: ``entries[i]`` of shard i, and per role its tensors' distances in elements
+    from the role's base (its first non-empty tensor: ``bases``), from which the kernel addresses them."""
+
+    entries: list[int]
+    offsets: list[list[int]]
+    bases: list[Tensor]
+
+
+def list_layout(*roles: list[Tensor]) -> ListLayout | None:
+    """The layout of one list launch over these roles' tensors (shard i is ``role[i]`` of each role), or None
+    where the launch does not take them: Triton absent, not on a CUDA device, fewer than
+    :data:`MIN_LIST_NUMEL` entries over the shards together, or a list :func:`layout_of` refuses."""
+    if triton is None or not roles[0] or not roles[0][0].is_cuda:
+        return None
+    entries = [t.numel() for t in roles[0]]
+    if sum(entries) < MIN_LIST_NUMEL:
+        return None
+    return layout_of(roles, entries)
+
+
+def layout_of(roles: Sequence[list[Tensor]], entries: list[int] | None = None) -> ListLayout | None:
+    """The layout of these roles' tensors (``entries``: role 0's sizes, where the caller has them), or None
+    unless every tensor is contiguous, floating and on its role's base's device, a role's tensors share a
+    dtype and lie whole elements apart, and shard i holds as many entries in every role. One pass over the
+    tensors: the host's cost of a launch grows with its shards."""
+    entries = entries if entries is not None else [t.numel() for t in roles[0]]
+    first = next((i for i, n in enumerate(entries) if n), None)
+    if first is None:
+        return ListLayout(entries, [[0] * len(entries) for _ in roles], [role[0] for role in roles])
+    offsets = []
+    for index, role in enumerate(roles):
+        base = role[first]
+        dtype, size, start, device = base.dtype, base.element_size(), base.data_ptr(), base.get_device()
+        if not dtype.is_floating_point:
+            return None
+        distances = []
+        for t, n in zip(role, entries):
+            distance = t.data_ptr() - start
+            if (
+                t.dtype is not dtype
+                or not t.is_contiguous()
+                or distance % size
+                or (index and t.numel() != n)
+                or t.get_device() != device
             ):
-                return False
-    return True
+                return None
+            distances.append(distance // size)
+        offsets.append(distances)
+    return ListLayout(entries, offsets, [role[first] for role in roles])
 
 
-def _table(roles: list[list[Tensor]], scalars: list[list[int]], per_program: int) -> tuple[Tensor | None, int, int]:
-    """(the launch's table on the roles' device, programs, rows): a row per non-empty shard (module
-    docstring), with ``scalars[i]`` at the end of shard i's row; the offsets count from each role's first
-    non-empty tensor (:func:`_bases`). No table where every shard is empty."""
-    bases = [t.data_ptr() for t in _bases(roles)]
+def _table(layout: ListLayout, scalars: list[list[int]] | None) -> tuple[Tensor | None, int, int]:
+    """(the launch's table on the bases' device, programs, rows): a row per non-empty shard (module
+    docstring), with ``scalars[i]`` at the end of shard i's row. No table where every shard is empty."""
     rows: list[int] = []
     programs = shards = 0
-    for i, t in enumerate(roles[0]):
-        n = t.numel()
+    columns = list(zip(*layout.offsets))
+    for i, n in enumerate(layout.entries):
         if n:
-            offsets = ((role[i].data_ptr() - base) // role[i].element_size() for role, base in zip(roles, bases))
-            rows += [n, programs, *offsets, *scalars[i]]
-            programs += -(-n // per_program)
+            rows += (n, programs, *columns[i], *(scalars[i] if scalars else ()))
+            programs += -(-n // CHUNK)
             shards += 1
     if not rows:
         return None, 0, 0
     host = torch.frombuffer(array.array("q", rows), dtype=torch.int64)
-    device = roles[0][0].device
+    device = layout.bases[0].device
     if device.type != "cuda":  # the Triton interpreter (tests): the table stays on the host
         return host.clone(), programs, shards
     return host.pin_memory().to(device, non_blocking=True), programs, shards
 
 
-def _bases(roles: list[list[Tensor]]) -> list[Tensor]:
-    """Each role's first non-empty tensor: the pointer the kernel's offsets count from (an empty tensor may
-    have none)."""
-    first = next(i for i, t in enumerate(roles[0]) if t.numel())
-    return [role[first] for role in roles]
+@functools.lru_cache(maxsize=1024)
+def _bits(value: float) -> int:
+    """:func:`.lerp.fp32_bits`, remembered: a step's shards share a few factors."""
+    return fp32_bits(value)
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager:
@@ -198,30 +225,38 @@ def momentum_list(
     write_buffer: bool,
     want_input: bool,
     input_dtype: torch.dtype | None = None,
+    layout: ListLayout | None = None,
 ) -> list[Tensor | None]:
-    """:func:`.elementwise.momentum_step` on every (grad, buffer) pair in one launch (the pairs
-    :func:`list_takes`): advances the buffers in place when ``write_buffer`` and returns each U (in
+    """:func:`.elementwise.momentum_step` on every (grad, buffer) pair in one launch (``layout``:
+    :func:`list_layout` of (grads, buffers), where the caller has it): advances the buffers in place when ``write_buffer`` and returns each U (in
     ``input_dtype``, default the buffers' dtype; views of one allocation) when ``want_input``, else Nones. U is
     B' itself without Nesterov when the buffers are written (nothing more is written)."""
     if not (write_buffer or want_input):
         raise ValueError("momentum_list: nothing to write (write_buffer and want_input are both False)")
+    layout = layout if layout is not None else layout_of([grads, buffers])
+    if layout is None:
+        raise ValueError("momentum_list: these grads and buffers cannot share a launch (shard_lists.layout_of)")
     write_input = want_input and not (write_buffer and not nesterov)
+    entries = layout.entries
     if write_input:
-        flat = torch.empty(
-            sum(b.numel() for b in buffers), dtype=input_dtype or buffers[0].dtype, device=buffers[0].device
+        flat = torch.empty(sum(entries), dtype=input_dtype or buffers[0].dtype, device=buffers[0].device)
+        inputs = [u.view(b.shape) for u, b in zip(flat.split(entries), buffers)]
+        starts = list(itertools.accumulate(entries, initial=0))
+        first = next((i for i, n in enumerate(entries) if n), 0)
+        layout = ListLayout(
+            entries, [*layout.offsets, [a - starts[first] for a in starts[:-1]]], [*layout.bases, inputs[first]]
         )
-        inputs = [u.view(b.shape) for u, b in zip(flat.split([b.numel() for b in buffers]), buffers)]
     else:
         inputs = buffers
-    roles = [grads, buffers, inputs]
-    table, programs, shards = _table(roles, [[]] * len(grads), CHUNK)
+        layout = ListLayout(entries, [*layout.offsets, layout.offsets[1]], [*layout.bases, layout.bases[1]])
+    table, programs, shards = _table(layout, None)
     w_advance, one_minus_advance, small_advance = lerp_weights(1 - momentum)
     w_nesterov, one_minus_nesterov, small_nesterov = lerp_weights(momentum)
     if programs:
         with _on(buffers[0].device):
             _momentum_list_kernel[(programs,)](
                 table,
-                *_bases(roles),
+                *layout.bases,
                 shards,
                 w_advance,
                 one_minus_advance,
@@ -242,14 +277,22 @@ def momentum_list(
     return list(inputs)
 
 
-def decay_and_add_list(params: list[Tensor], updates: list[Tensor], decays: list[float], alphas: list[float]) -> None:
-    """:func:`.elementwise.decay_and_add_` on every (θ, O, decay, alpha) in one launch (the pairs
-    :func:`list_takes`; float factors, each passed to the kernel as fp32)."""
-    scalars = [[fp32_bits(d), fp32_bits(a)] for d, a in zip(decays, alphas)]
-    roles = [params, updates]
-    table, programs, shards = _table(roles, scalars, CHUNK)
+def decay_and_add_list(
+    params: list[Tensor],
+    updates: list[Tensor],
+    decays: list[float],
+    alphas: list[float],
+    layout: ListLayout | None = None,
+) -> None:
+    """:func:`.elementwise.decay_and_add_` on every (θ, O, decay, alpha) in one launch (float factors, each
+    passed to the kernel as fp32); ``layout``: :func:`list_layout` of (params, updates), where the caller has
+    it."""
+    layout = layout if layout is not None else layout_of([params, updates])
+    if layout is None:
+        raise ValueError("decay_and_add_list: these params and updates cannot share a launch (shard_lists.layout_of)")
+    table, programs, shards = _table(layout, [[_bits(d), _bits(a)] for d, a in zip(decays, alphas)])
     if programs:
         with _on(params[0].device):
             _decay_and_add_list_kernel[(programs,)](
-                table, *_bases(roles), shards, STEPS=halvings(shards), BLOCK=BLOCK, CHUNK=CHUNK, num_warps=4
+                table, *layout.bases, shards, STEPS=halvings(shards), BLOCK=BLOCK, CHUNK=CHUNK, num_warps=4
             )
