@@ -9,7 +9,8 @@ Qwen3-30B-A3B's expert shards hold 3.1 M entries at 64 ranks) would otherwise ta
 which move 24 + 20 bytes an fp32 entry for momentum and apply against 14 + 10 here (U written in bf16, O read
 in bf16), or one Triton launch each, whose host cost is several times the traffic it saves.
 
-The launch reads a table (int64, one row per non-empty shard, built on the host and copied from pinned memory):
+The launch reads a table (int64, one row per non-empty shard, made on the device once per distinct table and
+kept: the rows depend on the shards' sizes and distances, which a step's passes repeat):
 
     [entries, first program, each tensor's offset in elements from its role's first tensor, per-shard scalars]
 
@@ -44,6 +45,10 @@ CHUNK = 8 * BLOCK
 """Entries per program: 16,384 (loops of ``BLOCK``). Chosen on an H100 over a rank's shards of Qwen3-30B-A3B at
 64 ranks (BENCHMARKS.md, "Element-wise passes at high world sizes"): 8 blocks a program moved momentum at 2.7
 TB/s and the apply at 2.5, 16 at 2.3 and 2.6, one block a program at 1.2 (``bench/elementwise.py`` re-measures)."""
+WARPS = 4
+"""Warps per program."""
+TABLES_KEPT = 64
+"""Distinct launch tables kept on the device (each a few KB): a step makes one per pass and list layout."""
 MIN_LIST_NUMEL = 1 << 22
 """The fewest entries (over a list's shards together) that take a list launch: below it torch's multi-tensor
 passes, whose host cost is a few launches and no table, are as fast (``bench/elementwise.py``'s list rows)."""
@@ -182,7 +187,9 @@ def layout_of(roles: Sequence[list[Tensor]], entries: list[int] | None = None) -
 
 def _table(layout: ListLayout, scalars: list[list[int]] | None) -> tuple[Tensor | None, int, int]:
     """(the launch's table on the bases' device, programs, rows): a row per non-empty shard (module
-    docstring), with ``scalars[i]`` at the end of shard i's row. No table where every shard is empty."""
+    docstring), with ``scalars[i]`` at the end of shard i's row. No table where every shard is empty. The
+    table depends on the shards' sizes and distances only, which stay the same from step to step (the same
+    buffers, gradients laid out alike, U laid out by its sizes): :func:`_device_table` keeps it."""
     rows: list[int] = []
     programs = shards = 0
     columns = list(zip(*layout.offsets))
@@ -193,11 +200,17 @@ def _table(layout: ListLayout, scalars: list[list[int]] | None) -> tuple[Tensor 
             shards += 1
     if not rows:
         return None, 0, 0
+    return _device_table(tuple(rows), layout.bases[0].device), programs, shards
+
+
+@functools.lru_cache(maxsize=TABLES_KEPT)
+def _device_table(rows: tuple[int, ...], device: torch.device) -> Tensor:
+    """``rows`` as an int64 tensor on ``device``, made once per distinct table: copied from pinned memory and
+    waited for (the first step only), so that a launch on any stream may read it."""
     host = torch.frombuffer(array.array("q", rows), dtype=torch.int64)
-    device = layout.bases[0].device
     if device.type != "cuda":  # the Triton interpreter (tests): the table stays on the host
-        return host.clone(), programs, shards
-    return host.pin_memory().to(device, non_blocking=True), programs, shards
+        return host.clone()
+    return host.pin_memory().to(device)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -270,7 +283,7 @@ def momentum_list(
                 STEPS=halvings(shards),
                 BLOCK=BLOCK,
                 CHUNK=CHUNK,
-                num_warps=4,
+                num_warps=WARPS,
             )
     if not want_input:
         return [None] * len(grads)
@@ -294,5 +307,5 @@ def decay_and_add_list(
     if programs:
         with _on(params[0].device):
             _decay_and_add_list_kernel[(programs,)](
-                table, *layout.bases, shards, STEPS=halvings(shards), BLOCK=BLOCK, CHUNK=CHUNK, num_warps=4
+                table, *layout.bases, shards, STEPS=halvings(shards), BLOCK=BLOCK, CHUNK=CHUNK, num_warps=WARPS
             )
