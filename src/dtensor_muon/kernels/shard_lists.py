@@ -25,7 +25,6 @@ from __future__ import annotations
 import array
 import contextlib
 import functools
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -229,6 +228,24 @@ def halvings(rows: int) -> int:
     return max(1, (rows - 1).bit_length())
 
 
+def _views_by_shape(flat: Tensor, like: list[Tensor]) -> tuple[list[Tensor], list[int]]:
+    """Views of ``flat`` shaped as ``like``'s tensors, and each one's offset in elements: those of one shape side
+    by side, cut by one ``unbind`` per shape (a view per tensor costs the host several times more)."""
+    by_shape: dict[torch.Size, list[int]] = {}
+    for i, t in enumerate(like):
+        by_shape.setdefault(t.shape, []).append(i)
+    views: list[Tensor] = list(like)
+    offsets = [0] * len(like)
+    at = 0
+    for shape, indices in by_shape.items():
+        n = shape.numel()
+        block = flat[at : at + n * len(indices)].view(len(indices), *shape)
+        for i, view in zip(indices, block.unbind(0)):
+            views[i], offsets[i] = view, at
+            at += n
+    return views, offsets
+
+
 def momentum_list(
     grads: list[Tensor],
     buffers: list[Tensor],
@@ -253,11 +270,10 @@ def momentum_list(
     entries = layout.entries
     if write_input:
         flat = torch.empty(sum(entries), dtype=input_dtype or buffers[0].dtype, device=buffers[0].device)
-        inputs = [u.view(b.shape) for u, b in zip(flat.split(entries), buffers)]
-        starts = list(itertools.accumulate(entries, initial=0))
+        inputs, offsets = _views_by_shape(flat, buffers)
         first = next((i for i, n in enumerate(entries) if n), 0)
         layout = ListLayout(
-            entries, [*layout.offsets, [a - starts[first] for a in starts[:-1]]], [*layout.bases, inputs[first]]
+            entries, [*layout.offsets, [a - offsets[first] for a in offsets]], [*layout.bases, inputs[first]]
         )
     else:
         inputs = buffers
