@@ -8,8 +8,8 @@ SYRK floors (``MIN_SYRK_DIM``, ``MIN_SYRK_TILES``, ``MIN_SMALL_SYRK_TILES``, ``M
 ``MIN_GLUON_SYRK_TILES``), the dispatch's (``MIN_GPU_BACKEND_WORK``, the Gram form's aspects and work floors),
 ``MAX_GRAPH_WORK``, ``STACK_MAX_SIDE`` (which units stack), ``GATHER_MAX_UNITS`` (which of a holder's units stack
 across parameters), ``MIN_KERNEL_NUMEL`` (the smallest shard the fused element-wise kernels take) and
-``MIN_LIST_NUMEL`` (the fewest entries a list of smaller shards needs for one launch over all of them); docs/kernels.md
-"Measured constants" and each constant's docstring say what it is and how it was chosen.
+``MIN_LIST_MEAN_NUMEL`` (the fewest entries a shard, on average, for one launch over a list of smaller shards);
+docs/kernels.md "Measured constants" and each constant's docstring say what it is and how it was chosen.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ TUNABLES: dict[str, ModuleType] = {
     "STACK_MAX_SIDE": batching,
     "GATHER_MAX_UNITS": batching,
     "MIN_KERNEL_NUMEL": elementwise,
-    "MIN_LIST_NUMEL": shard_lists,
+    "MIN_LIST_MEAN_NUMEL": shard_lists,
 }
 
 

@@ -12,7 +12,7 @@ lerp(g, B', μ) returned in fp32) and ``apply`` (θ ← θ·(1 − γλ) − γ'
 one-shard kernel on each shard) and ``list`` (:mod:`dtensor_muon.kernels.shard_lists`: every shard in one
 launch). Per size and path: median µs per shard over ``--rounds`` rounds, the effective bandwidth (bytes the
 pass must move: 16 per fp32 entry for momentum, 10 for apply, over the time), and the path the library picks
-there (:data:`MIN_KERNEL_NUMEL` per shard, then :data:`MIN_LIST_NUMEL` over the list). fp32 tensors.
+there (:data:`MIN_KERNEL_NUMEL` per shard, then :data:`MIN_LIST_MEAN_NUMEL` a shard on average). fp32 tensors.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def picked(n: int, count: int, device: torch.device) -> str:
         return "foreach"
     if n >= ew.MIN_KERNEL_NUMEL:
         return "kernel"
-    return "list" if n * count >= shard_lists.MIN_LIST_NUMEL else "foreach"
+    return "list" if n >= shard_lists.MIN_LIST_MEAN_NUMEL else "foreach"
 
 
 def time_call(fn: Callable[[], None], device: torch.device, rounds: int) -> float:
@@ -129,9 +129,11 @@ def main() -> None:
         ("gb_s", "GB/s", "{:.0f}"),
         ("picked", "picked", "{}"),
     ]
-    print(f"{device}; MIN_KERNEL_NUMEL = {ew.MIN_KERNEL_NUMEL:,}, MIN_LIST_NUMEL = {shard_lists.MIN_LIST_NUMEL:,}")
+    print(
+        f"{device}; MIN_KERNEL_NUMEL = {ew.MIN_KERNEL_NUMEL:,}, MIN_LIST_MEAN_NUMEL = {shard_lists.MIN_LIST_MEAN_NUMEL:,}"
+    )
     print(markdown_table(rows, columns))
-    write_result(args, rows, min_kernel_numel=ew.MIN_KERNEL_NUMEL, min_list_numel=shard_lists.MIN_LIST_NUMEL)
+    write_result(args, rows, min_kernel_numel=ew.MIN_KERNEL_NUMEL, min_list_mean_numel=shard_lists.MIN_LIST_MEAN_NUMEL)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from dtensor_muon.kernels.elementwise import (
     momentum_step,
     momentum_steps,
 )
-from dtensor_muon.kernels.shard_lists import MIN_LIST_NUMEL, layout_of, list_layout
+from dtensor_muon.kernels.shard_lists import MIN_LIST_MEAN_NUMEL, layout_of, list_layout
 
 MOMENTUM_CASES = [(0.95, True), (0.95, False), (0.3, True)]  # 0.3: the large-weight branch of the first lerp
 
@@ -308,7 +308,7 @@ def test_many_shards_at_once_equal_torchs_lerps_on_each() -> None:
 
 LISTED_SIZES = [MIN_KERNEL_NUMEL, 3 << 20, 1 << 20, 4097, 1, 0, 3 << 20]
 """A rank's shards at a high world size: one for the one-shard kernel, the rest below it holding more than
-MIN_LIST_NUMEL entries together (one list launch per pass)."""
+MIN_LIST_MEAN_NUMEL entries a shard on average (one list launch per pass)."""
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -316,7 +316,7 @@ def test_on_the_gpu_many_shards_at_once_give_torchs_bits() -> None:
     """The one-shard kernel with torch's multi-tensor passes, then with the list launches (separate tensors,
     and unaligned views of one storage), give torch's bits on every shard."""
     small = [1 << 20, 4097, 1]
-    assert sum(small) < MIN_LIST_NUMEL  # a list too small for the list launch: torch's multi-tensor passes
+    assert sum(small) < MIN_LIST_MEAN_NUMEL * len(small)  # shards too small for a list launch: torch's passes
     check_many_equal_torch("cuda", [MIN_KERNEL_NUMEL, *small])
     listed = [torch.empty(n, device="cuda") for n in LISTED_SIZES if n < MIN_KERNEL_NUMEL]
     assert list_layout(listed, listed) is not None

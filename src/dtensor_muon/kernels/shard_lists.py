@@ -42,15 +42,18 @@ except ImportError:  # the package imports without Triton; list_layout then take
 BLOCK = 2048
 CHUNK = 8 * BLOCK
 """Entries per program: 16,384 (loops of ``BLOCK``). Chosen on an H100 over a rank's shards of Qwen3-30B-A3B at
-64 ranks (BENCHMARKS.md, "Element-wise passes at high world sizes"): 8 blocks a program moved momentum at 2.7
-TB/s and the apply at 2.5, 16 at 2.3 and 2.6, one block a program at 1.2 (``bench/elementwise.py`` re-measures)."""
+64 ranks, the device's time of launches queued back to back: 8 blocks a program moved momentum (U in bf16) at
+2.7 TB/s and the apply at 2.5, 16 blocks at 2.3 and 2.6, one block a program (a binary search per block) at 1.2."""
 WARPS = 4
 """Warps per program."""
 TABLES_KEPT = 64
 """Distinct launch tables kept on the device (each a few KB): a step makes one per pass and list layout."""
-MIN_LIST_NUMEL = 1 << 22
-"""The fewest entries (over a list's shards together) that take a list launch: below it torch's multi-tensor
-passes, whose host cost is a few launches and no table, are as fast (``bench/elementwise.py``'s list rows)."""
+MIN_LIST_MEAN_NUMEL = 1 << 20
+"""The fewest entries per shard, on average over a list, that take a list launch. Its host cost per shard
+(checking and addressing each tensor) is higher than torch's multi-tensor passes', and the traffic it saves
+grows with the entries: on an H100 (BENCHMARKS.md, "Element-wise passes at high world sizes"), over 64 shards
+of 1 M entries momentum and apply took 18.4 µs a shard in list launches against 21.5 in torch's passes, and of
+256 K entries 11.2 against 9.7 (``bench/elementwise.py`` re-measures)."""
 
 if triton is not None:
     from .entrywise import decay_and_add_entries, momentum_entries
@@ -144,11 +147,11 @@ class ListLayout:
 def list_layout(*roles: list[Tensor]) -> ListLayout | None:
     """The layout of one list launch over these roles' tensors (shard i is ``role[i]`` of each role), or None
     where the launch does not take them: Triton absent, not on a CUDA device, fewer than
-    :data:`MIN_LIST_NUMEL` entries over the shards together, or a list :func:`layout_of` refuses."""
+    :data:`MIN_LIST_MEAN_NUMEL` entries a shard on average, or a list :func:`layout_of` refuses."""
     if triton is None or not roles[0] or not roles[0][0].is_cuda:
         return None
     entries = [t.numel() for t in roles[0]]
-    if sum(entries) < MIN_LIST_NUMEL:
+    if sum(entries) < MIN_LIST_MEAN_NUMEL * len(entries):
         return None
     return layout_of(roles, entries)
 
