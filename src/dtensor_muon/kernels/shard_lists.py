@@ -202,17 +202,24 @@ def _table(layout: ListLayout, scalars: list[list[int]] | None) -> tuple[Tensor 
             shards += 1
     if not rows:
         return None, 0, 0
-    return _device_table(tuple(rows), layout.bases[0].device), programs, shards
+    device = layout.bases[0].device
+    table, copied = _device_table(tuple(rows), device)
+    if copied is not None:  # a launch on any stream reads the table after its copy (at once where it is done)
+        torch.cuda.current_stream(device).wait_event(copied)
+    return table, programs, shards
 
 
 @functools.lru_cache(maxsize=TABLES_KEPT)
-def _device_table(rows: tuple[int, ...], device: torch.device) -> Tensor:
-    """``rows`` as an int64 tensor on ``device``, made once per distinct table: copied from pinned memory and
-    waited for (the first step only), so that a launch on any stream may read it."""
+def _device_table(rows: tuple[int, ...], device: torch.device) -> tuple[Tensor, torch.cuda.Event | None]:
+    """``rows`` as an int64 tensor on ``device``, made once per distinct table (copied from pinned memory on the
+    current stream, without waiting), and the event of that copy (None off CUDA)."""
     host = torch.frombuffer(array.array("q", rows), dtype=torch.int64)
     if device.type != "cuda":  # the Triton interpreter (tests): the table stays on the host
-        return host.clone()
-    return host.pin_memory().to(device)
+        return host.clone(), None
+    table = host.pin_memory().to(device, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(device))
+    return table, copied
 
 
 @functools.lru_cache(maxsize=1024)
