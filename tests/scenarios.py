@@ -7,7 +7,7 @@ gets a gradient.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -401,22 +401,24 @@ def overlap_training(
 
 
 class ResidualMLP(nn.Module):
-    """An embedding, three Linear→GELU→Linear residual blocks, a LayerNorm and a head: wide enough that a
-    block's work on a GPU takes longer than launching the next one."""
+    """An embedding, three Linear→GELU→Linear residual blocks, a LayerNorm and a head. On a GPU the blocks are
+    wide enough (256 → 1024 → 256) that a block's work takes longer than launching the next one, so an update not
+    ordered before FSDP2's all-gather on its own stream shows in the results; the CPU has no such streams, and
+    there the blocks are half as wide (128 → 512 → 128): the same modules, shards, hooks and optimizer options."""
 
-    VOCAB, DIM, HIDDEN = 512, 256, 1024
+    VOCAB = 512
+    WIDTHS: ClassVar[dict[str, tuple[int, int]]] = {"cuda": (256, 1024), "cpu": (128, 512)}
+    """(model width, hidden width of a block) on each device type."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(self.VOCAB, self.DIM)
+        dim, hidden = self.WIDTHS[device_type]
+        self.tok_embeddings = nn.Embedding(self.VOCAB, dim)
         self.blocks = nn.ModuleList(
-            [
-                nn.Sequential(nn.Linear(self.DIM, self.HIDDEN), nn.GELU(), nn.Linear(self.HIDDEN, self.DIM))
-                for _ in range(3)
-            ]
+            [nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)) for _ in range(3)]
         )
-        self.norm = nn.LayerNorm(self.DIM)
-        self.output = nn.Linear(self.DIM, self.VOCAB, bias=False)
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, self.VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
@@ -436,11 +438,12 @@ def residual_mlp_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, ResidualMLP.VOCAB), tokens.roll(1, dims=1).reshape(-1))
 
 
-RESIDUAL_QK_CLIP = dict(
-    qk_clip_tau=50.0,
-    qk_clip_heads={"block0": AttentionHeads(q="blocks.0.0.weight", k="blocks.1.0.weight", n_heads=8, head_dim=128)},
-)
-"""QK-clip on :class:`ResidualMLP`, two of its 1024-row weights standing for an MHA layer's query and key."""
+def residual_qk_clip(device_type: str) -> dict[str, Any]:
+    """QK-clip on :class:`ResidualMLP`, two of its hidden-width weights (1024 rows on a GPU, 512 on the CPU)
+    standing for an MHA layer's query and key of 8 heads."""
+    hidden = ResidualMLP.WIDTHS[device_type][1]
+    heads = AttentionHeads(q="blocks.0.0.weight", k="blocks.1.0.weight", n_heads=8, head_dim=hidden // 8)
+    return dict(qk_clip_tau=50.0, qk_clip_heads={"block0": heads})
 
 
 def residual_mlp_max_logits(step: int) -> torch.Tensor:
@@ -450,10 +453,10 @@ def residual_mlp_max_logits(step: int) -> torch.Tensor:
 
 def residual_mlp_one_process(steps: int, device: torch.device, qk_clip: bool = False) -> dict[str, Any]:
     """The reference: :class:`ResidualMLP` and ``Muon(lr=0.02)`` in one process on ``device`` (with
-    :data:`RESIDUAL_QK_CLIP` when ``qk_clip``)."""
+    :func:`residual_qk_clip` when ``qk_clip``)."""
     torch.manual_seed(0)
-    model = ResidualMLP().to(device)
-    opt = Muon(model.named_parameters(), lr=0.02, **(RESIDUAL_QK_CLIP if qk_clip else {}))
+    model = ResidualMLP(device.type).to(device)
+    opt = Muon(model.named_parameters(), lr=0.02, **(residual_qk_clip(device.type) if qk_clip else {}))
     losses = []
     for step in range(steps):
         loss = residual_mlp_loss(model, residual_mlp_batch(step, device))
@@ -472,9 +475,10 @@ def residual_mlp_fsdp(
     """:func:`residual_mlp_one_process` under FSDP2 (each block, then the root), the same batch on every rank,
     with or without overlap; ``prefetch``: each block unshards the next one (explicit forward prefetch)."""
     torch.manual_seed(0)
-    model = ResidualMLP()
+    model = ResidualMLP(worker_device().type)
     shard_blocks_and_root(model, world_size, prefetch)
-    opt = Muon(model.named_parameters(), lr=0.02, overlap=overlap, **(RESIDUAL_QK_CLIP if qk_clip else {}))
+    clip = residual_qk_clip(worker_device().type) if qk_clip else {}
+    opt = Muon(model.named_parameters(), lr=0.02, overlap=overlap, **clip)
     opt.attach(model)
     losses = []
     for step in range(steps):

@@ -1,5 +1,6 @@
 """Overlap mode on real gloo processes: bitwise equal to no overlap, ordered per module, flushed when read."""
 
+import functools
 import tempfile
 
 import pytest
@@ -58,14 +59,21 @@ def test_block_prefetched_by_fsdp_is_finished_by_the_hook_of_the_block_before():
 RESIDUAL_STEPS = 6
 
 
+@functools.cache
+def residual_reference(device: str) -> dict:
+    """The one-process run both prefetch cases compare with, computed once per device on one thread, as the
+    workers run (CPU products may round otherwise with other thread counts)."""
+    with one_thread():
+        return scenarios.residual_mlp_one_process(RESIDUAL_STEPS, torch.device(device))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("prefetch", [False, True], ids=["implicit-prefetch", "explicit-prefetch"])
 def test_fsdp2_residual_model_with_overlap_equals_no_overlap_and_one_process(device, prefetch):
     """On CUDA, FSDP2 all-gathers a module's shards on its own stream, which waits for the default stream only
     at the root's forward: an update applied by a later module's pre-forward hook must be ordered before that
     all-gather, or the forward reads half-written weights."""
-    with one_thread():  # as the workers run: CPU products may round otherwise with other thread counts
-        reference = scenarios.residual_mlp_one_process(RESIDUAL_STEPS, torch.device(device))
+    reference = residual_reference(device)
     runs = {
         overlap: run_distributed(scenarios.residual_mlp_fsdp, 2, RESIDUAL_STEPS, overlap, prefetch, device=device)
         for overlap in (False, True)

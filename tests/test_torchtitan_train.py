@@ -54,10 +54,11 @@ def scalar_tags(dump: Path) -> set[str]:
     return set(events.Tags()["scalars"])
 
 
-LLAMA3_STEPS, LLAMA3_CHECKPOINT_INTERVAL = 12, 4
+LLAMA3_STEPS, LLAMA3_RESUME_FROM = 12, 10
 LLAMA3_RUN = [*SMALL, "--training.steps", str(LLAMA3_STEPS), "--lr_scheduler.warmup_steps", "2",
               "--muon.diagnostics_interval", "4", "--checkpoint.enable", "--checkpoint.interval",
-              str(LLAMA3_CHECKPOINT_INTERVAL), "--checkpoint.last_save_model_only"]  # fmt: skip
+              str(LLAMA3_RESUME_FROM), "--checkpoint.last_save_model_only"]  # fmt: skip
+"""12 steps with a full checkpoint after step 10 (the one the resumes start from) and the model alone after 12."""
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +109,11 @@ def test_moe_muon_trains(tmp_path):
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_resume_from_checkpoint_matches_uninterrupted_run(llama3_run, tmp_path):
-    """Resumed from the shared run's second-to-last checkpoint, the last steps' losses are the uninterrupted ones."""
+    """Resumed from the shared run's checkpoint after step 10, the last steps' losses are the uninterrupted ones."""
     code, output, uninterrupted, full = llama3_run
     assert code == 0, output[-3000:]
     assert sorted(uninterrupted) == list(range(1, LLAMA3_STEPS + 1))
-    start = LLAMA3_STEPS - LLAMA3_CHECKPOINT_INTERVAL
+    start = LLAMA3_RESUME_FROM
     shutil.copytree(full / "checkpoint" / f"step-{start}", tmp_path / "checkpoint" / f"step-{start}")
     code, output, after_resume = torchrun("llama3_tiny.toml", tmp_path, *LLAMA3_RUN)
     assert code == 0, output[-3000:]
@@ -139,18 +140,19 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(llama3_run, tmp_path):
     ids=["tp2", "tp2_fsdp2", "ep2"],
 )
 def test_tensor_and_expert_parallel_train_and_resume_exactly(tmp_path, config, nproc, parallelism):
+    """6 steps with a checkpoint after step 4; resumed from it, steps 5 and 6 give the uninterrupted losses."""
     common = [*SMALL, *parallelism, "--training.steps", "6", "--lr_scheduler.warmup_steps", "2",
-              "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.last_save_model_only"]  # fmt: skip
+              "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.last_save_model_only"]  # fmt: skip
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     code, output, uninterrupted = torchrun(config, full, *common, nproc=nproc, timeout=400)
     assert code == 0, output[-3000:]
     assert sorted(uninterrupted) == list(range(1, 7))
     assert falls(uninterrupted, 0.2), uninterrupted
-    shutil.copytree(full / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
+    shutil.copytree(full / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
     code, output, after_resume = torchrun(config, resumed, *common, nproc=nproc, timeout=400)
     assert code == 0, output[-3000:]
-    assert "Training starts at step 4" in output
-    assert {s: after_resume[s] for s in (4, 5, 6)} == {s: uninterrupted[s] for s in (4, 5, 6)}
+    assert "Training starts at step 5" in output
+    assert {s: after_resume[s] for s in (5, 6)} == {s: uninterrupted[s] for s in (5, 6)}
 
 
 @pytest.mark.slow
@@ -183,7 +185,7 @@ def test_tensor_parallel_combined_with_expert_or_pipeline_parallel_trains(tmp_pa
 @pytest.mark.e2e
 def test_overlap_gives_the_same_losses_and_checkpoints_applied_updates(llama3_run, tmp_path):
     """The shared run is the reference; the same run with overlap, then a resume (without overlap) from the
-    overlapped run's second-to-last checkpoint."""
+    overlapped run's checkpoint after step 10."""
     code, output, reference, _ = llama3_run
     assert code == 0, output[-3000:]
     overlapped, resumed = tmp_path / "overlap", tmp_path / "resumed"
@@ -191,7 +193,7 @@ def test_overlap_gives_the_same_losses_and_checkpoints_applied_updates(llama3_ru
     assert code == 0, output[-3000:]
     assert with_overlap == reference and sorted(reference) == list(range(1, LLAMA3_STEPS + 1))
     # saved right after the step()'s return with updates pending: the checkpoint must hold them applied
-    start = LLAMA3_STEPS - LLAMA3_CHECKPOINT_INTERVAL
+    start = LLAMA3_RESUME_FROM
     shutil.copytree(overlapped / "checkpoint" / f"step-{start}", resumed / "checkpoint" / f"step-{start}")
     code, output, after_resume = torchrun("llama3_tiny.toml", resumed, *LLAMA3_RUN)
     assert code == 0, output[-3000:]
