@@ -12,12 +12,12 @@ in bf16), or one Triton launch each, whose host cost is several times the traffi
 The launch reads a table (int64, one row per non-empty shard, made on the device once per distinct table and
 kept: the rows depend on the shards' sizes and distances, which a step's passes repeat):
 
-    [entries, first program, each tensor's offset in elements from its role's first tensor, per-shard scalars]
+    [entries, first program, each tensor's offset in elements from its role's base tensor, per-shard scalars]
 
 A program covers ``CHUNK`` entries of one shard, ``BLOCK`` at a time; it finds its shard by binary search over
 the rows' first programs (``STEPS`` ≥ log2(rows) halvings), so the table holds a row per shard, not an entry
 per program: the host's cost grows with the shards, not with their entries. The tensors of a role share a dtype
-and a device and are contiguous (:func:`layout_of`); U of a whole list is one allocation, viewed per shard.
+and a device and are contiguous (:func:`layout_of`); U of a whole list is one allocation, cut per shape.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ TABLES_KEPT = 64
 MIN_LIST_MEAN_NUMEL = 1 << 20
 """The fewest entries per shard, on average over a list, that take a list launch. Its host cost per shard
 (checking and addressing each tensor) is higher than torch's multi-tensor passes', and the traffic it saves
-grows with the entries: on an H100 (BENCHMARKS.md, "Element-wise passes at high world sizes"), over 64 shards
+grows with the entries: on an H100 (BENCHMARKS.md, "Whole optimizer step", the per-size table), over 64 shards
 of 1 M entries momentum and apply took 18.4 µs a shard in list launches against 21.5 in torch's passes, and of
 256 K entries 11.2 against 9.7 (``bench/elementwise.py`` re-measures)."""
 
@@ -268,9 +268,10 @@ def momentum_list(
     layout: ListLayout | None = None,
 ) -> list[Tensor | None]:
     """:func:`.elementwise.momentum_step` on every (grad, buffer) pair in one launch (``layout``:
-    :func:`list_layout` of (grads, buffers), where the caller has it): advances the buffers in place when ``write_buffer`` and returns each U (in
-    ``input_dtype``, default the buffers' dtype; views of one allocation) when ``want_input``, else Nones. U is
-    B' itself without Nesterov when the buffers are written (nothing more is written)."""
+    :func:`list_layout` of (grads, buffers), where the caller has it): advances the buffers in place when
+    ``write_buffer`` and returns each U (in ``input_dtype``, default the buffers' dtype; views of one
+    allocation) when ``want_input``, else Nones. U is B' itself without Nesterov when the buffers are written
+    (nothing more is written)."""
     if not (write_buffer or want_input):
         raise ValueError("momentum_list: nothing to write (write_buffer and want_input are both False)")
     layout = layout if layout is not None else layout_of([grads, buffers])
