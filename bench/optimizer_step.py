@@ -101,9 +101,10 @@ of its shards at the copy rate, as for the whole step) and share/step floor; the
 ranks runs it (transactional share ms: the momentum pass gives U without advancing the buffer, which advances in
 a second pass after the directions, so that a step that fails on any rank changes nothing); the share without
 Newton–Schulz (element-wise ms: the momentum pass, the apply and AdamW on its other shards) against the traffic
-floor of its shards' state at the copy rate (CUDA only) and their ratio, with its host ms, device ms and
-launches (one unprofiled and one profiled call, as for the whole step's host overhead below), and the whole
-share's device ms and launches; beside it a fused AdamW step (foreach on CPU) over the same rank's FSDP shard of
+floor of its shards' state at the copy rate (CUDA only) and their ratio, with its host ms (the median over the
+timed steps of the time until the call returns, the device synchronized before it), device ms and launches (one
+profiled call, as for the whole step's host overhead below), and the whole share's host ms, device ms and
+launches; beside it a fused AdamW step (foreach on CPU) over the same rank's FSDP shard of
 every parameter (about 1/W of each): AdamW share ms.
 """
 
@@ -1134,6 +1135,12 @@ def adamw_share(share: RankShare, shapes: Shapes, device: torch.device) -> torch
     return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY, fused=fused)
 
 
+def median_host_ms(step: Callable[[], None], device: torch.device, calls: int) -> float:
+    """Median over ``calls`` calls of :func:`host_timing`'s host ms: the time until ``step()`` returns, the device
+    synchronized before it."""
+    return median([host_timing(step, device)["host_ms"] for _ in range(calls)])
+
+
 def median_ms(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
     """Median over ``steps`` calls after ``warmup`` (host clock, device synchronized around each)."""
     times = []
@@ -1169,7 +1176,9 @@ def run_share(
         ns_ms = median_ms(work.newton_schulz, device, 1, steps)
         elementwise = functools.partial(work.step, directions=False)
         elementwise_ms = median_ms(elementwise, device, warmup, steps)
-        elementwise_profile = {**host_timing(elementwise, device), **profile_counts(elementwise, device)}
+        elementwise_host_ms = median_host_ms(elementwise, device, steps)
+        elementwise_profile = profile_counts(elementwise, device)
+        share_host_ms = median_host_ms(work.step, device, steps)
         share_profile = profile_counts(work.step, device)
     del work
     free(device)
@@ -1209,9 +1218,10 @@ def run_share(
         "elementwise_ms": elementwise_ms,
         "traffic_floor_ms": traffic_ms,
         "elementwise_vs_floor": elementwise_ms / traffic_ms if traffic_ms else None,
-        "elementwise_host_ms": elementwise_profile["host_ms"],
+        "elementwise_host_ms": elementwise_host_ms,
         "elementwise_device_ms": elementwise_profile["device_ms"],
         "elementwise_launches": elementwise_profile["launches"],
+        "share_host_ms": share_host_ms,
         "share_device_ms": share_profile["device_ms"],
         "share_launches": share_profile["launches"],
         "adamw_share_ms": adamw_ms,
@@ -1340,6 +1350,7 @@ SHARE_COLUMNS = [
     ("elementwise_host_ms", "element-wise host ms", "{:.2f}"),
     ("elementwise_device_ms", "element-wise device ms", "{:.2f}"),
     ("elementwise_launches", "element-wise launches", "{}"),
+    ("share_host_ms", "share host ms", "{:.2f}"),
     ("share_device_ms", "share device ms", "{:.2f}"),
     ("share_launches", "share launches", "{}"),
     ("adamw_share_ms", "AdamW share ms", "{:.2f}"),

@@ -131,6 +131,9 @@ def test_quick_run_writes_overhead_and_per_rank_fields(model, tmp_path):
     assert share["world_size"] == 8 and share["share_ms"] > 0 and share["adamw_share_ms"] > 0
     assert share["ns_floor_ms"] is None  # CPU: no matmul rate measured
     assert share["elementwise_ms"] > 0 and share["traffic_floor_ms"] is None  # nor a copy rate
+    for part in ("elementwise", "share"):  # the host's part and the launches (CPU: top-level aten ops)
+        assert share[f"{part}_host_ms"] > 0 and share[f"{part}_launches"] > 0 and share[f"{part}_device_ms"] is None
+    assert share["elementwise_launches"] < share["share_launches"]  # the share adds the directions' work
     most, computed = independent_max_rank_flops(quick_shapes(model), 8)
     assert share["planned_flops"] == share["max_rank_flops"] == most == computed
 
