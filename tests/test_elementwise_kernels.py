@@ -120,10 +120,12 @@ LIST_SIZES = [5000, 0, 1, 3 * 16384 + 5, 777] + [40] * 30
 chunk is partial, and enough rows (35, 34 of them non-empty) for six halvings of the binary search."""
 
 
-def _shard_views(sizes: list[int], dtype: torch.dtype, gen: torch.Generator, skew: int) -> list[torch.Tensor]:
-    """Shards of these sizes as contiguous views of one storage, ``skew`` entries apart (odd: not 16-byte
-    aligned), in reversed order (the first shard is not the lowest address)."""
-    flat = torch.randn(sum(sizes) + skew * (len(sizes) + 1), generator=gen).to(dtype)
+def _shard_views(
+    sizes: list[int], dtype: torch.dtype, gen: torch.Generator, skew: int, device: str = "cpu"
+) -> list[torch.Tensor]:
+    """Shards of these sizes as contiguous views of one storage on ``device``, ``skew`` entries apart (odd: not
+    16-byte aligned), in reversed order (the first shard is not the lowest address)."""
+    flat = torch.randn(sum(sizes) + skew * (len(sizes) + 1), generator=gen).to(device=device, dtype=dtype)
     views, at = [], skew
     for n in reversed(sizes):
         views.append(flat[at : at + n])
@@ -269,8 +271,7 @@ def check_many_equal_torch(device: str, sizes: list[int], skew: int | None = Non
         grads = [torch.randn(n, generator=gen).to(device) for n in sizes]
         bufs = [torch.randn(n, generator=gen).to(device) for n in sizes]
     else:
-        grads, bufs = (_shard_views(sizes, torch.float32, gen, skew) for _ in range(2))
-        grads, bufs = [g.to(device) for g in grads], [b.to(device) for b in bufs]
+        grads, bufs = (_shard_views(sizes, torch.float32, gen, skew, device) for _ in range(2))
     for momentum, nesterov in MOMENTUM_CASES:
         for write_buffer in (True, False):
             for u_dtype in (None, torch.bfloat16):
