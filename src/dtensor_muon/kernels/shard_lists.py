@@ -238,22 +238,31 @@ def halvings(rows: int) -> int:
     return max(1, (rows - 1).bit_length())
 
 
-def _views_by_shape(flat: Tensor, like: list[Tensor]) -> tuple[list[Tensor], list[int]]:
-    """Views of ``flat`` shaped as ``like``'s tensors, and each one's offset in elements: those of one shape side
-    by side, cut by one ``unbind`` per shape (a view per tensor costs the host several times more)."""
+def _blocks_by_shape(like: list[Tensor]) -> tuple[list[tuple[torch.Size, list[int], int]], list[int]]:
+    """How one flat allocation holds tensors shaped as ``like``'s: those of one shape side by side, as
+    (shape, their indices, first element) per shape, and each tensor's offset in elements."""
     by_shape: dict[torch.Size, list[int]] = {}
     for i, t in enumerate(like):
         by_shape.setdefault(t.shape, []).append(i)
-    views: list[Tensor] = list(like)
-    offsets = [0] * len(like)
-    at = 0
+    blocks, offsets, at = [], [0] * len(like), 0
     for shape, indices in by_shape.items():
+        blocks.append((shape, indices, at))
         n = shape.numel()
-        block = flat[at : at + n * len(indices)].view(len(indices), *shape)
-        for i, view in zip(indices, block.unbind(0)):
-            views[i], offsets[i] = view, at
+        for i in indices:
+            offsets[i] = at
             at += n
-    return views, offsets
+    return blocks, offsets
+
+
+def _views(flat: Tensor, blocks: list[tuple[torch.Size, list[int], int]], count: int) -> list[Tensor]:
+    """The ``count`` views of ``flat`` that :func:`_blocks_by_shape` lays out, cut by one ``unbind`` per shape
+    (a view per tensor costs the host several times more)."""
+    views: list[Tensor] = [flat] * count
+    for shape, indices, at in blocks:
+        block = flat[at : at + shape.numel() * len(indices)].view(len(indices), *shape)
+        for i, view in zip(indices, block.unbind(0)):
+            views[i] = view
+    return views
 
 
 def momentum_list(
@@ -281,13 +290,12 @@ def momentum_list(
     entries = layout.entries
     if write_input:
         flat = torch.empty(sum(entries), dtype=input_dtype or buffers[0].dtype, device=buffers[0].device)
-        inputs, offsets = _views_by_shape(flat, buffers)
+        blocks, offsets = _blocks_by_shape(buffers)
         first = next((i for i, n in enumerate(entries) if n), 0)
-        layout = ListLayout(
-            entries, [*layout.offsets, [a - offsets[first] for a in offsets]], [*layout.bases, inputs[first]]
+        layout = ListLayout(  # U's base: flat from its first non-empty shard's offset on
+            entries, [*layout.offsets, [a - offsets[first] for a in offsets]], [*layout.bases, flat[offsets[first] :]]
         )
     else:
-        inputs = buffers
         layout = ListLayout(entries, [*layout.offsets, layout.offsets[1]], [*layout.bases, layout.bases[1]])
     table, programs, shards = _table(layout, None)
     w_advance, one_minus_advance, small_advance = lerp_weights(1 - momentum)
@@ -314,7 +322,8 @@ def momentum_list(
             )
     if not want_input:
         return [None] * len(grads)
-    return list(inputs)
+    # U's views are cut after the launch: they cost the host more than the launch, and the device need not wait
+    return _views(flat, blocks, len(buffers)) if write_input else list(buffers)
 
 
 def decay_and_add_list(
