@@ -97,9 +97,13 @@ buffers, the optimizer's metrics and non-finite checks, and the host work of pla
 busiest rank's planned FLOPs (its units' ``MuonRule.cost``, = max of the plan's per-rank FLOPs) and the mean,
 its share ms and the units' Newton–Schulz alone (ns ms), its NS floor (the units' FLOPs with symmetric products
 over the measured matmul rate; CUDA only) and share/floor, its step floor (the NS floor plus the state traffic
-of its shards at the copy rate, as for the whole step) and share/step floor; the same share as a step of several
-ranks runs it (transactional share ms: the momentum pass gives U without advancing the buffer, which advances in
-a second pass after the directions, so that a step that fails on any rank changes nothing); the share without
+of its shards at the copy rate, as for the whole step) and share/step floor; the share's steps issued back to
+back (share ms back to back: the mean step of a block of ``--steps`` steps with the device synchronized at the
+block's ends only, the median of 3 blocks: the pace of a training loop whose host runs ahead of the device,
+where a step's host work before its first kernel overlaps the work still queued) and its ratio to the step
+floor; the same share as a step of several ranks runs it (transactional share ms: the momentum pass gives U
+without advancing the buffer, which advances in a second pass after the directions, so that a step that fails on
+any rank changes nothing); the share without
 Newton–Schulz (element-wise ms: the momentum pass, the apply and AdamW on its other shards) against the traffic
 floor of its shards' state at the copy rate (CUDA only) and their ratio, with its host ms (the median over the
 timed steps of the time until the call returns, the device synchronized before it), device ms and launches (one
@@ -1154,6 +1158,25 @@ def median_ms(step: Callable[[], None], device: torch.device, warmup: int, steps
     return median(times)
 
 
+def back_to_back_ms(step: Callable[[], None], device: torch.device, warmup: int, steps: int, blocks: int = 3) -> float:
+    """Median over ``blocks`` blocks of the mean time a step of ``steps`` steps issued back to back, after
+    ``warmup`` (host clock, the device synchronized before a block's first step and after its last only): the pace
+    of a training loop whose host runs ahead of the device, where the host's work before a step's first kernel
+    overlaps the device's work still queued (:func:`median_ms` synchronizes around each step and so pays that
+    latency at every step)."""
+    for _ in range(warmup):
+        step()
+    means = []
+    for _ in range(blocks):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(device)
+        means.append(1e3 * (time.perf_counter() - start) / steps)
+    return median(means)
+
+
 def run_share(
     share: RankShare,
     shapes: Shapes,
@@ -1172,6 +1195,7 @@ def run_share(
         work = ShareWork(share, group, device, units_per_stack)
         calls = len(work.inputs)
         share_ms = median_ms(work.step, device, warmup, steps)
+        back_to_back = back_to_back_ms(work.step, device, warmup, steps)
         transactional_ms = median_ms(functools.partial(work.step, transactional=True), device, warmup, steps)
         ns_ms = median_ms(work.newton_schulz, device, 1, steps)
         elementwise = functools.partial(work.step, directions=False)
@@ -1214,6 +1238,8 @@ def run_share(
         "share_vs_floor": share_ms / floor_ms if floor_ms else None,
         "step_floor_ms": step_floor_ms,
         "share_vs_step_floor": share_ms / step_floor_ms if step_floor_ms else None,
+        "share_back_to_back_ms": back_to_back,
+        "back_to_back_vs_step_floor": back_to_back / step_floor_ms if step_floor_ms else None,
         "transactional_share_ms": transactional_ms,
         "elementwise_ms": elementwise_ms,
         "traffic_floor_ms": traffic_ms,
@@ -1343,6 +1369,8 @@ SHARE_COLUMNS = [
     ("share_vs_floor", "share/floor", "{:.2f}"),
     ("step_floor_ms", "step floor ms", "{:.2f}"),
     ("share_vs_step_floor", "share/step floor", "{:.2f}"),
+    ("share_back_to_back_ms", "share ms back to back", "{:.2f}"),
+    ("back_to_back_vs_step_floor", "back to back/step floor", "{:.2f}"),
     ("transactional_share_ms", "transactional share ms", "{:.2f}"),
     ("elementwise_ms", "element-wise ms", "{:.2f}"),
     ("traffic_floor_ms", "traffic floor ms", "{:.2f}"),
