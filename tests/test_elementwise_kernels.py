@@ -321,6 +321,7 @@ def test_on_the_gpu_many_shards_at_once_give_torchs_bits() -> None:
     check_many_equal_torch("cuda", [MIN_KERNEL_NUMEL, *small])
     listed = [torch.empty(n, device="cuda") for n in LISTED_SIZES if n < MIN_KERNEL_NUMEL]
     assert list_layout(listed, listed) is not None
+    assert list_layout(listed, [t.cpu() for t in listed]) is None  # a role on another device: not one launch
     for skew in (None, 3):
         check_many_equal_torch("cuda", LISTED_SIZES, skew)
 

@@ -158,17 +158,18 @@ def list_layout(*roles: list[Tensor]) -> ListLayout | None:
 
 def layout_of(roles: Sequence[list[Tensor]], entries: list[int] | None = None) -> ListLayout | None:
     """The layout of these roles' tensors (``entries``: role 0's sizes, where the caller has them), or None
-    unless every tensor is contiguous, floating and on its role's base's device, a role's tensors share a
-    dtype and lie whole elements apart, and shard i holds as many entries in every role. One pass over the
-    tensors: the host's cost of a launch grows with its shards."""
+    unless every tensor is contiguous, floating and on role 0's base's device (one launch addresses them all), a
+    role's tensors share a dtype and lie whole elements apart, and shard i holds as many entries in every role.
+    One pass over the tensors: the host's cost of a launch grows with its shards."""
     entries = entries if entries is not None else [t.numel() for t in roles[0]]
     first = next((i for i, n in enumerate(entries) if n), None)
     if first is None:
         return ListLayout(entries, [[0] * len(entries) for _ in roles], [role[0] for role in roles])
     offsets = []
+    device = roles[0][first].get_device()
     for index, role in enumerate(roles):
         base = role[first]
-        dtype, size, start, device = base.dtype, base.element_size(), base.data_ptr(), base.get_device()
+        dtype, size, start = base.dtype, base.element_size(), base.data_ptr()
         if not dtype.is_floating_point:
             return None
         distances = []
