@@ -10,7 +10,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+\w.]+)")
-ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[\w.]+\.)?\w*(?:Error|Exception)\b:.*$", re.MULTILINE)
+ERROR_LINE = re.compile(
+    r"^(?:\[rank\d+\]:)?\s*(?:(?:[a-z_]\w*\.)+[A-Z]\w*|\w*(?:Error|Exception|Failed))\b:.*$", re.MULTILINE
+)
+"""A line that names an exception: ``Name: message`` where the name ends in Error, Exception or Failed, or any
+class name behind its module path (``torch._dynamo.exc.Unsupported: ...``), indented or behind a rank's prefix."""
 CPU_ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 """One OpenMP thread per process (the processes of a CPU run share the machine's cores), and no GPU: on a machine
 with one, the launcher would otherwise train on CUDA with NCCL, which refuses two ranks on one GPU."""
