@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+\w.]+)")
 ERROR_LINE = re.compile(
-    r"^(?:\[rank\d+\]:)?\s*(?:(?:[a-z_]\w*\.)+[A-Z]\w*|\w*(?:Error|Exception|Failed))\b:.*$", re.MULTILINE
+    r"^(?:\[rank\d+\]:)?[ \t]*(?:(?:[a-z_]\w*\.)+[A-Z]\w*|\w*(?:Error|Exception|Failed))\b:.*$", re.MULTILINE
 )
 """A line that names an exception: ``Name: message`` where the name ends in Error, Exception or Failed, or any
 class name behind its module path (``torch._dynamo.exc.Unsupported: ...``), indented or behind a rank's prefix."""
