@@ -1,0 +1,571 @@
+"""Products of symmetric m×m matrices stored as their lower tiles only: a prototype kernel, checked and timed.
+
+    TRITON_INTERPRET=1 PYTHONPATH=src python tools/kernels/lower_tile_products.py --check      (CPU, interpreter)
+    PYTHONPATH=src python tools/kernels/lower_tile_products.py --check                          (GPU)
+    PYTHONPATH=src python tools/kernels/lower_tile_products.py --time --out lower_tiles.json    (GPU)
+
+Gram Newton–Schulz runs a chain of products of symmetric m×m matrices (R·Z, Z·(R·Z), Q·Z, the poly
+a·I + b·R + c·R·R). The library's SYRK kernels compute only the lower tiles of a product (m³ FLOPs) but read
+both operands in full and write the result mirrored, so a product moves 3·2m² bytes (bf16); at m = 768 on
+expert stacks it is bound by memory. Here every symmetric matrix lives in the ordinary [B, m, m] buffer as its
+lower tiles only at tile size T: element (r, c) is valid iff r//T ≥ c//T (diagonal tiles whole), the upper tiles
+are never read or written. With t = m/T tiles a side a matrix holds t(t+1)/2 of the t² tiles (21 of 36 at
+T = 128, m = 768: 58%), and a product moves 3·2·t(t+1)/2·T² bytes: 58% of the mirrored product's (2 operands
+read, 1 written; the poly A·A reads one operand: 2·2·t(t+1)/2·T²).
+
+The kernel (one program per lower output tile (i, j), i ≥ j, and matrix; BLOCK_M = BLOCK_N = T, BLOCK_K | T)
+computes C[i, j] = Σ_kt A[i, kt]·B[kt, j] in three pipelined loops with constant strides, each k-step inside one
+tile column:
+
+    kt < j        A[i, kt] direct,            B[kt, j] = B[j, kt]ᵀ (the pointer block's strides swapped)
+    j ≤ kt ≤ i    A[i, kt] direct,            B[kt, j] direct
+    kt > i        A[i, kt] = A[kt, i]ᵀ,       B[kt, j] direct
+
+fp32 accumulation, the library's epilogue s·(alpha·A·B + beta·A + diag·I) (the poly: alpha = c, beta = b,
+diag = a, B = A), bf16 lower tiles out; rows and columns ≥ m are masked when T does not divide m.
+
+``--check`` (CPU under the Triton interpreter, or a GPU) runs small stacks (B ∈ {1, 3}, m ∈ {128, 192, 256},
+T = 64, BLOCK_K = 32; BLOCK_K = 64; m = 160 at T = 64 and m = 192 at T = 128 for the edge masks) with NaN in every never-valid upper tile of the inputs and the output:
+the lower tiles against a float64 reference within bf16 output rounding (2⁻⁸ of the row's largest entry) plus
+fp32 accumulation (m·2⁻²⁴·(|A|·|B|)), the output's upper tiles still NaN, and a two-product chain R·Z, Z·(R·Z),
+both lower-tile, against the reference. ``--time`` (GPU) times, for each stack (B ∈ {32, 128},
+m ∈ {512, 768, 1024, 1408}) and each op (``product`` R·Z, ``poly``), every config of the lower-tile kernel
+(T, BLOCK_K, num_warps, num_stages), the library's kernel on full symmetric stacks
+(``SYRK_MATMULS.symmetric_product`` / ``poly``: the Gluon kernel on Hopper where it pays, else the Triton one)
+and ``torch.bmm`` (the poly: ``torch.baddbmm``, without a·I), each replayed from a CUDA graph (median of 7 rounds); it checks the best config's lower
+tiles against the library's result and a float64 reference, and prints a markdown table: µs of each, the
+lower-tile kernel's ratio to the library, its GB/s on the bytes it touches and TFLOP/s counting m³ per matrix
+(the library's GB/s on its own bytes, 2 or 1 full operands read and a full result written, beside it).
+
+Under the interpreter (Triton 3.9 here) the kernel takes an UPCAST path: bf16 tiles go to fp32 before ``tl.dot``
+(the interpreter multiplies bf16 as raw uint16 bits) and the result is rounded to nearest bf16 by hand (the
+interpreter truncates); the GPU compiles the plain bf16 ``tl.dot`` and conversion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# (T, BLOCK_K, num_warps, num_stages) tried by --time; the check runs T = 64, BLOCK_K = 32.
+CONFIGS: tuple[tuple[int, int, int, int], ...] = tuple(itertools.product((64, 128), (32, 64), (4, 8), (2, 3, 4)))
+KELLER = (3.4445, -4.775, 2.0315)
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a·b in fp32. The Triton interpreter (3.9) multiplies bf16 tiles as their raw uint16 bits, so
+    there (UPCAST) the tiles go to fp32 first: the same exact products and fp32 sums as the tensor cores'."""
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc) if UPCAST else tl.dot(a, b, acc)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), still fp32: its conversion is then exact even where
+    the conversion truncates (the interpreter). Finite inputs only."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _lower_tile_kernel(
+    a_ptr,
+    b_ptr,  # B (= A for the poly); lower tiles only, like A
+    scale_ptr,  # HAS_SCALE: fp32, one entry per matrix
+    out_ptr,
+    M,
+    stride_ab,
+    stride_am,
+    stride_bb,
+    stride_bm,
+    stride_ob,
+    stride_om,
+    alpha,
+    beta,
+    diag,
+    HAS_C: tl.constexpr,  # beta·A[i, j] in the epilogue (the poly's b·A)
+    HAS_DIAG: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    EVEN: tl.constexpr,  # T divides M: no masks
+    T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # the Triton interpreter only (see _dot, _round_to_bf16)
+):
+    """One lower output tile (i, j) of one matrix: s·(alpha·A·B + beta·A + diag·I), operands and result as lower
+    tiles; the k loop split where A's row tile and B's column tile cross the diagonal."""
+    # Tile t: row i is the largest with i(i+1)/2 <= t (float estimate, then exact fix-ups).
+    t = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    ti = ((tl.sqrt((8 * t + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+    ti = tl.where((ti + 1) * (ti + 2) // 2 <= t, ti + 1, ti)
+    ti = tl.where(ti * (ti + 1) // 2 > t, ti - 1, ti)
+    tj = t - ti * (ti + 1) // 2
+    row0 = ti * T
+    col0 = tj * T
+
+    a_base = a_ptr + batch * stride_ab
+    b_base = b_ptr + batch * stride_bb
+    offs = tl.arange(0, T)
+    ks = tl.arange(0, BLOCK_K)
+    rows = row0 + offs  # the output's rows: A's row tile i
+    cols = col0 + offs  # the output's columns: B's column tile j
+    acc = tl.zeros((T, T), dtype=tl.float32)
+
+    # kt < j: A[i, kt] direct, B[kt, j] read as B[j, kt]ᵀ (k contiguous). k < col0 < M: only rows/cols masked.
+    a_ptrs = a_base + rows[:, None] * stride_am + ks[None, :]
+    b_ptrs = b_base + cols[None, :] * stride_bm + ks[:, None]
+    for _k0 in range(0, col0, BLOCK_K):
+        if EVEN:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=rows[:, None] < M, other=0.0)
+            b = tl.load(b_ptrs, mask=cols[None, :] < M, other=0.0)
+        acc = _dot(a, b, acc, UPCAST)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    # j <= kt <= i: both direct; A's pointers go on from k = col0.
+    b_ptrs = b_base + (col0 + ks)[:, None] * stride_bm + cols[None, :]
+    if EVEN:
+        for _k0 in range(col0, row0 + T, BLOCK_K):
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            acc = _dot(a, b, acc, UPCAST)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_bm
+    else:
+        for k0 in range(col0, tl.minimum(row0 + T, M), BLOCK_K):
+            k_ok = (k0 + ks) < M
+            a = tl.load(a_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols[None, :] < M), other=0.0)
+            acc = _dot(a, b, acc, UPCAST)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_bm
+
+    # kt > i: A[i, kt] read as A[kt, i]ᵀ (rows contiguous), B direct; B's pointers go on from k = row0 + T.
+    a_ptrs = a_base + (row0 + T + ks)[None, :] * stride_am + rows[:, None]
+    if EVEN:
+        for _k0 in range(row0 + T, M, BLOCK_K):
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            acc = _dot(a, b, acc, UPCAST)
+            a_ptrs += BLOCK_K * stride_am
+            b_ptrs += BLOCK_K * stride_bm
+    else:
+        for k0 in range(row0 + T, M, BLOCK_K):
+            k_ok = (k0 + ks) < M
+            a = tl.load(a_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols[None, :] < M), other=0.0)
+            acc = _dot(a, b, acc, UPCAST)
+            a_ptrs += BLOCK_K * stride_am
+            b_ptrs += BLOCK_K * stride_bm
+
+    inside = (rows[:, None] < M) & (cols[None, :] < M)
+    result = acc * alpha
+    if HAS_C:  # A's tile (i, j), i >= j: a lower tile, stored
+        c_ptrs = a_base + rows[:, None] * stride_am + cols[None, :]
+        c_tile = tl.load(c_ptrs) if EVEN else tl.load(c_ptrs, mask=inside, other=0.0)
+        result += beta * c_tile.to(tl.float32)
+    if HAS_DIAG:
+        result += tl.where(rows[:, None] == cols[None, :], diag, 0.0)
+    if HAS_SCALE:
+        result = result * tl.load(scale_ptr + batch)
+    if UPCAST:  # the interpreter truncates fp32 to bf16: round to nearest even first, as the GPU does
+        result = _round_to_bf16(result)
+    result = result.to(out_ptr.dtype.element_ty)
+    out_ptrs = out_ptr + batch * stride_ob + rows[:, None] * stride_om + cols[None, :]
+    if EVEN:
+        tl.store(out_ptrs, result)
+    else:
+        tl.store(out_ptrs, result, mask=inside)
+
+
+def tile_count(m: int, tile: int) -> int:
+    """Lower tiles (diagonal ones included) of an m×m matrix at tile size ``tile``."""
+    sides = triton.cdiv(m, tile)
+    return sides * (sides + 1) // 2
+
+
+def lower_tile_mask(m: int, tile: int, device: torch.device | str = "cpu") -> Tensor:
+    """[m, m] bool: True where element (r, c) lies in a lower tile (r//tile >= c//tile)."""
+    idx = torch.arange(m, device=device) // tile
+    return idx[:, None] >= idx[None, :]
+
+
+def lower_tile_elements(m: int, tile: int) -> int:
+    """Elements of an m×m matrix inside its lower tiles (edge tiles counted as far as they reach)."""
+    return int(lower_tile_mask(m, tile).sum())
+
+
+def pack_lower(full: Tensor, tile: int, fill: float = 0.0) -> Tensor:
+    """A copy of the symmetric [.., m, m] ``full`` with its upper tiles (never valid) set to ``fill``: NaN in the
+    checks, so that a kernel reading them is caught."""
+    mask = lower_tile_mask(full.size(-1), tile, full.device)
+    return torch.where(mask, full, torch.full_like(full, fill))
+
+
+def unpack_lower(stored: Tensor, tile: int) -> Tensor:
+    """The full symmetric matrix that lower tiles stand for: the lower tiles, and their mirror images above."""
+    mask = lower_tile_mask(stored.size(-1), tile, stored.device)
+    return torch.where(mask, stored, stored.mT)
+
+
+def lower_tile_product(
+    a: Tensor,
+    b: Tensor | None = None,
+    *,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    diag: float = 0.0,
+    scale: Tensor | None = None,
+    out: Tensor | None = None,
+    tile: int = 128,
+    block_k: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 3,
+) -> Tensor:
+    """s·(alpha·A·B + beta·A + diag·I) for symmetric [B, m, m] A and B (B = A when None) stored as lower tiles at
+    ``tile``; returns the result's lower tiles (``out``, or a new buffer whose upper tiles are left unwritten)."""
+    if a.ndim != 3 or a.size(-1) != a.size(-2) or a.stride(-1) != 1:
+        raise ValueError(f"lower_tile_product: A must be [B, m, m] with contiguous rows, got {tuple(a.shape)}")
+    bmat = a if b is None else b
+    if bmat.shape != a.shape or bmat.stride(-1) != 1 or bmat.dtype != a.dtype:
+        raise ValueError("lower_tile_product: B must match A in shape and dtype, with contiguous rows")
+    if tile % block_k:
+        raise ValueError(f"lower_tile_product: BLOCK_K {block_k} must divide the tile {tile}")
+    batch, m, _ = a.shape
+    if out is None:
+        out = torch.empty_like(a)
+    if scale is not None and (scale.dtype != torch.float32 or scale.numel() != batch):
+        raise ValueError("lower_tile_product: scale must be fp32 with one entry per matrix")
+    _lower_tile_kernel[(tile_count(m, tile), batch)](
+        a,
+        bmat,
+        out if scale is None else scale,
+        out,
+        m,
+        a.stride(0),
+        a.stride(1),
+        bmat.stride(0),
+        bmat.stride(1),
+        out.stride(0),
+        out.stride(1),
+        float(alpha),
+        float(beta),
+        float(diag),
+        HAS_C=beta != 0.0,
+        HAS_DIAG=diag != 0.0,
+        HAS_SCALE=scale is not None,
+        EVEN=m % tile == 0,
+        T=tile,
+        BLOCK_K=block_k,
+        UPCAST=a.device.type == "cpu",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def lower_tile_poly(a: Tensor, coefficients: tuple[float, float, float], **options: object) -> Tensor:
+    """P = a·I + b·A + c·A·A on lower tiles (the library's ``poly`` formula, one fp32 epilogue)."""
+    ca, cb, cc = coefficients
+    return lower_tile_product(a, None, alpha=cc, beta=cb, diag=ca, **options)
+
+
+def config_options(config: tuple[int, int, int, int]) -> dict[str, int]:
+    """Keyword arguments of :func:`lower_tile_product` for a (T, BLOCK_K, num_warps, num_stages) config."""
+    tile, block_k, warps, stages = config
+    return {"tile": tile, "block_k": block_k, "num_warps": warps, "num_stages": stages}
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+def symmetric_inputs(batch: int, m: int, device: str, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """R = X·Xᵀ/‖X‖² (X [m, 2m] Gaussian) and Z = poly(R) (Keller's triple), both bf16 and exactly symmetric."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, m, 2 * m, generator=gen, dtype=torch.float64)
+    x = x / x.norm(dim=(1, 2), keepdim=True)
+    r = x @ x.mT
+    a, b, c = KELLER
+    z = a * torch.eye(m, dtype=torch.float64) + b * r + c * r @ r
+    return r.to(torch.bfloat16).to(device), z.to(torch.bfloat16).to(device)
+
+
+def row_bound(ref: Tensor, abs_terms: Tensor, m: int) -> Tensor:
+    """bf16 output rounding (2⁻⁸ of the row's largest |entry|) plus fp32 accumulation (m·2⁻²⁴·abs_terms)."""
+    return 2.0**-8 * ref.abs().amax(dim=-1, keepdim=True) + m * 2.0**-24 * abs_terms
+
+
+def lower_tile_error(got: Tensor, ref: Tensor, bound: Tensor, tile: int) -> tuple[float, float, bool]:
+    """(max |got − ref| over the lower tiles, max of that over the bound, whether the upper tiles are all NaN)."""
+    m = got.size(-1)
+    mask = lower_tile_mask(m, tile, got.device)
+    err = (got.double() - ref).abs()
+    lower_err = torch.where(mask, err, torch.zeros_like(err))
+    upper = got[..., ~mask]
+    upper_nan = bool(upper.isnan().all()) if upper.numel() else True
+    if bool(got[..., mask].isnan().any()):
+        return float("nan"), float("nan"), upper_nan
+    return float(lower_err.max()), float((lower_err / bound).max()), upper_nan
+
+
+def nan_output(like: Tensor) -> Tensor:
+    """An output buffer full of NaN: the kernel must overwrite every lower tile and nothing else."""
+    return torch.full_like(like, float("nan"))
+
+
+def check_case(batch: int, m: int, tile: int, block_k: int, device: str) -> list[str]:
+    """Product, poly and the two-product chain at one size; returns the failures (printing a line per test)."""
+    failures: list[str] = []
+    opts = {"tile": tile, "block_k": block_k, "num_warps": 4, "num_stages": 2}
+    r, z = symmetric_inputs(batch, m, device, seed=m + batch)
+    rs, zs = pack_lower(r, tile, float("nan")), pack_lower(z, tile, float("nan"))
+    rd, zd = r.double(), z.double()
+
+    def report(name: str, got: Tensor, ref: Tensor, bound: Tensor) -> None:
+        err, ratio, upper_nan = lower_tile_error(got, ref, bound, tile)
+        ok = ratio <= 1.0 and upper_nan
+        print(f"  B {batch} m {m:4d} T {tile} BK {block_k} {name:22s} max err {err:.3e}  err/bound {ratio:.3f}  "
+              f"upper tiles NaN {upper_nan}  {'ok' if ok else 'FAIL'}")  # fmt: skip
+        if not ok:
+            failures.append(f"B {batch} m {m} T {tile} {name}")
+
+    # R·Z
+    p1 = lower_tile_product(rs, zs, out=nan_output(rs), **opts)
+    ref1 = rd @ zd
+    bound1 = row_bound(ref1, rd.abs() @ zd.abs(), m)
+    report("R·Z", p1, ref1, bound1)
+    # poly(R) = a·I + b·R + c·R·R
+    a, b, c = KELLER
+    pz = lower_tile_poly(rs, KELLER, out=nan_output(rs), **opts)
+    refp = a * torch.eye(m, dtype=torch.float64, device=device) + b * rd + c * rd @ rd
+    boundp = row_bound(refp, abs(c) * (rd.abs() @ rd.abs()) + abs(b) * rd.abs() + abs(a), m)
+    report("poly(R)", pz, refp, boundp)
+    # scaled product s·R·Z, s per matrix
+    scale = torch.linspace(0.5, 2.0, batch, device=device, dtype=torch.float32)
+    ps = lower_tile_product(rs, zs, scale=scale, out=nan_output(rs), **opts)
+    sd = scale.double()[:, None, None]
+    report("s·R·Z", ps, sd * ref1, sd * bound1)
+    # Chain: Z·(R·Z) from the lower-tile R·Z. Step: against Z·(its own R·Z); whole: against float64 throughout,
+    # R·Z taken as its lower tiles stand for (mirrored), its error carried through Z.
+    p2 = lower_tile_product(zs, p1, out=nan_output(rs), **opts)
+    p1_full = unpack_lower(p1.double(), tile)
+    ref_step = zd @ p1_full
+    report("Z·(R·Z) step", p2, ref_step, row_bound(ref_step, zd.abs() @ p1_full.abs(), m))
+    sym1 = unpack_lower(ref1, tile)
+    ref2 = zd @ sym1
+    bound2 = row_bound(ref2, zd.abs() @ sym1.abs(), m) + zd.abs() @ unpack_lower(bound1, tile)
+    report("Z·(R·Z) chain", p2, ref2, bound2)
+    return failures
+
+
+def run_check(device: str) -> bool:
+    """Every check case; True when all pass."""
+    cases = [(bsz, m, 64, 32) for bsz in (1, 3) for m in (128, 192, 256)]
+    cases += [(3, 256, 64, 64), (3, 160, 64, 32), (1, 192, 128, 64)]  # BLOCK_K = T; edge masks (T ∤ m)
+    failures: list[str] = []
+    for bsz, m, tile, block_k in cases:
+        failures += check_case(bsz, m, tile, block_k, device)
+    print("all checks pass" if not failures else f"FAILED: {failures}")
+    return not failures
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+
+
+def graph_us(work: Callable[[], Tensor], replays: int = 5, rounds: int = 7) -> tuple[float, Tensor]:
+    """Median µs of one replay of ``work`` captured in a CUDA graph (``replays`` per timed round), and its output."""
+    work()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = work()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays * 1e3)
+    return sorted(times)[rounds // 2], out
+
+
+def gpu_errors(got: Tensor, lib: Tensor, ref: Tensor, ref_bound: Tensor, tile: int) -> dict[str, float]:
+    """The lower-tile result against the library's (on its elementwise lower triangle, which both compute
+    directly; bound: twice the reference's) and against float64 (first matrices, whole lower tiles)."""
+    m = got.size(-1)
+    lower = torch.ones(m, m, dtype=torch.bool, device=got.device).tril()
+    n = ref.size(0)
+    diff = (got[:n].double() - lib[:n].double()).abs()
+    lib_ratio = float((torch.where(lower, diff, torch.zeros_like(diff)) / (2 * ref_bound)).max())
+    whole = (got.float() - lib.float()).abs().masked_fill(~lower, 0.0)
+    ref_err, ref_ratio, _ = lower_tile_error(got[:n], ref, ref_bound, tile)
+    return {
+        "max_err_vs_library": float(whole.max()),
+        "err_over_bound_vs_library": lib_ratio,
+        "max_err_vs_fp64": ref_err,
+        "err_over_bound_vs_fp64": ref_ratio,
+    }
+
+
+def time_stack(op: str, batch: int, m: int, configs: list[tuple[int, int, int, int]], rounds: int) -> dict:
+    """One row of the table: every config of the lower-tile kernel, the library and torch.bmm on one stack."""
+    from dtensor_muon.kernels.triton_matmuls import SYRK_MATMULS
+    from dtensor_muon.kernels.ws_syrk import ws_syrk_pays
+
+    r, z = symmetric_inputs(batch, m, "cuda", seed=m + batch)
+    checked = min(batch, 4)
+    rd, zd = r[:checked].double(), z[:checked].double()
+    if op == "product":
+        lib_work = lambda: SYRK_MATMULS.symmetric_product(r, z)
+        bmm_work = lambda: torch.bmm(r, z)
+        ref = rd @ zd
+        ref_bound = row_bound(ref, rd.abs() @ zd.abs(), m)
+        operands = 2
+    else:
+        a, b, c = KELLER
+        lib_work = lambda: SYRK_MATMULS.poly(r, a, b, c)
+        bmm_work = lambda: torch.baddbmm(r, r, r, beta=b, alpha=c)
+        ref = a * torch.eye(m, dtype=torch.float64, device="cuda") + b * rd + c * rd @ rd
+        ref_bound = row_bound(ref, abs(c) * (rd.abs() @ rd.abs()) + abs(b) * rd.abs() + abs(a), m)
+        operands = 1
+    lib_us, lib_out = graph_us(lib_work, rounds=rounds)
+    lib_out = lib_out.clone()
+    bmm_us, _ = graph_us(bmm_work, rounds=rounds)
+    timings: list[dict] = []
+    best: tuple[float, dict, Tensor] | None = None
+    packed: dict[int, tuple[Tensor, Tensor]] = {}
+    for config in configs:
+        tile = config[0]
+        if tile not in packed:
+            packed[tile] = (pack_lower(r, tile), pack_lower(z, tile))
+        rs, zs = packed[tile]
+        opts = config_options(config)
+        if op == "product":
+            work = lambda rs=rs, zs=zs, opts=opts: lower_tile_product(rs, zs, **opts)
+        else:
+            work = lambda rs=rs, opts=opts: lower_tile_poly(rs, KELLER, **opts)
+        try:
+            us, out = graph_us(work, rounds=rounds)
+        except Exception as error:  # a config past the shared memory, or one that fails to compile
+            timings.append({"config": opts, "us": None, "error": f"{type(error).__name__}: {error}"[:200]})
+            continue
+        timings.append({"config": opts, "us": us})
+        if best is None or us < best[0]:
+            best = (us, opts, out.clone())
+    if best is None:
+        raise RuntimeError(f"no config ran for {op} {batch}x{m}")
+    us, opts, out = best
+    elements = lower_tile_elements(m, opts["tile"])
+    lower_bytes = (operands + 1) * batch * elements * 2
+    library_bytes = (operands + 1) * batch * m * m * 2
+    return {
+        "op": op,
+        "batch": batch,
+        "m": m,
+        "lower_us": us,
+        "best_config": opts,
+        "library_us": lib_us,
+        "library_kernel": "gluon"
+        if (ws_syrk_pays(r, z) if op == "product" else ws_syrk_pays(r, None, r))
+        else "triton",
+        "bmm_us": bmm_us,
+        "ratio_to_library": us / lib_us,
+        "lower_bytes": lower_bytes,
+        "lower_gbps": lower_bytes / (us * 1e-6) / 1e9,
+        "library_gbps": library_bytes / (lib_us * 1e-6) / 1e9,
+        "tflops": batch * m**3 / (us * 1e-6) / 1e12,
+        **gpu_errors(out, lib_out, ref, ref_bound, opts["tile"]),
+        "configs": timings,
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    """The markdown table of the best configs."""
+    print("| op | stack | lower-tile µs | library µs (kernel) | bmm µs | lower/library | lower GB/s | library GB/s | "
+          "TFLOP/s (m³) | best (T, BK, warps, stages) | err/bound vs lib, fp64 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        c = row["best_config"]
+        print(f"| {row['op']} | {row['batch']}×{row['m']} | {row['lower_us']:.1f} | {row['library_us']:.1f} "
+              f"({row['library_kernel']}) | {row['bmm_us']:.1f} | {row['ratio_to_library']:.2f} | "
+              f"{row['lower_gbps']:.0f} | {row['library_gbps']:.0f} | {row['tflops']:.0f} | "
+              f"{c['tile']}, {c['block_k']}, {c['num_warps']}, {c['num_stages']} | "
+              f"{row['err_over_bound_vs_library']:.3f}, {row['err_over_bound_vs_fp64']:.3f} |")  # fmt: skip
+
+
+def run_time(args: argparse.Namespace) -> None:
+    """--time: every stack and op, the table, and the JSON file."""
+    name = torch.cuda.get_device_name(0)
+    print(f"{name}, triton {triton.__version__}, torch {torch.__version__}")
+    configs = [c for c in CONFIGS if c[0] in args.tiles and c[1] in args.block_ks]
+    rows = []
+    for op in args.ops:
+        for batch in args.batches:
+            for m in args.dims:
+                row = time_stack(op, batch, m, configs, args.rounds)
+                rows.append(row)
+                per_config = ", ".join(
+                    f"{t['config']['tile']}/{t['config']['block_k']}/{t['config']['num_warps']}/"
+                    f"{t['config']['num_stages']}: " + (f"{t['us']:.1f}" if t["us"] is not None else "failed")
+                    for t in row["configs"]
+                )
+                print(f"{op} {batch}×{m}: best {row['lower_us']:.1f} µs, library {row['library_us']:.1f} µs, "
+                      f"max err vs library {row['max_err_vs_library']:.3e} "
+                      f"(err/bound {row['err_over_bound_vs_library']:.3f}), vs fp64 {row['max_err_vs_fp64']:.3e} "
+                      f"(err/bound {row['err_over_bound_vs_fp64']:.3f})\n    T/BK/warps/stages µs: {per_config}")  # fmt: skip
+    print(f"\n{name}\n")
+    print_table(rows)
+    if args.out:
+        args.out.write_text(json.dumps({"device": name, "triton": triton.__version__, "rows": rows}, indent=1))
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated ints."""
+    return [int(s) for s in text.split(",")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="correctness on small sizes (CPU: TRITON_INTERPRET=1)")
+    parser.add_argument("--time", action="store_true", help="time the kernels on the GPU")
+    parser.add_argument("--batches", type=int_list, default=[32, 128], help="stack sizes B")
+    parser.add_argument("--dims", type=int_list, default=[512, 768, 1024, 1408], help="matrix sides m")
+    parser.add_argument("--ops", type=lambda s: s.split(","), default=["product", "poly"], help="product,poly")
+    parser.add_argument("--tiles", type=int_list, default=[64, 128], help="tile sizes T to try")
+    parser.add_argument("--block-ks", type=int_list, default=[32, 64], help="BLOCK_K values to try")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds (median)")
+    parser.add_argument("--out", type=Path, help="write the timing rows as JSON here")
+    args = parser.parse_args()
+    if not (args.check or args.time):
+        parser.error("give --check and/or --time")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if args.check:
+        if not interpreted and not torch.cuda.is_available():
+            parser.error("--check without a GPU needs TRITON_INTERPRET=1")
+        if not run_check("cpu" if interpreted else "cuda"):
+            raise SystemExit(1)
+    if args.time:
+        if interpreted or not torch.cuda.is_available():
+            parser.error("--time needs a CUDA GPU and no TRITON_INTERPRET")
+        run_time(args)
+
+
+if __name__ == "__main__":
+    main()
