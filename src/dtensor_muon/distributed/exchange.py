@@ -102,9 +102,8 @@ def start_all_to_all(
     counts_in = [recv_counts.get(rank, 0) for rank in order]
     # one concatenation, then one cast to the wire dtype (not one cast per piece)
     send = torch.cat(send_parts).to(dtype) if send_parts else torch.empty(0, dtype=dtype, device=device)
+    if mesh_group_.group is None:  # a group of one: what it sends is what it receives, already a copy of its pieces
+        return PendingExchange(send, counts_in, None, order)
     received = torch.empty(sum(counts_in), dtype=dtype, device=device)
-    if mesh_group_.group is None:
-        received.copy_(send)
-        return PendingExchange(received, counts_in, None, order)
     handle = dist.all_to_all_single(received, send, counts_in, send_counts, group=mesh_group_.group, async_op=True)
     return PendingExchange(received, counts_in, handle, order)

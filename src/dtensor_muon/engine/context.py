@@ -211,15 +211,20 @@ class StepContext:
         out = self.compute_unit([spec for spec, _ in jobs], mats[0] if len(mats) == 1 else torch.stack(mats))
         return [out] if len(mats) == 1 else list(out.unbind(0))
 
-    def compute_unit(self, specs: list[MatrixSpec], stacked: Tensor, decide_as: int | None = None) -> Tensor:
+    def compute_unit(
+        self, specs: list[MatrixSpec], stacked: Tensor, decide_as: int | None = None, *, borrow: bool = False
+    ) -> Tensor:
         """The rule's direction for one unit given whole: ``stacked`` is ``[m, n]`` (one matrix) or ``[B, m, n]``
         (B same-shape matrices of one parameter, ``specs`` in order; or a stack of such units of one param group,
         :mod:`.stacks`, with ``decide_as`` matrices per unit); returns O shaped like ``stacked``. Host work is per
         call: one owner-state lookup per matrix, one norm over the batch for the metrics.
 
         The ``[P, r, c]`` parts of one grouped-split matrix (``specs[0].parts == P > 1``) are computed as the one
-        ``[P·r, c]`` matrix their rows stack into, with its one owner state and γ'."""
-        computed = self._direction(specs, stacked, borrow=False, decide_as=decide_as)
+        ``[P·r, c]`` matrix their rows stack into, with its one owner state and γ'.
+
+        ``borrow``: O may be the CUDA graph's own output buffer (:class:`~..linalg.ns_graphs.NewtonSchulzGraphs`),
+        not a copy: the caller must enqueue everything that reads it before the next call of the same signature."""
+        computed = self._direction(specs, stacked, borrow=borrow, decide_as=decide_as)
         if computed is None:  # the step fails anyway: zeros keep the exchanges going
             return torch.zeros(stacked.shape, dtype=stacked.dtype, device=stacked.device)
         out, matrices = computed

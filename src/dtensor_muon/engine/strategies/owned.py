@@ -224,7 +224,8 @@ def _compute_owned(
 ) -> dict[int, Tensor]:
     """Assemble each owned unit of ``buckets``, or stack of units (:mod:`..stacks`), from its pieces (``receiveds``:
     per bucket, what each source sent) into one ``[B, m, n]`` buffer, compute it; O per ``id(route)``, in the
-    box's shape (views of the call's output)."""
+    box's shape (views of the call's output, which :func:`exchange_buckets` packs into the exchanges back before
+    it computes anything else, unless ``ctx.hold_backs``)."""
     calls = group_into_stacks(
         owned_units(ctx, work, buckets),
         lambda ids: stack_key(ctx, [work.plan.routes[i].spec for i in ids]),
@@ -258,11 +259,15 @@ def _compute_owned(
                     target.copy_(chunk[start : start + n].view(target.shape))
     runs.flush()
     out: dict[int, Tensor] = {}
-    for stack, ids, buffer in zip(calls, call_ids, buffers):
+    shapes = [(len(ids), *work.plan.routes[ids[0]].spec.shape) for ids in call_ids]
+    for c, (stack, ids, buffer) in enumerate(zip(calls, call_ids, buffers)):
         specs = [work.plan.routes[i].spec for i in ids]
         shape = specs[0].shape
         stacked = buffer.view((len(ids), *shape) if len(ids) > 1 else shape)
-        o = ctx.compute_unit(specs, stacked, decide_as=len(stack[0]) if len(stack) > 1 else None)
+        # O may stay the CUDA graph's own buffer where its pieces are packed into the exchanges back before a
+        # call of the same signature overwrites it: no later call here has its shape, and the backs start at once
+        borrow = not ctx.hold_backs and shapes[c] not in shapes[c + 1 :]
+        o = ctx.compute_unit(specs, stacked, decide_as=len(stack[0]) if len(stack) > 1 else None, borrow=borrow)
         for j, i in enumerate(ids):
             route = work.plan.routes[i]
             out[id(route)] = (o[j] if len(ids) > 1 else o).reshape(box_shape(route.spec.box))
