@@ -24,6 +24,8 @@ from dtensor_muon import MOP, Muon, NorMuon
 from dtensor_muon.kernels import batching
 from dtensor_muon.kernels.batching import MAX_STACK, stack_units, units_per_stack
 from dtensor_muon.kernels.shapes import decide_as_batch, decision_count, decision_work, gram_work
+from dtensor_muon.linalg.newton_schulz import newton_schulz
+from dtensor_muon.linalg.ns_graphs import NewtonSchulzGraphs
 from dtensor_muon.rules.mop import MOPRule
 from dtensor_muon.rules.muon import MuonRule
 from dtensor_muon.rules.normuon import NorMuonRule
@@ -495,3 +497,85 @@ def test_a_matrix_has_the_same_bits_alone_in_its_unit_and_in_the_largest_stack(s
             assert torch.equal(runner(g[first : first + unit]), stacked[first : first + unit])
         for k in (0, 5 * unit + 3, MAX_STACK * unit - 1):
             assert torch.equal(runner(g[k : k + 1]), stacked[k : k + 1])
+
+
+# ---------------------------------------------------------------- an owner's O borrowed from the runner
+class OneBufferPerShape(NewtonSchulzGraphs):
+    """The CUDA graphs' contract, on any device: a borrowed result is the one output buffer of its input's
+    shape, which the next borrowed call of that shape overwrites; a result not borrowed is the caller's own.
+    Records (input shape, borrowed) of every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffers: dict[tuple[int, ...], Tensor] = {}
+        self.calls: list[tuple[tuple[int, ...], bool]] = []
+
+    def __call__(self, g: Tensor, *args: Any, borrow: bool = False, **kwargs: Any) -> Tensor:
+        out = newton_schulz(g, *args, **kwargs)
+        self.calls.append((tuple(g.shape), borrow))
+        if not borrow:
+            return out
+        buffer = self.buffers.setdefault(tuple(g.shape), torch.empty_like(out))
+        return buffer.copy_(out)
+
+
+class BorrowingMuon(Muon):
+    """Muon whose engine runs Newton–Schulz through :class:`OneBufferPerShape`."""
+
+    def _build_engine(self, *args: Any, **kwargs: Any) -> Any:
+        engine = super()._build_engine(*args, **kwargs)
+        engine.ns_runner = OneBufferPerShape()
+        return engine
+
+
+SAME_SHAPES = [(f"layers.{i}.attention.wq", (12, 8)) for i in range(6)] + [("layers.0.feed_forward.w2", (8, 12))]
+
+
+def borrowing_run(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, Any]:
+    """STEPS steps of :class:`BorrowingMuon` on SAME_SHAPES split along their columns (every matrix travels to an
+    owner); the parameters after them and, per step, the runner's calls."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = torch.nn.Module()
+    params = []
+    for name, p in initial(SAME_SHAPES):
+        param = torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(1)]))
+        model.register_parameter(name.replace(".", "_"), param)
+        params.append((name, param))
+    opt = BorrowingMuon(params, **options)
+    if options.get("overlap"):
+        opt.attach(model)
+    steps = []
+    for step in range(STEPS):
+        for (_, p), g in zip(params, gradient(SAME_SHAPES, step)):
+            p.grad = distribute_tensor(g, mesh, [Shard(1)])
+        opt.step()
+        runner = opt._engine.ns_runner
+        steps.append(list(runner.calls))
+        runner.calls.clear()
+    opt.flush()
+    return {"params": [full_tensor(p) for _, p in params], "calls": steps}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["at once", "overlap"])
+def test_an_owner_borrows_the_runners_buffer_only_for_its_last_call_of_a_shape(overlap: bool) -> None:
+    """Each owner computes several matrices of one shape in one bucket: only the last call of a shape may return
+    the runner's buffer itself (the exchange back packs it before another call can overwrite it), the others
+    take copies, and none does while a commit holds the exchanges back (a step over several ranks under
+    overlap). Were an earlier call's O the buffer, the next call would overwrite it before it is sent: the
+    parameters equal one process's bit for bit only if none is."""
+    options = OPTIONS | {"overlap": overlap}
+    with one_thread():
+        want, _ = one_process(Muon, SAME_SHAPES, units=1)
+    results = run_distributed(borrowing_run, 2, options)
+    for (name, _), got, expected in zip(SAME_SHAPES, results[0]["params"], want):
+        assert torch.equal(got, expected), name
+    for r in results:
+        for calls in r["calls"]:
+            shapes = [shape for shape, _ in calls]
+            assert [borrowed for _, borrowed in calls] == [
+                not overlap and shape not in shapes[k + 1 :] for k, shape in enumerate(shapes)
+            ], calls
+    per_step = [sum(len(r["calls"][step]) for r in results) for step in range(STEPS)]
+    assert per_step == [len(SAME_SHAPES)] * STEPS  # every matrix computed once a step, on its owner
+    assert max(len(calls) for r in results for calls in r["calls"]) > 2  # an owner has several of a shape
