@@ -19,7 +19,7 @@ from torch import Tensor
 from ...distributed.exchange import PendingExchange, start_all_to_all
 from ...distributed.layout import box_numel, box_shape, contiguous_offset, local, relative_slices
 from ...kernels.batching import group_into_stacks, units_per_stack
-from ...plan import MatrixRoute
+from ...plan import MatrixRoute, MatrixSpec
 from ...plan.placement import TensorParallelGroup
 from ..context import MeshWork, StepContext
 from ..pending import BackExchange
@@ -259,19 +259,29 @@ def _compute_owned(
                     target.copy_(chunk[start : start + n].view(target.shape))
     runs.flush()
     out: dict[int, Tensor] = {}
-    shapes = [(len(ids), *work.plan.routes[ids[0]].spec.shape) for ids in call_ids]
+    inputs = [newton_schulz_input_shape([work.plan.routes[i].spec for i in ids]) for ids in call_ids]
     for c, (stack, ids, buffer) in enumerate(zip(calls, call_ids, buffers)):
         specs = [work.plan.routes[i].spec for i in ids]
         shape = specs[0].shape
         stacked = buffer.view((len(ids), *shape) if len(ids) > 1 else shape)
         # O may stay the CUDA graph's own buffer where its pieces are packed into the exchanges back before a
-        # call of the same signature overwrites it: no later call here has its shape, and the backs start at once
-        borrow = not ctx.hold_backs and shapes[c] not in shapes[c + 1 :]
+        # call of the same signature overwrites it: no later call here has its input's shape, and the backs
+        # start at once
+        borrow = not ctx.hold_backs and inputs[c] not in inputs[c + 1 :]
         o = ctx.compute_unit(specs, stacked, decide_as=len(stack[0]) if len(stack) > 1 else None, borrow=borrow)
         for j, i in enumerate(ids):
             route = work.plan.routes[i]
             out[id(route)] = (o[j] if len(ids) > 1 else o).reshape(box_shape(route.spec.box))
     return out
+
+
+def newton_schulz_input_shape(specs: list[MatrixSpec]) -> tuple[int, ...]:
+    """The shape of the input a call of these matrices hands the direction: the whole matrix of a grouped split's
+    parts (:meth:`StepContext.compute_unit`), else ``[B, m, n]`` or ``[m, n]``."""
+    first = specs[0]
+    if first.parts > 1:
+        return tuple(first.whole_shape)
+    return (len(specs), *first.shape) if len(specs) > 1 else tuple(first.shape)
 
 
 def _launch_back(
