@@ -3,6 +3,7 @@
     TRITON_INTERPRET=1 PYTHONPATH=src python tools/kernels/lower_tile_products.py --check      (CPU, interpreter)
     PYTHONPATH=src python tools/kernels/lower_tile_products.py --check                          (GPU)
     PYTHONPATH=src python tools/kernels/lower_tile_products.py --time --out lower_tiles.json    (GPU)
+    ... --kernel pointers|tma|both (default both) --tma-layout 3d|flat|both (default both)
 
 Gram Newton–Schulz runs a chain of products of symmetric m×m matrices (R·Z, Z·(R·Z), Q·Z, the poly
 a·I + b·R + c·R·R). The library's SYRK kernels compute only the lower tiles of a product (m³ FLOPs) but read
@@ -24,20 +25,31 @@ tile column:
 fp32 accumulation, the library's epilogue s·(alpha·A·B + beta·A + diag·I) (the poly: alpha = c, beta = b,
 diag = a, B = A), bf16 lower tiles out; rows and columns ≥ m are masked when T does not divide m.
 
+The TMA variant (``_lower_tile_tma_kernel``, ``--kernel tma``) has the same math and k ranges but reads every tile
+through host-built TMA descriptors, as the library's Triton SYRK kernel does: [T, BLOCK_K] blocks for direct tiles,
+[BLOCK_K, T] blocks for the mirrored ones (A[kt, i] in kt > i, then ``tl.trans`` into the dot's A operand; B[j, kt]
+in kt < j loaded as [T, BLOCK_K] and transposed), and C's tile and the output through [T, T] blocks (the output
+stored by TMA, as the library's kernel does with host descriptors). Two descriptor layouts (``--tma-layout``): "3d"
+over [B, m, m] with blocks [1, ·, ·] reshaped to 2-D, and "flat" over the batch's rows stacked, [B·m, m], the
+library's own layout. T must divide m (no edge tiles, refused otherwise); the checks skip the other sizes, and
+``--time`` skips the configs whose T does not divide m.
+
 ``--check`` (CPU under the Triton interpreter, or a GPU) runs small stacks (B ∈ {1, 3}, m ∈ {128, 192, 256},
-T = 64, BLOCK_K = 32; BLOCK_K = 64; m = 160 at T = 64 and m = 192 at T = 128 for the edge masks) with NaN in every never-valid upper tile of the inputs and the output:
-the lower tiles against a float64 reference within bf16 output rounding (2⁻⁸ of the row's largest entry) plus
+T = 64, BLOCK_K = 32; BLOCK_K = 64; m = 160 at T = 64 and m = 192 at T = 128 for the edge masks; m = 256 at
+T = 128, BLOCK_K = 64), by every variant chosen, with NaN in every never-valid upper tile of the inputs and the
+output: the lower tiles against a float64 reference within bf16 output rounding (2⁻⁸ of the row's largest entry) plus
 fp32 accumulation (m·2⁻²⁴·(|A|·|B|)), the output's upper tiles still NaN, and a two-product chain R·Z, Z·(R·Z),
 both lower-tile, against the reference. ``--time`` (GPU) times, for each stack (B ∈ {32, 128},
-m ∈ {512, 768, 1024, 1408}) and each op (``product`` R·Z, ``poly``), every config of the lower-tile kernel
+m ∈ {512, 768, 1024, 1408}) and each op (``product`` R·Z, ``poly``), every config of each lower-tile variant
 (T, BLOCK_K, num_warps, num_stages), the library's kernel on full symmetric stacks
 (``SYRK_MATMULS.symmetric_product`` / ``poly``: the Gluon kernel on Hopper where it pays, else the Triton one)
 and ``torch.bmm`` (the poly: ``torch.baddbmm``, without a·I), each replayed from a CUDA graph (median of 7 rounds); it checks the best config's lower
 tiles against the library's result and a float64 reference, and prints a markdown table: µs of each, the
 lower-tile kernel's ratio to the library, its GB/s on the bytes it touches and TFLOP/s counting m³ per matrix
-(the library's GB/s on its own bytes, 2 or 1 full operands read and a full result written, beside it).
+(the library's GB/s on its own bytes, 2 or 1 full operands read and a full result written, beside it), a row
+per stack and variant ("pointers", "tma-3d", "tma-flat").
 
-Under the interpreter (Triton 3.9 here) the kernel takes an UPCAST path: bf16 tiles go to fp32 before ``tl.dot``
+Under Triton 3.9's interpreter both kernels take an UPCAST path: bf16 tiles go to fp32 before ``tl.dot``
 (the interpreter multiplies bf16 as raw uint16 bits) and the result is rounded to nearest bf16 by hand (the
 interpreter truncates); the GPU compiles the plain bf16 ``tl.dot`` and conversion.
 """
@@ -45,6 +57,7 @@ interpreter truncates); the GPU compiles the plain bf16 ``tl.dot`` and conversio
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -191,6 +204,86 @@ def _lower_tile_kernel(
         tl.store(out_ptrs, result, mask=inside)
 
 
+@triton.jit
+def _tile_load(desc, batch, M, r0, c0, R: tl.constexpr, C: tl.constexpr, FLAT: tl.constexpr):
+    """The [R, C] tile at (r0, c0) of matrix ``batch``: through a 2-D descriptor over the batch's rows stacked
+    ([B·M, M], block [R, C]; FLAT) or a 3-D one over [B, M, M] (block [1, R, C], the unit dimension dropped)."""
+    return desc.load([batch * M + r0, c0]) if FLAT else desc.load([batch, r0, c0]).reshape(R, C)
+
+
+@triton.jit
+def _tile_store(desc, batch, M, r0, c0, value, T: tl.constexpr, FLAT: tl.constexpr):
+    """Store the [T, T] tile ``value`` at (r0, c0) of matrix ``batch`` (descriptors as in _tile_load)."""
+    if FLAT:
+        desc.store([batch * M + r0, c0], value)
+    else:
+        desc.store([batch, r0, c0], value.reshape(1, T, T))
+
+
+@triton.jit
+def _lower_tile_tma_kernel(
+    a_rows,  # A, block [T, BLOCK_K]: A[i, kt] direct
+    a_cols,  # A, block [BLOCK_K, T]: A[kt, i] (for A[i, kt] = A[kt, i]ᵀ, kt > i)
+    b_rows,  # B, block [T, BLOCK_K]: B[j, kt] (for B[kt, j] = B[j, kt]ᵀ, kt < j); None when B_IS_A
+    b_cols,  # B, block [BLOCK_K, T]: B[kt, j] direct; None when B_IS_A
+    c_desc,  # HAS_C: A, block [T, T]; else None
+    out_desc,  # the output, block [T, T]
+    scale_ptr,  # HAS_SCALE: fp32, one entry per matrix
+    M,
+    alpha,
+    beta,
+    diag,
+    B_IS_A: tl.constexpr,  # the poly: B's tiles through A's descriptors
+    HAS_C: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    FLAT: tl.constexpr,  # 2-D descriptors over [B·M, M] (else 3-D over [B, M, M])
+    T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # the Triton interpreter only (see _dot, _round_to_bf16)
+):
+    """_lower_tile_kernel's tile (i, j), same three k ranges, every tile through a TMA descriptor; T divides M."""
+    t = tl.program_id(0)
+    batch = tl.program_id(1)
+    ti = ((tl.sqrt((8 * t + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+    ti = tl.where((ti + 1) * (ti + 2) // 2 <= t, ti + 1, ti)
+    ti = tl.where(ti * (ti + 1) // 2 > t, ti - 1, ti)
+    tj = t - ti * (ti + 1) // 2
+    row0 = ti * T
+    col0 = tj * T
+    b_rows_desc = a_rows if B_IS_A else b_rows
+    b_cols_desc = a_cols if B_IS_A else b_cols
+    acc = tl.zeros((T, T), dtype=tl.float32)
+
+    # kt < j: A[i, kt] direct, B[kt, j] = B[j, kt]ᵀ.
+    for k0 in range(0, col0, BLOCK_K):
+        a = _tile_load(a_rows, batch, M, row0, k0, T, BLOCK_K, FLAT)
+        b = _tile_load(b_rows_desc, batch, M, col0, k0, T, BLOCK_K, FLAT)
+        acc = _dot(a, tl.trans(b), acc, UPCAST)
+    # j <= kt <= i: both direct.
+    for k0 in range(col0, row0 + T, BLOCK_K):
+        a = _tile_load(a_rows, batch, M, row0, k0, T, BLOCK_K, FLAT)
+        b = _tile_load(b_cols_desc, batch, M, k0, col0, BLOCK_K, T, FLAT)
+        acc = _dot(a, b, acc, UPCAST)
+    # kt > i: A[i, kt] = A[kt, i]ᵀ, B direct.
+    for k0 in range(row0 + T, M, BLOCK_K):
+        a_t = _tile_load(a_cols, batch, M, k0, row0, BLOCK_K, T, FLAT)
+        b = _tile_load(b_cols_desc, batch, M, k0, col0, BLOCK_K, T, FLAT)
+        acc = _dot(tl.trans(a_t), b, acc, UPCAST)
+
+    result = acc * alpha
+    if HAS_C:  # A's tile (i, j), i >= j: a lower tile, stored
+        result += beta * _tile_load(c_desc, batch, M, row0, col0, T, T, FLAT).to(tl.float32)
+    if HAS_DIAG:
+        offs = tl.arange(0, T)
+        result += tl.where((row0 + offs)[:, None] == (col0 + offs)[None, :], diag, 0.0)
+    if HAS_SCALE:
+        result = result * tl.load(scale_ptr + batch)
+    if UPCAST:  # the interpreter truncates fp32 to bf16: round to nearest even first, as the GPU does
+        result = _round_to_bf16(result)
+    _tile_store(out_desc, batch, M, row0, col0, result.to(out_desc.dtype), T, FLAT)
+
+
 def tile_count(m: int, tile: int) -> int:
     """Lower tiles (diagonal ones included) of an m×m matrix at tile size ``tile``."""
     sides = triton.cdiv(m, tile)
@@ -277,10 +370,122 @@ def lower_tile_product(
     return out
 
 
-def lower_tile_poly(a: Tensor, coefficients: tuple[float, float, float], **options: object) -> Tensor:
-    """P = a·I + b·A + c·A·A on lower tiles (the library's ``poly`` formula, one fp32 epilogue)."""
+TMA_LAYOUTS = ("3d", "flat")
+
+
+def _descriptor(t: Tensor, block: tuple[int, int], layout: str) -> object:
+    """A host TMA descriptor over the [B, m, m] stack ``t``: 3-D ([B, m, m], block [1, *block]) or flat
+    ([B·m, m], block ``block``; the batch's rows stacked, so T must divide m: no tile crosses two matrices)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    batch, m, _ = t.shape
+    if layout == "flat":
+        return TensorDescriptor(t, [batch * m, m], [t.stride(1), 1], list(block))
+    return TensorDescriptor(t, [batch, m, m], list(t.stride()), [1, *block])
+
+
+def _tma_ready(t: Tensor, layout: str) -> bool:
+    """TMA's needs: a 16-byte aligned base, contiguous rows, 16-byte aligned strides (bf16: multiples of 8);
+    flat also adjacent matrices (stride(0) = m·stride(1))."""
+    m = t.size(-1)
+    aligned = t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(1) % 8 == 0 and t.stride(0) % 8 == 0
+    return aligned and (layout != "flat" or t.stride(0) == m * t.stride(1))
+
+
+def lower_tile_product_tma(
+    a: Tensor,
+    b: Tensor | None = None,
+    *,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    diag: float = 0.0,
+    scale: Tensor | None = None,
+    out: Tensor | None = None,
+    tile: int = 128,
+    block_k: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    layout: str = "3d",
+) -> Tensor:
+    """:func:`lower_tile_product` by the TMA kernel (host descriptors, ``layout`` "3d" or "flat"); T must
+    divide m."""
+    if layout not in TMA_LAYOUTS:
+        raise ValueError(f"lower_tile_product_tma: layout must be one of {TMA_LAYOUTS}, got {layout!r}")
+    if a.ndim != 3 or a.size(-1) != a.size(-2) or a.stride(-1) != 1:
+        raise ValueError(f"lower_tile_product_tma: A must be [B, m, m] with contiguous rows, got {tuple(a.shape)}")
+    bmat = a if b is None else b
+    if bmat.shape != a.shape or bmat.stride(-1) != 1 or bmat.dtype != a.dtype:
+        raise ValueError("lower_tile_product_tma: B must match A in shape and dtype, with contiguous rows")
+    if tile % block_k:
+        raise ValueError(f"lower_tile_product_tma: BLOCK_K {block_k} must divide the tile {tile}")
+    batch, m, _ = a.shape
+    if m % tile:
+        raise ValueError(
+            f"lower_tile_product_tma: the TMA kernel needs the tile to divide m (no edge tiles), got m {m}, T {tile}"
+        )
+    if out is None:
+        out = torch.empty_like(a, memory_format=torch.contiguous_format)
+    if scale is not None and (scale.dtype != torch.float32 or scale.numel() != batch):
+        raise ValueError("lower_tile_product_tma: scale must be fp32 with one entry per matrix")
+    for name, t in (("A", a), ("B", bmat), ("out", out)):
+        if t.shape != a.shape or t.dtype != a.dtype or not _tma_ready(t, layout):
+            raise ValueError(
+                f"lower_tile_product_tma: {name} does not suit {layout} TMA descriptors (16-byte aligned base and "
+                f"strides, contiguous rows{', adjacent matrices' if layout == 'flat' else ''}): "
+                f"shape {tuple(t.shape)}, strides {t.stride()}, dtype {t.dtype}"
+            )
+    rows, cols = (tile, block_k), (block_k, tile)
+    b_is_a = b is None or b is a
+    _lower_tile_tma_kernel[(tile_count(m, tile), batch)](
+        _descriptor(a, rows, layout),
+        _descriptor(a, cols, layout),
+        None if b_is_a else _descriptor(bmat, rows, layout),
+        None if b_is_a else _descriptor(bmat, cols, layout),
+        _descriptor(a, (tile, tile), layout) if beta != 0.0 else None,
+        _descriptor(out, (tile, tile), layout),
+        out if scale is None else scale,
+        m,
+        float(alpha),
+        float(beta),
+        float(diag),
+        B_IS_A=b_is_a,
+        HAS_C=beta != 0.0,
+        HAS_DIAG=diag != 0.0,
+        HAS_SCALE=scale is not None,
+        FLAT=layout == "flat",
+        T=tile,
+        BLOCK_K=block_k,
+        UPCAST=a.device.type == "cpu",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def lower_tile_poly(
+    a: Tensor, coefficients: tuple[float, float, float], product: Callable[..., Tensor] | None = None, **options: object
+) -> Tensor:
+    """P = a·I + b·A + c·A·A on lower tiles (the library's ``poly`` formula, one fp32 epilogue), by ``product``
+    (a variant's product function, :func:`lower_tile_product` by default)."""
     ca, cb, cc = coefficients
-    return lower_tile_product(a, None, alpha=cc, beta=cb, diag=ca, **options)
+    return (product or lower_tile_product)(a, None, alpha=cc, beta=cb, diag=ca, **options)
+
+
+def lower_tile_variants(kernel: str, layouts: list[str]) -> dict[str, Callable[..., Tensor]]:
+    """The product functions of the variants that ``--kernel`` (pointers, tma, both) and ``--tma-layout`` name,
+    by label: "pointers", "tma-3d", "tma-flat"."""
+    variants: dict[str, Callable[..., Tensor]] = {}
+    if kernel in ("pointers", "both"):
+        variants["pointers"] = lower_tile_product
+    if kernel in ("tma", "both"):
+        for layout in layouts:
+            variants[f"tma-{layout}"] = functools.partial(lower_tile_product_tma, layout=layout)
+    return variants
+
+
+def needs_even(variant: str) -> bool:
+    """Whether a variant runs only where the tile divides m (the TMA ones)."""
+    return variant.startswith("tma")
 
 
 def config_options(config: tuple[int, int, int, int]) -> dict[str, int]:
@@ -326,8 +531,12 @@ def nan_output(like: Tensor) -> Tensor:
     return torch.full_like(like, float("nan"))
 
 
-def check_case(batch: int, m: int, tile: int, block_k: int, device: str) -> list[str]:
-    """Product, poly and the two-product chain at one size; returns the failures (printing a line per test)."""
+def check_case(
+    batch: int, m: int, tile: int, block_k: int, device: str, variant: str = "pointers", product: Callable | None = None
+) -> list[str]:
+    """Product, poly and the two-product chain at one size by one variant (``product``, :func:`lower_tile_product`
+    by default); returns the failures (printing a line per test)."""
+    product = product or lower_tile_product
     failures: list[str] = []
     opts = {"tile": tile, "block_k": block_k, "num_warps": 4, "num_stages": 2}
     r, z = symmetric_inputs(batch, m, device, seed=m + batch)
@@ -337,30 +546,30 @@ def check_case(batch: int, m: int, tile: int, block_k: int, device: str) -> list
     def report(name: str, got: Tensor, ref: Tensor, bound: Tensor) -> None:
         err, ratio, upper_nan = lower_tile_error(got, ref, bound, tile)
         ok = ratio <= 1.0 and upper_nan
-        print(f"  B {batch} m {m:4d} T {tile} BK {block_k} {name:22s} max err {err:.3e}  err/bound {ratio:.3f}  "
-              f"upper tiles NaN {upper_nan}  {'ok' if ok else 'FAIL'}")  # fmt: skip
+        print(f"  {variant:8s} B {batch} m {m:4d} T {tile} BK {block_k} {name:22s} max err {err:.3e}  "
+              f"err/bound {ratio:.3f}  upper tiles NaN {upper_nan}  {'ok' if ok else 'FAIL'}")  # fmt: skip
         if not ok:
-            failures.append(f"B {batch} m {m} T {tile} {name}")
+            failures.append(f"{variant} B {batch} m {m} T {tile} BK {block_k} {name}")
 
     # R·Z
-    p1 = lower_tile_product(rs, zs, out=nan_output(rs), **opts)
+    p1 = product(rs, zs, out=nan_output(rs), **opts)
     ref1 = rd @ zd
     bound1 = row_bound(ref1, rd.abs() @ zd.abs(), m)
     report("R·Z", p1, ref1, bound1)
     # poly(R) = a·I + b·R + c·R·R
     a, b, c = KELLER
-    pz = lower_tile_poly(rs, KELLER, out=nan_output(rs), **opts)
+    pz = lower_tile_poly(rs, KELLER, product, out=nan_output(rs), **opts)
     refp = a * torch.eye(m, dtype=torch.float64, device=device) + b * rd + c * rd @ rd
     boundp = row_bound(refp, abs(c) * (rd.abs() @ rd.abs()) + abs(b) * rd.abs() + abs(a), m)
     report("poly(R)", pz, refp, boundp)
     # scaled product s·R·Z, s per matrix
     scale = torch.linspace(0.5, 2.0, batch, device=device, dtype=torch.float32)
-    ps = lower_tile_product(rs, zs, scale=scale, out=nan_output(rs), **opts)
+    ps = product(rs, zs, scale=scale, out=nan_output(rs), **opts)
     sd = scale.double()[:, None, None]
     report("s·R·Z", ps, sd * ref1, sd * bound1)
     # Chain: Z·(R·Z) from the lower-tile R·Z. Step: against Z·(its own R·Z); whole: against float64 throughout,
     # R·Z taken as its lower tiles stand for (mirrored), its error carried through Z.
-    p2 = lower_tile_product(zs, p1, out=nan_output(rs), **opts)
+    p2 = product(zs, p1, out=nan_output(rs), **opts)
     p1_full = unpack_lower(p1.double(), tile)
     ref_step = zd @ p1_full
     report("Z·(R·Z) step", p2, ref_step, row_bound(ref_step, zd.abs() @ p1_full.abs(), m))
@@ -371,13 +580,18 @@ def check_case(batch: int, m: int, tile: int, block_k: int, device: str) -> list
     return failures
 
 
-def run_check(device: str) -> bool:
-    """Every check case; True when all pass."""
+def run_check(device: str, variants: dict[str, Callable[..., Tensor]]) -> bool:
+    """Every check case by every variant (the TMA ones where T divides m); True when all pass."""
     cases = [(bsz, m, 64, 32) for bsz in (1, 3) for m in (128, 192, 256)]
     cases += [(3, 256, 64, 64), (3, 160, 64, 32), (1, 192, 128, 64)]  # BLOCK_K = T; edge masks (T ∤ m)
+    cases += [(3, 256, 128, 64)]  # the timed tile, T = 128, BLOCK_K = 64, without edges
     failures: list[str] = []
-    for bsz, m, tile, block_k in cases:
-        failures += check_case(bsz, m, tile, block_k, device)
+    for variant, product in variants.items():
+        for bsz, m, tile, block_k in cases:
+            if needs_even(variant) and m % tile:
+                print(f"  {variant:8s} B {bsz} m {m:4d} T {tile} BK {block_k} skipped: T does not divide m")
+                continue
+            failures += check_case(bsz, m, tile, block_k, device, variant, product)
     print("all checks pass" if not failures else f"FAILED: {failures}")
     return not failures
 
@@ -424,8 +638,16 @@ def gpu_errors(got: Tensor, lib: Tensor, ref: Tensor, ref_bound: Tensor, tile: i
     }
 
 
-def time_stack(op: str, batch: int, m: int, configs: list[tuple[int, int, int, int]], rounds: int) -> dict:
-    """One row of the table: every config of the lower-tile kernel, the library and torch.bmm on one stack."""
+def time_stack(
+    op: str,
+    batch: int,
+    m: int,
+    configs: list[tuple[int, int, int, int]],
+    rounds: int,
+    variants: dict[str, Callable[..., Tensor]],
+) -> list[dict]:
+    """The table's rows for one stack, one per variant: every config of the variant's kernel (the TMA ones only
+    where T divides m), and the library and torch.bmm (timed once, in every row)."""
     from dtensor_muon.kernels.triton_matmuls import SYRK_MATMULS
     from dtensor_muon.kernels.ws_syrk import ws_syrk_pays
 
@@ -448,88 +670,101 @@ def time_stack(op: str, batch: int, m: int, configs: list[tuple[int, int, int, i
     lib_us, lib_out = graph_us(lib_work, rounds=rounds)
     lib_out = lib_out.clone()
     bmm_us, _ = graph_us(bmm_work, rounds=rounds)
-    timings: list[dict] = []
-    best: tuple[float, dict, Tensor] | None = None
-    packed: dict[int, tuple[Tensor, Tensor]] = {}
-    for config in configs:
-        tile = config[0]
-        if tile not in packed:
-            packed[tile] = (pack_lower(r, tile), pack_lower(z, tile))
-        rs, zs = packed[tile]
-        opts = config_options(config)
-        if op == "product":
-            work = lambda rs=rs, zs=zs, opts=opts: lower_tile_product(rs, zs, **opts)
-        else:
-            work = lambda rs=rs, opts=opts: lower_tile_poly(rs, KELLER, **opts)
-        try:
-            us, out = graph_us(work, rounds=rounds)
-        except Exception as error:  # a config past the shared memory, or one that fails to compile
-            timings.append({"config": opts, "us": None, "error": f"{type(error).__name__}: {error}"[:200]})
-            continue
-        timings.append({"config": opts, "us": us})
-        if best is None or us < best[0]:
-            best = (us, opts, out.clone())
-    if best is None:
-        raise RuntimeError(f"no config ran for {op} {batch}x{m}")
-    us, opts, out = best
-    elements = lower_tile_elements(m, opts["tile"])
-    lower_bytes = (operands + 1) * batch * elements * 2
+    library_kernel = "gluon" if (ws_syrk_pays(r, z) if op == "product" else ws_syrk_pays(r, None, r)) else "triton"
     library_bytes = (operands + 1) * batch * m * m * 2
-    return {
-        "op": op,
-        "batch": batch,
-        "m": m,
-        "lower_us": us,
-        "best_config": opts,
-        "library_us": lib_us,
-        "library_kernel": "gluon"
-        if (ws_syrk_pays(r, z) if op == "product" else ws_syrk_pays(r, None, r))
-        else "triton",
-        "bmm_us": bmm_us,
-        "ratio_to_library": us / lib_us,
-        "lower_bytes": lower_bytes,
-        "lower_gbps": lower_bytes / (us * 1e-6) / 1e9,
-        "library_gbps": library_bytes / (lib_us * 1e-6) / 1e9,
-        "tflops": batch * m**3 / (us * 1e-6) / 1e12,
-        **gpu_errors(out, lib_out, ref, ref_bound, opts["tile"]),
-        "configs": timings,
-    }
+    packed: dict[int, tuple[Tensor, Tensor]] = {}
+    rows: list[dict] = []
+    for variant, product in variants.items():
+        timings: list[dict] = []
+        best: tuple[float, dict, Tensor] | None = None
+        for config in configs:
+            tile = config[0]
+            opts = config_options(config)
+            if needs_even(variant) and m % tile:
+                timings.append({"config": opts, "us": None, "error": "skipped: T does not divide m"})
+                continue
+            if tile not in packed:
+                packed[tile] = (pack_lower(r, tile), pack_lower(z, tile))
+            rs, zs = packed[tile]
+            if op == "product":
+                work = lambda rs=rs, zs=zs, opts=opts, product=product: product(rs, zs, **opts)
+            else:
+                work = lambda rs=rs, opts=opts, product=product: lower_tile_poly(rs, KELLER, product, **opts)
+            try:
+                us, out = graph_us(work, rounds=rounds)
+            except Exception as error:  # a config past the shared memory, or one that fails to compile
+                timings.append({"config": opts, "us": None, "error": f"{type(error).__name__}: {error}"[:200]})
+                continue
+            timings.append({"config": opts, "us": us})
+            if best is None or us < best[0]:
+                best = (us, opts, out.clone())
+        if best is None:
+            print(f"{variant}: no config ran for {op} {batch}x{m}: {[t.get('error') for t in timings]}")
+            continue
+        us, opts, out = best
+        lower_bytes = (operands + 1) * batch * lower_tile_elements(m, opts["tile"]) * 2
+        rows.append({
+            "op": op,
+            "batch": batch,
+            "m": m,
+            "kernel": variant,
+            "lower_us": us,
+            "best_config": opts,
+            "library_us": lib_us,
+            "library_kernel": library_kernel,
+            "bmm_us": bmm_us,
+            "ratio_to_library": us / lib_us,
+            "lower_bytes": lower_bytes,
+            "lower_gbps": lower_bytes / (us * 1e-6) / 1e9,
+            "library_gbps": library_bytes / (lib_us * 1e-6) / 1e9,
+            "tflops": batch * m**3 / (us * 1e-6) / 1e12,
+            **gpu_errors(out, lib_out, ref, ref_bound, opts["tile"]),
+            "configs": timings,
+        })  # fmt: skip
+    if not rows:
+        raise RuntimeError(f"no config of any variant ran for {op} {batch}x{m}")
+    return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    """The markdown table of the best configs."""
-    print("| op | stack | lower-tile µs | library µs (kernel) | bmm µs | lower/library | lower GB/s | library GB/s | "
-          "TFLOP/s (m³) | best (T, BK, warps, stages) | err/bound vs lib, fp64 |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    """The markdown table of the best configs, a row per stack and variant."""
+    print("| op | stack | kernel | lower-tile µs | library µs (kernel) | bmm µs | lower/library | lower GB/s | "
+          "library GB/s | TFLOP/s (m³) | best (T, BK, warps, stages) | err/bound vs lib, fp64 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         c = row["best_config"]
-        print(f"| {row['op']} | {row['batch']}×{row['m']} | {row['lower_us']:.1f} | {row['library_us']:.1f} "
-              f"({row['library_kernel']}) | {row['bmm_us']:.1f} | {row['ratio_to_library']:.2f} | "
-              f"{row['lower_gbps']:.0f} | {row['library_gbps']:.0f} | {row['tflops']:.0f} | "
-              f"{c['tile']}, {c['block_k']}, {c['num_warps']}, {c['num_stages']} | "
+        print(f"| {row['op']} | {row['batch']}×{row['m']} | {row['kernel']} | {row['lower_us']:.1f} | "
+              f"{row['library_us']:.1f} ({row['library_kernel']}) | {row['bmm_us']:.1f} | "
+              f"{row['ratio_to_library']:.2f} | {row['lower_gbps']:.0f} | {row['library_gbps']:.0f} | "
+              f"{row['tflops']:.0f} | {c['tile']}, {c['block_k']}, {c['num_warps']}, {c['num_stages']} | "
               f"{row['err_over_bound_vs_library']:.3f}, {row['err_over_bound_vs_fp64']:.3f} |")  # fmt: skip
 
 
-def run_time(args: argparse.Namespace) -> None:
-    """--time: every stack and op, the table, and the JSON file."""
+def run_time(args: argparse.Namespace, variants: dict[str, Callable[..., Tensor]]) -> None:
+    """--time: every stack, op and variant, the table, and the JSON file."""
     name = torch.cuda.get_device_name(0)
-    print(f"{name}, triton {triton.__version__}, torch {torch.__version__}")
+    print(f"{name}, triton {triton.__version__}, torch {torch.__version__}, kernels {', '.join(variants)}")
     configs = [c for c in CONFIGS if c[0] in args.tiles and c[1] in args.block_ks]
     rows = []
     for op in args.ops:
         for batch in args.batches:
             for m in args.dims:
-                row = time_stack(op, batch, m, configs, args.rounds)
-                rows.append(row)
-                per_config = ", ".join(
-                    f"{t['config']['tile']}/{t['config']['block_k']}/{t['config']['num_warps']}/"
-                    f"{t['config']['num_stages']}: " + (f"{t['us']:.1f}" if t["us"] is not None else "failed")
-                    for t in row["configs"]
-                )
-                print(f"{op} {batch}×{m}: best {row['lower_us']:.1f} µs, library {row['library_us']:.1f} µs, "
-                      f"max err vs library {row['max_err_vs_library']:.3e} "
-                      f"(err/bound {row['err_over_bound_vs_library']:.3f}), vs fp64 {row['max_err_vs_fp64']:.3e} "
-                      f"(err/bound {row['err_over_bound_vs_fp64']:.3f})\n    T/BK/warps/stages µs: {per_config}")  # fmt: skip
+                for row in time_stack(op, batch, m, configs, args.rounds, variants):
+                    rows.append(row)
+                    per_config = ", ".join(
+                        f"{t['config']['tile']}/{t['config']['block_k']}/{t['config']['num_warps']}/"
+                        f"{t['config']['num_stages']}: " + (f"{t['us']:.1f}" if t["us"] is not None else "failed")
+                        for t in row["configs"]
+                        if not t.get("error", "").startswith("skipped")
+                    )
+                    print(f"{op} {batch}×{m} {row['kernel']}: best {row['lower_us']:.1f} µs, library "
+                          f"{row['library_us']:.1f} µs, max err vs library {row['max_err_vs_library']:.3e} "
+                          f"(err/bound {row['err_over_bound_vs_library']:.3f}), vs fp64 {row['max_err_vs_fp64']:.3e} "
+                          f"(err/bound {row['err_over_bound_vs_fp64']:.3f})\n"
+                          f"    T/BK/warps/stages µs: {per_config}")  # fmt: skip
+                    failed = [t for t in row["configs"] if t["us"] is None and not t["error"].startswith("skipped")]
+                    if failed:
+                        print(f"    first failure: {failed[0]['error']}")
     print(f"\n{name}\n")
     print_table(rows)
     if args.out:
@@ -552,19 +787,26 @@ def main() -> None:
     parser.add_argument("--block-ks", type=int_list, default=[32, 64], help="BLOCK_K values to try")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (median)")
     parser.add_argument("--out", type=Path, help="write the timing rows as JSON here")
+    parser.add_argument(
+        "--kernel", choices=("pointers", "tma", "both"), default="both", help="which lower-tile kernels to run"
+    )
+    parser.add_argument(
+        "--tma-layout", choices=(*TMA_LAYOUTS, "both"), default="both", help="the TMA kernel's descriptors"
+    )
     args = parser.parse_args()
     if not (args.check or args.time):
         parser.error("give --check and/or --time")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    variants = lower_tile_variants(args.kernel, list(TMA_LAYOUTS) if args.tma_layout == "both" else [args.tma_layout])
     if args.check:
         if not interpreted and not torch.cuda.is_available():
             parser.error("--check without a GPU needs TRITON_INTERPRET=1")
-        if not run_check("cpu" if interpreted else "cuda"):
+        if not run_check("cpu" if interpreted else "cuda", variants):
             raise SystemExit(1)
     if args.time:
         if interpreted or not torch.cuda.is_available():
             parser.error("--time needs a CUDA GPU and no TRITON_INTERPRET")
-        run_time(args)
+        run_time(args, variants)
 
 
 if __name__ == "__main__":
