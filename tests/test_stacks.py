@@ -426,17 +426,26 @@ def test_expert_parallel_ranks_sharing_one_gpu_stack_across_parameters_bitwise()
         assert torch.equal(a, b), f"{name}: max |Δ| {float((a - b).abs().max()):.3e}"
 
 
+def column_sharded_model(
+    shapes: list[tuple[str, tuple[int, ...]]], mesh: Any
+) -> tuple[torch.nn.Module, list[tuple[str, torch.nn.Parameter]]]:
+    """``initial(shapes)`` as parameters split along their columns over ``mesh`` (every matrix travels to an owner),
+    registered on one module (``attach`` needs it under overlap); the module and the named parameters."""
+    model = torch.nn.Module()
+    params = []
+    for name, p in initial(shapes):
+        param = torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(1)]))
+        model.register_parameter(name.replace(".", "_"), param)
+        params.append((name, param))
+    return model, params
+
+
 def overlapped_owned_run(rank: int, world_size: int) -> list[Tensor]:
     """Owners stacking over one bucket per unit with ``overlap=True``: the exchanges back are held until the engine
     agrees and finished at the next step (or ``flush``)."""
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world_size,))
-    model = torch.nn.Module()
-    params = []
-    for name, p in initial(EXPERTS):
-        param = torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(1)]))
-        model.register_parameter(name.replace(".", "_"), param)
-        params.append((name, param))
+    model, params = column_sharded_model(EXPERTS, mesh)
     opt = HalvingMuon(params, **OPTIONS, bucket_size_mb=1e-4, overlap=True)
     opt.attach(model)
     with stack_units(8):
@@ -548,12 +557,7 @@ def borrowing_run(
     parameters after them and, per step, the calls of its engine's runner (:class:`OneBufferPerShape`)."""
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world_size,))
-    model = torch.nn.Module()
-    params = []
-    for name, p in initial(shapes):
-        param = torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(1)]))
-        model.register_parameter(name.replace(".", "_"), param)
-        params.append((name, param))
+    model, params = column_sharded_model(shapes, mesh)
     opt = front_end(params, **options)
     if options.get("overlap"):
         opt.attach(model)

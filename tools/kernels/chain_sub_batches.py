@@ -24,32 +24,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from graph_timing import graph_us
 from torch import Tensor
 
 from dtensor_muon.kernels.shapes import decide_as_batch
 from dtensor_muon.kernels.triton_matmuls import SYRK_MATMULS
 from dtensor_muon.linalg.newton_schulz import KELLER_COEFFICIENTS
-
-
-def graph_us(work: Callable[[], Tensor], replays: int = 5, rounds: int = 7) -> tuple[float, Tensor]:
-    """Median µs of one replay of ``work`` captured in a CUDA graph (``replays`` per timed round), and its output."""
-    work()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = work()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays * 1e3)
-    return sorted(times)[rounds // 2], out
 
 
 def bmm_chain(x: Tensor, outs: list[Tensor], sub: int) -> Callable[[], Tensor]:

@@ -67,6 +67,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from graph_timing import graph_us
 from torch import Tensor
 
 # (T, BLOCK_K, num_warps, num_stages) tried by --time; the check runs T = 64, BLOCK_K = 32.
@@ -597,27 +598,6 @@ def run_check(device: str, variants: dict[str, Callable[..., Tensor]]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------- timing
-
-
-def graph_us(work: Callable[[], Tensor], replays: int = 5, rounds: int = 7) -> tuple[float, Tensor]:
-    """Median µs of one replay of ``work`` captured in a CUDA graph (``replays`` per timed round), and its output."""
-    work()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = work()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays * 1e3)
-    return sorted(times)[rounds // 2], out
 
 
 def gpu_errors(got: Tensor, lib: Tensor, ref: Tensor, ref_bound: Tensor, tile: int) -> dict[str, float]:
