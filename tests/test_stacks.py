@@ -596,3 +596,5 @@ def test_an_owner_borrows_the_runners_buffer_only_for_its_last_call_of_a_shape(c
             ], calls
     # some owner computes several matrices of one input shape in a step
     assert any(len(set(inputs := [c for c, _ in calls])) < len(inputs) for r in results for calls in r["calls"])
+    if case == "grouped split":  # every owner computes two 18×8 inputs or more: W_q's owner one plain matrix too
+        assert all(sum(c == (18, 8) for c, _ in calls) >= 2 for r in results for calls in r["calls"])
