@@ -128,7 +128,11 @@ def run_time(args: argparse.Namespace, variants: dict[str, Callable[..., Tensor]
         for name, product in variants.items():
             configured = functools.partial(product, tile=tile, block_k=block_k, num_warps=warps, num_stages=stages)
             chain = LowerTileChain(backend, configured, tile)
-            us, out = graph_us(functools.partial(gram_call, x, chain, scale, g), rounds=args.rounds)
+            try:
+                us, out = graph_us(functools.partial(gram_call, x, chain, scale, g), rounds=args.rounds)
+            except ValueError as exc:  # a TMA variant refusing an operand's layout (the library's R, say)
+                print(f"{batch}x{m}x{n} {name}: {exc}")
+                continue
             rows.append(
                 {
                     "shape": f"{batch}x{m}x{n}",
