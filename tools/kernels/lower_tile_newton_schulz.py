@@ -8,7 +8,8 @@ storage pays is a whole call. This runs the library's Gram form (``linalg/gram.p
 Keller's 5 iterations) through :class:`LowerTileChain`, a backend that keeps the library's Gram matrix R = s²·X·Xᵀ
 (exactly symmetric, so its lower tiles are valid as they are), runs every polynomial a·I + b·R + c·R² and every
 symmetric product on lower tiles (a ``lower_tile_products.py`` variant, one config), and mirrors Q once per
-segment (``torch.where`` over the tile mask: one read and one write of Q) before the library's apply Q·X. Each
+segment before the library's apply Q·X: :func:`mirror_upper_tiles` writes each upper tile, in place, from its lower
+mirror (reading and writing the (t − 1)/2t of Q the upper tiles hold, t tiles a side). Each
 call, the library's and this one, is replayed from a CUDA graph from the same normalized start (the start itself
 not timed); the table gives both times, their ratio, and how far the two results lie apart and from the float64
 result of the same iterations (the first matrices).
@@ -28,8 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 from graph_timing import graph_us
-from lower_tile_products import TMA_LAYOUTS, lower_tile_variants, unpack_lower
+from lower_tile_products import TMA_LAYOUTS, lower_tile_variants, pack_lower, unpack_lower
 from torch import Tensor
 
 from dtensor_muon.kernels.torch_matmuls import TORCH_MATMULS
@@ -43,6 +46,41 @@ from dtensor_muon.linalg.newton_schulz import (
 )
 
 STEPS = 5
+
+
+@triton.jit
+def _mirror_upper_kernel(ptr, M, stride_b, stride_m, T: tl.constexpr, EVEN: tl.constexpr):
+    """Upper tile (c, r), c < r, of one matrix ← the transpose of its lower tile (r, c); strictly lower tile t is
+    row r ≥ 1 with r(r − 1)/2 ≤ t < r(r + 1)/2 (float estimate, then exact fix-ups), column c = t − r(r − 1)/2."""
+    t = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    r = ((tl.sqrt((8 * t + 1).to(tl.float32)) + 1.0) * 0.5).to(tl.int32)
+    r = tl.where(r * (r - 1) // 2 > t, r - 1, r)
+    r = tl.where((r + 1) * r // 2 <= t, r + 1, r)
+    c = t - r * (r - 1) // 2
+    offs = tl.arange(0, T)
+    rows = r * T + offs
+    cols = c * T + offs
+    base = ptr + batch * stride_b
+    lower = base + rows[:, None] * stride_m + cols[None, :]  # [T, T] of tile (r, c)
+    upper = base + cols[None, :] * stride_m + rows[:, None]  # the same entries' mirror images in tile (c, r)
+    if EVEN:
+        tl.store(upper, tl.load(lower))
+    else:
+        inside = (rows[:, None] < M) & (cols[None, :] < M)
+        tl.store(upper, tl.load(lower, mask=inside), mask=inside)
+
+
+def mirror_upper_tiles(stored: Tensor, tile: int) -> Tensor:
+    """In place: every upper tile of the [B, m, m] stack ``stored`` (lower tiles at ``tile``, rows contiguous)
+    written as its lower mirror's transpose; returns the stack, now whole and symmetric."""
+    batch, m, _ = stored.shape
+    sides = triton.cdiv(m, tile)
+    if sides > 1:
+        _mirror_upper_kernel[(sides * (sides - 1) // 2, batch)](
+            stored, m, stored.stride(0), stored.stride(1), T=tile, EVEN=m % tile == 0, num_warps=4
+        )
+    return stored
 
 
 class LowerTileChain:
@@ -66,8 +104,9 @@ class LowerTileChain:
         return self.product(x, y, scale=scale)
 
     def apply(self, p: Tensor, x: Tensor) -> Tensor:
-        """P·X by the base backend, P mirrored from its lower tiles first."""
-        return self.base.apply(unpack_lower(p, self.tile), x)
+        """P·X by the base backend, P's upper tiles mirrored from its lower ones first (in place: P is the
+        segment's last product, read by nothing else)."""
+        return self.base.apply(mirror_upper_tiles(p, self.tile), x)
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -93,6 +132,13 @@ def run_check(variants: dict[str, Callable[..., Tensor]]) -> bool:
     against float64 (module docstring)."""
     ok = True
     gen = torch.Generator().manual_seed(0)
+    for batch, m, tile in ((2, 256, 64), (1, 192, 128), (3, 160, 64)):
+        full = torch.randn(batch, m, m, generator=gen).to(torch.bfloat16)
+        full = full + full.mT
+        mirrored = mirror_upper_tiles(pack_lower(full, tile, fill=float("nan")), tile)
+        passed = torch.equal(mirrored, unpack_lower(pack_lower(full, tile), tile)) and torch.equal(mirrored, full)
+        ok &= passed
+        print(f"mirror    {batch}x{m}x{m} T {tile}: {'ok' if passed else 'FAIL'}")
     for batch, m, n, tile in ((2, 128, 256, 64), (2, 256, 128, 64), (1, 256, 384, 128)):
         g = torch.randn(batch, m, n, generator=gen).to(torch.bfloat16)
         _, x, _, scale = normalized_start(g, torch.bfloat16, 1e-7)
