@@ -259,9 +259,9 @@ def _compute_owned(
                     target.copy_(chunk[start : start + n].view(target.shape))
     runs.flush()
     out: dict[int, Tensor] = {}
-    inputs = [newton_schulz_input_shape([work.plan.routes[i].spec for i in ids]) for ids in call_ids]
-    for c, (stack, ids, buffer) in enumerate(zip(calls, call_ids, buffers)):
-        specs = [work.plan.routes[i].spec for i in ids]
+    call_specs = [[work.plan.routes[i].spec for i in ids] for ids in call_ids]
+    inputs = [newton_schulz_input_shape(specs) for specs in call_specs]
+    for c, (stack, ids, specs, buffer) in enumerate(zip(calls, call_ids, call_specs, buffers)):
         shape = specs[0].shape
         stacked = buffer.view((len(ids), *shape) if len(ids) > 1 else shape)
         # O may stay the CUDA graph's own buffer where its pieces are packed into the exchanges back before a
