@@ -315,6 +315,25 @@ def unpack_lower(stored: Tensor, tile: int) -> Tensor:
     return torch.where(mask, stored, stored.mT)
 
 
+def checked_operands(
+    who: str, a: Tensor, b: Tensor | None, scale: Tensor | None, tile: int, block_k: int
+) -> tuple[Tensor, int, int]:
+    """The checks both product functions make (``who`` names the one in its errors): A is [B, m, m] with
+    contiguous rows, B (A when None) matches it, BLOCK_K divides the tile, a scale is fp32 with one entry per
+    matrix. Returns B, the batch and m."""
+    if a.ndim != 3 or a.size(-1) != a.size(-2) or a.stride(-1) != 1:
+        raise ValueError(f"{who}: A must be [B, m, m] with contiguous rows, got {tuple(a.shape)}")
+    bmat = a if b is None else b
+    if bmat.shape != a.shape or bmat.stride(-1) != 1 or bmat.dtype != a.dtype:
+        raise ValueError(f"{who}: B must match A in shape and dtype, with contiguous rows")
+    if tile % block_k:
+        raise ValueError(f"{who}: BLOCK_K {block_k} must divide the tile {tile}")
+    batch, m, _ = a.shape
+    if scale is not None and (scale.dtype != torch.float32 or scale.numel() != batch):
+        raise ValueError(f"{who}: scale must be fp32 with one entry per matrix")
+    return bmat, batch, m
+
+
 def lower_tile_product(
     a: Tensor,
     b: Tensor | None = None,
@@ -331,18 +350,9 @@ def lower_tile_product(
 ) -> Tensor:
     """s·(alpha·A·B + beta·A + diag·I) for symmetric [B, m, m] A and B (B = A when None) stored as lower tiles at
     ``tile``; returns the result's lower tiles (``out``, or a new buffer whose upper tiles are left unwritten)."""
-    if a.ndim != 3 or a.size(-1) != a.size(-2) or a.stride(-1) != 1:
-        raise ValueError(f"lower_tile_product: A must be [B, m, m] with contiguous rows, got {tuple(a.shape)}")
-    bmat = a if b is None else b
-    if bmat.shape != a.shape or bmat.stride(-1) != 1 or bmat.dtype != a.dtype:
-        raise ValueError("lower_tile_product: B must match A in shape and dtype, with contiguous rows")
-    if tile % block_k:
-        raise ValueError(f"lower_tile_product: BLOCK_K {block_k} must divide the tile {tile}")
-    batch, m, _ = a.shape
+    bmat, batch, m = checked_operands("lower_tile_product", a, b, scale, tile, block_k)
     if out is None:
         out = torch.empty_like(a)
-    if scale is not None and (scale.dtype != torch.float32 or scale.numel() != batch):
-        raise ValueError("lower_tile_product: scale must be fp32 with one entry per matrix")
     _lower_tile_kernel[(tile_count(m, tile), batch)](
         a,
         bmat,
@@ -412,22 +422,13 @@ def lower_tile_product_tma(
     divide m."""
     if layout not in TMA_LAYOUTS:
         raise ValueError(f"lower_tile_product_tma: layout must be one of {TMA_LAYOUTS}, got {layout!r}")
-    if a.ndim != 3 or a.size(-1) != a.size(-2) or a.stride(-1) != 1:
-        raise ValueError(f"lower_tile_product_tma: A must be [B, m, m] with contiguous rows, got {tuple(a.shape)}")
-    bmat = a if b is None else b
-    if bmat.shape != a.shape or bmat.stride(-1) != 1 or bmat.dtype != a.dtype:
-        raise ValueError("lower_tile_product_tma: B must match A in shape and dtype, with contiguous rows")
-    if tile % block_k:
-        raise ValueError(f"lower_tile_product_tma: BLOCK_K {block_k} must divide the tile {tile}")
-    batch, m, _ = a.shape
+    bmat, batch, m = checked_operands("lower_tile_product_tma", a, b, scale, tile, block_k)
     if m % tile:
         raise ValueError(
             f"lower_tile_product_tma: the TMA kernel needs the tile to divide m (no edge tiles), got m {m}, T {tile}"
         )
     if out is None:
         out = torch.empty_like(a, memory_format=torch.contiguous_format)
-    if scale is not None and (scale.dtype != torch.float32 or scale.numel() != batch):
-        raise ValueError("lower_tile_product_tma: scale must be fp32 with one entry per matrix")
     for name, t in (("A", a), ("B", bmat), ("out", out)):
         if t.shape != a.shape or t.dtype != a.dtype or not _tma_ready(t, layout):
             raise ValueError(
