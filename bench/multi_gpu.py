@@ -173,6 +173,7 @@ def run_torchtitan(config: str, variant: str, launch: Launch, steps: int, extra:
         "returncode": code,
     }
     if code != 0:
+        row["log_tail"] = (out / f"{dump.name}.log").read_text(errors="replace")[-3000:]
         return row
     series = scalars(latest_events(dump))
     mfu = median_after_warmup(series.get("mfu(%)"))
@@ -293,7 +294,9 @@ def main() -> None:
     rows = []
     for config, variant, parallel in runs:
         row = run_torchtitan(config, variant, launch, args.steps, parallel + args.extra, args.out)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "log_tail"}), flush=True)
+        if "log_tail" in row:
+            print(f"{row['config']} {row['variant']} failed; the end of its log:\n{row['log_tail']}", flush=True)
         rows.append(row)
     for row in rows:
         base = next((r for r in rows if r["config"] == row["config"] and r["variant"] == "AdamW"), {})

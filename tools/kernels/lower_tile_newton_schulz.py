@@ -172,8 +172,11 @@ def run_time(args: argparse.Namespace, variants: dict[str, Callable[..., Tensor]
         library_us, library_out = graph_us(functools.partial(gram_call, x, backend, scale, g), rounds=args.rounds)
         library_error = (library_out[:2].double() - want).abs().max().item()
         for name, product in variants.items():
-            configured = functools.partial(product, tile=tile, block_k=block_k, num_warps=warps, num_stages=stages)
-            chain = LowerTileChain(backend, configured, tile)
+            if name == "gluon":  # its own tile, depth and warps (ws_lower_tile.py), whatever --config says
+                configured = product
+            else:
+                configured = functools.partial(product, tile=tile, block_k=block_k, num_warps=warps, num_stages=stages)
+            chain = LowerTileChain(backend, configured, 128 if name == "gluon" else tile)
             try:
                 us, out = graph_us(functools.partial(gram_call, x, chain, scale, g), rounds=args.rounds)
             except ValueError as exc:  # a TMA variant refusing an operand's layout (the library's R, say)
@@ -191,7 +194,8 @@ def run_time(args: argparse.Namespace, variants: dict[str, Callable[..., Tensor]
                     "library_error_vs_float64": library_error,
                 }
             )
-    print(f"\n{torch.cuda.get_device_name()}, config T {tile}, BLOCK_K {block_k}, {warps} warps, {stages} stages\n")
+    print(f"\n{torch.cuda.get_device_name()}, config T {tile}, BLOCK_K {block_k}, {warps} warps, {stages} stages "
+          "(gluon: its own, T 128, BLOCK_K 64, ws_lower_tile.STAGES)\n")  # fmt: skip
     print("| stack | variant | library µs | lower tiles µs | ratio | max diff to library | error vs fp64 (library's) |")
     print("|---|---|---:|---:|---:|---:|---|")
     for r in rows:
@@ -213,7 +217,7 @@ def main() -> None:
         default=(128, 64, 8, 4),
         help="T,BLOCK_K,num_warps,num_stages of the lower-tile kernel",
     )
-    parser.add_argument("--kernel", choices=("pointers", "tma", "both"), default="both")
+    parser.add_argument("--kernel", choices=("pointers", "tma", "both", "gluon", "all"), default="both")
     parser.add_argument("--tma-layout", choices=(*TMA_LAYOUTS, "both"), default="flat")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (median)")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
@@ -222,6 +226,7 @@ def main() -> None:
     if args.check:
         if os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--check runs on CPU under TRITON_INTERPRET=1")
+        variants.pop("gluon", None)  # Hopper only; its products are checked by lower_tile_products.py --check
         if not run_check(variants):
             raise SystemExit(1)
         return

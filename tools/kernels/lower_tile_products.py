@@ -3,7 +3,7 @@
     TRITON_INTERPRET=1 PYTHONPATH=src python tools/kernels/lower_tile_products.py --check      (CPU, interpreter)
     PYTHONPATH=src python tools/kernels/lower_tile_products.py --check                          (GPU)
     PYTHONPATH=src python tools/kernels/lower_tile_products.py --time --out lower_tiles.json    (GPU)
-    ... --kernel pointers|tma|both (default both) --tma-layout 3d|flat|both (default both)
+    ... --kernel pointers|tma|both|gluon|all (default both) --tma-layout 3d|flat|both (default both)
 
 Gram Newton–Schulz runs a chain of products of symmetric m×m matrices (R·Z, Z·(R·Z), Q·Z, the poly
 a·I + b·R + c·R·R). The library's SYRK kernels compute only the lower tiles of a product (m³ FLOPs) but read
@@ -33,6 +33,10 @@ stored by TMA, as the library's kernel does with host descriptors). Two descript
 over [B, m, m] with blocks [1, ·, ·] reshaped to 2-D, and "flat" over the batch's rows stacked, [B·m, m], the
 library's own layout. T must divide m (no edge tiles, refused otherwise); the checks skip the other sizes, and
 ``--time`` skips the configs whose T does not divide m.
+
+The Gluon variant (``--kernel gluon``, in ``ws_lower_tile.py``) is the library's warp-specialized Hopper kernel
+reading and writing lower tiles: T = 128, BLOCK_K = 64, its ring depth the one knob ``--time`` varies
+(GLUON_STAGES); it runs on a Hopper GPU only, so the interpreter's checks skip it.
 
 ``--check`` (CPU under the Triton interpreter, or a GPU) runs small stacks (B ∈ {1, 3}, m ∈ {128, 192, 256},
 T = 64, BLOCK_K = 32; BLOCK_K = 64; m = 160 at T = 64 and m = 192 at T = 128 for the edge masks; m = 256 at
@@ -72,6 +76,7 @@ from torch import Tensor
 
 # (T, BLOCK_K, num_warps, num_stages) tried by --time; the check runs T = 64, BLOCK_K = 32.
 CONFIGS: tuple[tuple[int, int, int, int], ...] = tuple(itertools.product((64, 128), (32, 64), (4, 8), (2, 3, 4)))
+GLUON_STAGES = (4, 5)  # ring depths --time tries for the Gluon kernel (ws_lower_tile.py; the library's is 5)
 KELLER = (3.4445, -4.775, 2.0315)
 
 
@@ -479,15 +484,25 @@ def lower_tile_variants(kernel: str, layouts: list[str]) -> dict[str, Callable[.
     variants: dict[str, Callable[..., Tensor]] = {}
     if kernel in ("pointers", "both"):
         variants["pointers"] = lower_tile_product
-    if kernel in ("tma", "both"):
+    if kernel in ("tma", "both", "all"):
         for layout in layouts:
             variants[f"tma-{layout}"] = functools.partial(lower_tile_product_tma, layout=layout)
+    if kernel in ("gluon", "all"):
+        from ws_lower_tile import lower_tile_product_gluon
+
+        variants["gluon"] = lower_tile_product_gluon
     return variants
 
 
 def needs_even(variant: str) -> bool:
-    """Whether a variant runs only where the tile divides m (the TMA ones)."""
-    return variant.startswith("tma")
+    """Whether a variant runs only where the tile divides m (the TMA ones and the Gluon one)."""
+    return variant.startswith("tma") or variant == "gluon"
+
+
+def variant_configs(variant: str, configs: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """The configs ``--time`` tries for a variant: the Gluon kernel's own tile, BLOCK_K and warps at each ring
+    depth of GLUON_STAGES; the others' from ``configs``."""
+    return [(128, 64, 4, stages) for stages in GLUON_STAGES] if variant == "gluon" else configs
 
 
 def config_options(config: tuple[int, int, int, int]) -> dict[str, int]:
@@ -586,12 +601,15 @@ def run_check(device: str, variants: dict[str, Callable[..., Tensor]]) -> bool:
     """Every check case by every variant (the TMA ones where T divides m); True when all pass."""
     cases = [(bsz, m, 64, 32) for bsz in (1, 3) for m in (128, 192, 256)]
     cases += [(3, 256, 64, 64), (3, 160, 64, 32), (1, 192, 128, 64)]  # BLOCK_K = T; edge masks (T ∤ m)
-    cases += [(3, 256, 128, 64)]  # the timed tile, T = 128, BLOCK_K = 64, without edges
+    cases += [(3, 256, 128, 64), (2, 512, 128, 64)]  # the timed tile, T = 128, BLOCK_K = 64, without edges
     failures: list[str] = []
     for variant, product in variants.items():
         for bsz, m, tile, block_k in cases:
             if needs_even(variant) and m % tile:
                 print(f"  {variant:8s} B {bsz} m {m:4d} T {tile} BK {block_k} skipped: T does not divide m")
+                continue
+            if variant == "gluon" and (tile, block_k) != (128, 64):
+                print(f"  {variant:8s} B {bsz} m {m:4d} T {tile} BK {block_k} skipped: the kernel's tile is 128, 64")
                 continue
             failures += check_case(bsz, m, tile, block_k, device, variant, product)
     print("all checks pass" if not failures else f"FAILED: {failures}")
@@ -658,7 +676,7 @@ def time_stack(
     for variant, product in variants.items():
         timings: list[dict] = []
         best: tuple[float, dict, Tensor] | None = None
-        for config in configs:
+        for config in variant_configs(variant, configs):
             tile = config[0]
             opts = config_options(config)
             if needs_even(variant) and m % tile:
@@ -769,7 +787,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (median)")
     parser.add_argument("--out", type=Path, help="write the timing rows as JSON here")
     parser.add_argument(
-        "--kernel", choices=("pointers", "tma", "both"), default="both", help="which lower-tile kernels to run"
+        "--kernel",
+        choices=("pointers", "tma", "both", "gluon", "all"),
+        default="both",
+        help="which lower-tile kernels to run (both: pointers and tma; gluon: ws_lower_tile.py, GPU only; all)",
     )
     parser.add_argument(
         "--tma-layout", choices=(*TMA_LAYOUTS, "both"), default="both", help="the TMA kernel's descriptors"
@@ -779,6 +800,11 @@ def main() -> None:
         parser.error("give --check and/or --time")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     variants = lower_tile_variants(args.kernel, list(TMA_LAYOUTS) if args.tma_layout == "both" else [args.tma_layout])
+    if interpreted and "gluon" in variants:
+        if args.kernel == "gluon":
+            parser.error("the Gluon kernel runs on a Hopper GPU only, not under TRITON_INTERPRET=1")
+        print("gluon: skipped under the interpreter (Hopper GPU only)")
+        del variants["gluon"]
     if args.check:
         if not interpreted and not torch.cuda.is_available():
             parser.error("--check without a GPU needs TRITON_INTERPRET=1")
