@@ -16,6 +16,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+# The TMA copies by the names this Triton has: async_load/async_store in newer releases (3.9 removed the old
+# names), async_copy_global_to_shared/async_copy_shared_to_global in older ones (3.6 has only those).
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
 
 @gluon.jit
 def _tile_of(t):
@@ -33,7 +38,7 @@ def _load_c_tile(desc_c, staging3, c_bar, batch, row0, col0):
     (``c_bar``) while the tile's products run."""
     tma.store_wait(0)
     mbarrier.expect(c_bar, desc_c.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_c, [batch, row0, col0], c_bar, staging3)
+    tma_load(desc_c, [batch, row0, col0], c_bar, staging3)
 
 
 @gluon.jit
@@ -80,15 +85,15 @@ def _finish_tile(
         staging.permute((1, 0)).store(tile)
         staging.store(gl.where(rows >= cols, tile, staging.load(ACC)))
         fence_async_shared()
-        tma.async_copy_shared_to_global(desc_out, [batch, row0, col0], staging3)
+        tma_store(desc_out, [batch, row0, col0], staging3)
     else:
         staging.store(tile)
         fence_async_shared()
-        tma.async_copy_shared_to_global(desc_out, [batch, row0, col0], staging3)
+        tma_store(desc_out, [batch, row0, col0], staging3)
         tma.store_wait(0)
         staging.permute((1, 0)).store(tile)
         fence_async_shared()
-        tma.async_copy_shared_to_global(desc_out, [batch, col0, row0], staging3)
+        tma_store(desc_out, [batch, col0, row0], staging3)
 
 
 @gluon.jit
@@ -96,9 +101,9 @@ def _load_panel(desc, panel, k, batch, bar, buf, TRANSPOSED: gl.constexpr, BM: g
     """Rows panel·BM.. of the [B, m, k] operand, K slice from k, into ``buf`` by TMA (arriving on ``bar``); for a
     transposed view the same block of its [B, k, m] storage."""
     if TRANSPOSED:
-        tma.async_copy_global_to_shared(desc, [batch, k, panel * BM], bar, buf)
+        tma_load(desc, [batch, k, panel * BM], bar, buf)
     else:
-        tma.async_copy_global_to_shared(desc, [batch, panel * BM, k], bar, buf)
+        tma_load(desc, [batch, panel * BM, k], bar, buf)
 
 
 @gluon.jit
