@@ -25,8 +25,6 @@ into its upper part (as the library stores it); the upper tiles of the output ar
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from torch import Tensor
@@ -41,22 +39,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-BLOCK = 128  # the tile, and the lower-tile storage's tile
-BLOCK_K = 64
-STAGES = 5  # the library's ring depth; --time also tries 4
-TURN_LEAD = 1
-CONSUMER_REGS = 240
-PRODUCER_REGS = 24
-MAX_REGS = 168
-
-
-@gluon.jit
-def _tile_of(t):
-    """Row i ≥ column j of lower tile t, numbered row by row (the library's numbering)."""
-    i = ((gl.sqrt((8 * t + 1).to(gl.float32)) - 1.0) * 0.5).to(gl.int32)
-    i = gl.where((i + 1) * (i + 2) // 2 <= t, i + 1, i)
-    i = gl.where(i * (i + 1) // 2 > t, i - 1, i)
-    return i, t - i * (i + 1) // 2
+# The library's tile, ring and register constants, layouts, tile numbering and TMA copies, so that this kernel
+# differs from ws_syrk_kernel only where lower tiles need it.
+from dtensor_muon.kernels.ws_syrk import (
+    BLOCK,
+    BLOCK_K,
+    CONSUMER_REGS,
+    MAX_REGS,
+    PRODUCER_REGS,
+    STAGES,
+    TURN_LEAD,
+    _accumulator_layout,
+    _nvmma,
+)
+from dtensor_muon.kernels.ws_syrk_kernel import _tile_of, tma_load, tma_store
 
 
 @gluon.jit
@@ -78,13 +74,13 @@ def _produce(p, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
             k = ki * BK
             kt = k // BM
             if kt <= i:
-                tma.async_copy_global_to_shared(desc_ar, [batch, i * BM, k], bar, panels.index(2 * slot))
+                tma_load(desc_ar, [batch, i * BM, k], bar, panels.index(2 * slot))
             else:
-                tma.async_copy_global_to_shared(desc_ac, [batch, k, i * BM], bar, mirrored.index(2 * slot))
+                tma_load(desc_ac, [batch, k, i * BM], bar, mirrored.index(2 * slot))
             if kt <= j:
-                tma.async_copy_global_to_shared(desc_br, [batch, j * BM, k], bar, panels.index(2 * slot + 1))
+                tma_load(desc_br, [batch, j * BM, k], bar, panels.index(2 * slot + 1))
             else:
-                tma.async_copy_global_to_shared(desc_bc, [batch, k, j * BM], bar, mirrored.index(2 * slot + 1))
+                tma_load(desc_bc, [batch, k, j * BM], bar, mirrored.index(2 * slot + 1))
             g += 1
 
 
@@ -169,7 +165,7 @@ def _finish_lower_tile(
     else:
         staging.store(tile)
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc_out, [batch, row0, col0], staging3)
+    tma_store(desc_out, [batch, row0, col0], staging3)
 
 
 @gluon.jit
@@ -205,7 +201,7 @@ def _consume(
         if HAS_C:
             tma.store_wait(0)
             mbarrier.expect(c_bar, desc_c.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_c, [batch, row0, col0], c_bar, staging3)
+            tma_load(desc_c, [batch, row0, col0], c_bar, staging3)
         acc = gl.zeros([BM, BM], gl.float32, ACC)
         g = local * num_k
         handoff = gl.maximum(num_k - 1 - TURN_LEAD, 0)
@@ -286,17 +282,6 @@ def ws_lower_tile_kernel(
     )
 
 
-@functools.cache
-def _nvmma(shape: tuple[int, ...], dtype: torch.dtype) -> object:
-    return gl.NVMMASharedLayout.get_default_for(list(shape), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
-
-
-@functools.cache
-def accumulator_layout() -> object:
-    """wgmma accumulator of one warpgroup: 4 warps along the 128 rows, 64×128 instructions (the library's)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
-
-
 def descriptors(t: Tensor) -> tuple[object, object, object]:
     """TMA descriptors over the [B, m, m] stack ``t``: direct slices [1, 128, 64], mirrored [1, 64, 128], tiles
     [1, 128, 128]."""
@@ -374,7 +359,7 @@ def lower_tile_product_gluon(
         HAS_C=beta != 0.0,
         HAS_DIAG=diag != 0.0,
         HAS_SCALE=scale is not None,
-        ACC=accumulator_layout(),
+        ACC=_accumulator_layout(),
         BM=BLOCK,
         BK=BLOCK_K,
         STAGES=num_stages,
