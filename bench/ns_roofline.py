@@ -86,18 +86,29 @@ class RecordingMatmuls(TorchMatmuls):
         finally:
             self._depth -= 1
 
-    def gram(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
+    def gram(self, x: Tensor, scale: Tensor | None = None, lower_out: bool = False) -> Tensor:
         return self._record("gram", x.shape[-2], x.shape[-1], lambda: super(RecordingMatmuls, self).gram(x, scale))
 
     def gram_poly(self, a: Tensor, b: float, c: float) -> Tensor:
         m = a.shape[-1]
         return self._record("poly", m, m, lambda: super(RecordingMatmuls, self).gram_poly(a, b, c))
 
-    def poly(self, gram: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor:
+    def poly(
+        self,
+        gram: Tensor,
+        a: float,
+        b: float,
+        c: float,
+        scale: Tensor | None = None,
+        lower_in: bool = False,
+        lower_out: bool = False,
+    ) -> Tensor:
         m = gram.shape[-1]
         return self._record("poly", m, m, lambda: super(RecordingMatmuls, self).poly(gram, a, b, c, scale))
 
-    def symmetric_product(self, x: Tensor, y: Tensor, scale: Tensor | None = None) -> Tensor:
+    def symmetric_product(
+        self, x: Tensor, y: Tensor, scale: Tensor | None = None, lower_in: bool = False, lower_out: bool = False
+    ) -> Tensor:
         m = x.shape[-1]
         return self._record("product", m, m, lambda: super(RecordingMatmuls, self).symmetric_product(x, y, scale))
 

@@ -249,3 +249,64 @@ def test_checkpoint_without_the_option_loads_with_auto() -> None:
         opt.step()
         stepped.append(p.detach().clone())
     assert torch.equal(stepped[0], stepped[1]) and not torch.equal(stepped[0], init)
+
+
+class LowerTileStorage(type(TORCH_MATMULS)):
+    """A CPU backend that keeps the Gram chain's symmetric matrices as the GPU backend does where
+    ``keeps_lower_tiles`` holds: every symmetric result is made exactly symmetric from its lower TILE×TILE
+    tiles (as the SYRK kernels store it), and with ``lower`` a result asked for as ``lower_out`` has NaN in
+    every upper tile, while an operand passed as ``lower_in`` is read from its lower tiles only. A chain that
+    reads an upper tile it did not ask to be written, or hands the apply a matrix kept as lower tiles,
+    turns its result into NaN."""
+
+    TILE = 64
+
+    def __init__(self, lower: bool) -> None:
+        self.lower = lower
+        self.lower_results = 0
+        self.results = 0
+
+    def keeps_lower_tiles(self, x: torch.Tensor) -> bool:
+        return self.lower and x.size(-2) % self.TILE == 0
+
+    def _mask(self, m: int) -> torch.Tensor:
+        tiles = torch.arange(m) // self.TILE
+        return tiles[:, None] >= tiles[None, :]
+
+    def _read(self, t: torch.Tensor, lower_in: bool) -> torch.Tensor:
+        return torch.where(self._mask(t.size(-1)), t, t.mT) if lower_in else t
+
+    def _store(self, t: torch.Tensor, lower_out: bool) -> torch.Tensor:
+        self.results += 1
+        self.lower_results += lower_out
+        whole = torch.where(self._mask(t.size(-1)), t, t.mT)
+        return torch.where(self._mask(t.size(-1)), whole, torch.nan) if lower_out else whole
+
+    def gram(self, x, scale=None, lower_out=False):
+        return self._store(super().gram(x, scale), lower_out)
+
+    def poly(self, gram, a, b, c, scale=None, lower_in=False, lower_out=False):
+        return self._store(super().poly(self._read(gram, lower_in), a, b, c, scale), lower_out)
+
+    def symmetric_product(self, x, y, scale=None, lower_in=False, lower_out=False):
+        product = super().symmetric_product(self._read(x, lower_in), self._read(y, lower_in), scale)
+        return self._store(product, lower_out)
+
+
+@pytest.mark.parametrize("segments", [[2, 2, 1], [1, 1, 1, 1, 1], [3, 2]])
+def test_a_chain_keeping_lower_tiles_reads_only_them_and_hands_the_apply_whole_matrices(segments: list[int]) -> None:
+    """Where the backend keeps lower tiles, the chain asks for lower-tile results everywhere but the Q each
+    segment hands the apply, and reads only lower tiles: the same bits as the chain on whole matrices (the
+    symmetric results are exactly symmetric either way), no NaN, and every result but one per segment kept as
+    lower tiles."""
+    g = torch.randn(3, 128, 320, generator=torch.Generator().manual_seed(7), dtype=torch.float32)
+    x = normalized(g)
+    triples = [KELLER_COEFFICIENTS] * sum(segments)
+    whole, lower = LowerTileStorage(lower=False), LowerTileStorage(lower=True)
+    want = gram_newton_schulz(x, triples, whole, segments)
+    got = gram_newton_schulz(x, triples, lower, segments)
+    assert not got.isnan().any()
+    assert torch.equal(got, want)
+    assert whole.lower_results == 0
+    assert lower.results == whole.results == sum(1 + length + 3 * (length - 1) for length in segments)
+    assert lower.lower_results == lower.results - len(segments)

@@ -58,7 +58,7 @@ class SizedMatmuls(roof.RecordingMatmuls):
         if self._depth == 0:
             self.moved.append(sum(t.nbytes for t in tensors))
 
-    def gram(self, x, scale=None):
+    def gram(self, x, scale=None, lower_out=False):
         self._count_inputs(x)
         return super().gram(x, scale)
 
@@ -66,11 +66,11 @@ class SizedMatmuls(roof.RecordingMatmuls):
         self._count_inputs(a)
         return super().gram_poly(a, b, c)
 
-    def poly(self, gram, a, b, c, scale=None):
+    def poly(self, gram, a, b, c, scale=None, lower_in=False, lower_out=False):
         self._count_inputs(gram)
         return super().poly(gram, a, b, c, scale)
 
-    def symmetric_product(self, x, y, scale=None):
+    def symmetric_product(self, x, y, scale=None, lower_in=False, lower_out=False):
         self._count_inputs(x, y)
         return super().symmetric_product(x, y, scale)
 

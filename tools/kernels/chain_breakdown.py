@@ -61,14 +61,27 @@ class TimedMatmuls(TritonMatmuls):
     ) -> Tensor | None:
         return self._mark("start", lambda: super(TimedMatmuls, self).start_into(g, out, x, eps, scale_out))
 
-    def gram(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
-        return self._mark("gram", lambda: super(TimedMatmuls, self).gram(x, scale))
+    def gram(self, x: Tensor, scale: Tensor | None = None, lower_out: bool = False) -> Tensor:
+        return self._mark("gram", lambda: super(TimedMatmuls, self).gram(x, scale, lower_out))
 
-    def poly(self, gram: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor:
-        return self._mark("poly", lambda: super(TimedMatmuls, self).poly(gram, a, b, c, scale))
+    def poly(
+        self,
+        gram: Tensor,
+        a: float,
+        b: float,
+        c: float,
+        scale: Tensor | None = None,
+        lower_in: bool = False,
+        lower_out: bool = False,
+    ) -> Tensor:
+        return self._mark("poly", lambda: super(TimedMatmuls, self).poly(gram, a, b, c, scale, lower_in, lower_out))
 
-    def symmetric_product(self, x: Tensor, y: Tensor, scale: Tensor | None = None) -> Tensor:
-        return self._mark("product", lambda: super(TimedMatmuls, self).symmetric_product(x, y, scale))
+    def symmetric_product(
+        self, x: Tensor, y: Tensor, scale: Tensor | None = None, lower_in: bool = False, lower_out: bool = False
+    ) -> Tensor:
+        return self._mark(
+            "product", lambda: super(TimedMatmuls, self).symmetric_product(x, y, scale, lower_in, lower_out)
+        )
 
     def apply(self, p: Tensor, x: Tensor) -> Tensor:
         return self._mark("apply", lambda: super(TimedMatmuls, self).apply(p, x))

@@ -91,15 +91,31 @@ class LowerTileChain:
     def __init__(self, base: GramBackend, product: Callable[..., Tensor], tile: int) -> None:
         self.base, self.product, self.tile = base, product, tile
 
-    def gram(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
+    def keeps_lower_tiles(self, x: Tensor) -> bool:
+        """False: this backend keeps lower tiles on its own terms (every product, Q mirrored before the apply),
+        not the library chain's (``lower_in``/``lower_out``, the last Q written whole)."""
+        return False
+
+    def gram(self, x: Tensor, scale: Tensor | None = None, lower_out: bool = False) -> Tensor:
         """R = s²·X·Xᵀ by the base backend, whole (its lower tiles are what the chain reads)."""
         return self.base.gram(x, scale)
 
-    def poly(self, gram: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor:
+    def poly(
+        self,
+        gram: Tensor,
+        a: float,
+        b: float,
+        c: float,
+        scale: Tensor | None = None,
+        lower_in: bool = False,
+        lower_out: bool = False,
+    ) -> Tensor:
         """s·(a·I + b·R + c·R²) on lower tiles, one fp32 epilogue."""
         return self.product(gram, None, alpha=c, beta=b, diag=a, scale=scale)
 
-    def symmetric_product(self, x: Tensor, y: Tensor, scale: Tensor | None = None) -> Tensor:
+    def symmetric_product(
+        self, x: Tensor, y: Tensor, scale: Tensor | None = None, lower_in: bool = False, lower_out: bool = False
+    ) -> Tensor:
         """s·X·Y for symmetric X, Y whose product is symmetric, on lower tiles."""
         return self.product(x, y, scale=scale)
 

@@ -59,8 +59,13 @@ class TorchMatmuls:
         """Never: every product is a full matmul."""
         return False
 
-    def gram(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
-        """A = s²·X·Xᵀ (per matrix of a batch; s = 1 without ``scale``)."""
+    def keeps_lower_tiles(self, x: Tensor) -> bool:
+        """Never: every result is written whole (so the chain's ``lower_in``/``lower_out`` never reach here
+        as True)."""
+        return False
+
+    def gram(self, x: Tensor, scale: Tensor | None = None, lower_out: bool = False) -> Tensor:
+        """A = s²·X·Xᵀ (per matrix of a batch; s = 1 without ``scale``), written whole."""
         return scaled(x @ x.mT, scale, 2)
 
     def gram_poly(self, a: Tensor, b: float, c: float) -> Tensor:
@@ -81,16 +86,27 @@ class TorchMatmuls:
         x = scaled(x, scale, 1)
         return self.combine(x, self.gram_poly(self.gram(x), b, c), a)
 
-    def poly(self, gram: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor:
+    def poly(
+        self,
+        gram: Tensor,
+        a: float,
+        b: float,
+        c: float,
+        scale: Tensor | None = None,
+        lower_in: bool = False,
+        lower_out: bool = False,
+    ) -> Tensor:
         """P = s·(a·I + b·A + c·A·A) for a symmetric A (s = 1 without ``scale``), in fp32 (or wider) and rounded
         once to A's dtype (as the SYRK epilogue does; rounding b·A + c·A·A before adding a·I more than doubles
-        Gram Newton–Schulz's error)."""
+        Gram Newton–Schulz's error); A whole, P written whole."""
         wide = torch.promote_types(gram.dtype, torch.float32)
         p = self.gram_poly(gram.to(wide), b, c)
         p.diagonal(dim1=-2, dim2=-1).add_(a)
         return scaled(p, scale, 1).to(gram.dtype)
 
-    def symmetric_product(self, x: Tensor, y: Tensor, scale: Tensor | None = None) -> Tensor:
+    def symmetric_product(
+        self, x: Tensor, y: Tensor, scale: Tensor | None = None, lower_in: bool = False, lower_out: bool = False
+    ) -> Tensor:
         """s·X·Yᵀ (a full product; the caller knows the result is symmetric; s = 1 without ``scale``)."""
         return scaled(x @ y.mT, scale, 1)
 

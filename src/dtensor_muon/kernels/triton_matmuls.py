@@ -32,6 +32,7 @@ from .normalize import cast_and_scale_into, normalize_into, scale_cast_applies, 
 from .shapes import decision_count
 from .torch_matmuls import TORCH_MATMULS, scaled
 from .triton_syrk import is_transposed_view, lower_tile_count, symmetric_product, syrk
+from .ws_syrk import BLOCK as LOWER_TILE  # the Gluon kernel's tile: a Gram chain keeps lower tiles where it divides m
 from .ws_syrk import ws_syrk_pays, ws_syrk_runs_products, ws_syrk_supported
 
 # Smallest Gram side, and fewest 128×128 lower-triangle tiles (all matrices of a batch together), from which the
@@ -59,11 +60,20 @@ def symmetric_kernel(
     diag: float = 0.0,
     scale: Tensor | None = None,
     scale_power: int = 1,
+    lower_in: bool = False,
+    lower_out: bool = False,
 ) -> Tensor:
     """s^p·(alpha·X·Yᵀ + beta·C + diag·I), Y = X by default, on the faster of the two SYRK kernels for x: the
-    warp-specialized Gluon one where :func:`.ws_syrk.ws_syrk_pays` holds, else the Triton one."""
+    warp-specialized Gluon one where :func:`.ws_syrk.ws_syrk_pays` holds, else the Triton one. ``lower_in``
+    (symmetric [B, m, m] operands valid in their lower tiles only) needs the Gluon kernel; ``lower_out`` lets
+    it write the lower tiles only (the Triton kernel writes whole results, which serve as well)."""
     if ws_syrk_pays(x, y, c):
-        return ws_syrk_supported(x, y, alpha, beta, c, diag, scale, scale_power)
+        return ws_syrk_supported(x, y, alpha, beta, c, diag, scale, scale_power, lower_in, lower_out)
+    if lower_in:
+        raise RuntimeError(
+            f"symmetric_kernel: operands stored as lower tiles need the Gluon kernel, which does not take "
+            f"{tuple(x.shape)} {x.dtype} here (the chain keeps lower tiles only where every product runs on it)"
+        )
     if y is None:
         return syrk(x, alpha, beta, c, diag, scale=scale, scale_power=scale_power)
     if (alpha, beta, c, diag, scale_power) != (1.0, 0.0, None, 0.0, 1):
@@ -143,23 +153,46 @@ class TritonMatmuls:
         else:
             TORCH_MATMULS.normalize_into(g, out, eps)
 
-    def gram(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
-        """A = s²·X·Xᵀ (per matrix of a batch; s = 1 without ``scale``), exactly symmetric on the SYRK path."""
+    def keeps_lower_tiles(self, x: Tensor) -> bool:
+        """Whether a Gram chain on the wide ``x`` ([m, n] or [B, m, n]) keeps its symmetric m×m intermediates as
+        their 128×128 lower tiles: every m×m product on the Gluon kernel (:meth:`uses_gluon_syrk`) and
+        LOWER_TILE | m. The kernel computes those tiles exactly as it does for whole operands, so the chain's
+        result is the same bits either way; it reads and writes 21 of 36 tiles at m = 768."""
+        return x.size(-2) % LOWER_TILE == 0 and self.uses_gluon_syrk(x)
+
+    def gram(self, x: Tensor, scale: Tensor | None = None, lower_out: bool = False) -> Tensor:
+        """A = s²·X·Xᵀ (per matrix of a batch; s = 1 without ``scale``), exactly symmetric on the SYRK path;
+        ``lower_out``: the Gluon kernel writes its lower tiles only."""
         if self.uses_syrk(x):
-            return symmetric_kernel(x, scale=scale, scale_power=2)
+            return symmetric_kernel(x, scale=scale, scale_power=2, lower_out=lower_out)
         return scaled(x @ x.mT, scale, 2)
 
-    def poly(self, gram: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor:
+    def poly(
+        self,
+        gram: Tensor,
+        a: float,
+        b: float,
+        c: float,
+        scale: Tensor | None = None,
+        lower_in: bool = False,
+        lower_out: bool = False,
+    ) -> Tensor:
         """P = s·(a·I + b·A + c·A·A) for a symmetric A (s = 1 without ``scale``): the SYRK kernel at every
         size, whose fp32 epilogue rounds P once (rounding b·A + c·A·A before adding a·I doubles Gram
         Newton–Schulz's error, and an fp32 sum after cuBLAS costs more than the product: docs/kernels.md
-        "Measured constants")."""
-        return symmetric_kernel(gram, alpha=c, beta=b, c=gram, diag=a, scale=scale)
+        "Measured constants"); A and P as lower tiles where ``lower_in``, ``lower_out`` (:class:`GramBackend
+        <..linalg.gram.GramBackend>`)."""
+        return symmetric_kernel(
+            gram, alpha=c, beta=b, c=gram, diag=a, scale=scale, lower_in=lower_in, lower_out=lower_out
+        )
 
-    def symmetric_product(self, x: Tensor, y: Tensor, scale: Tensor | None = None) -> Tensor:
-        """s·X·Yᵀ for a product known to be symmetric (exactly symmetric on the SYRK path)."""
-        if self.uses_syrk(x):
-            return symmetric_kernel(x, y, scale=scale)
+    def symmetric_product(
+        self, x: Tensor, y: Tensor, scale: Tensor | None = None, lower_in: bool = False, lower_out: bool = False
+    ) -> Tensor:
+        """s·X·Yᵀ for a product known to be symmetric (exactly symmetric on the SYRK path); operands and result
+        as lower tiles where ``lower_in``, ``lower_out``."""
+        if lower_in or self.uses_syrk(x):
+            return symmetric_kernel(x, y, scale=scale, lower_in=lower_in, lower_out=lower_out)
         return scaled(x @ y.mT, scale, 1)
 
     def apply(self, p: Tensor, x: Tensor) -> Tensor:

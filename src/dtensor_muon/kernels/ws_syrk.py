@@ -161,12 +161,28 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _operand_descriptors(t3: Tensor, transposed: bool, lower_in: bool) -> tuple[object, object | None]:
+    """The TMA descriptors the kernel reads [B, m, k] ``t3`` through: row blocks [1, BLOCK, BLOCK_K] (column
+    blocks [1, BLOCK_K, BLOCK] of the storage for a transposed view), and for a symmetric operand stored as
+    lower tiles (``lower_in``) also column blocks, for the slices above the diagonal (else None)."""
+    cols = None
+    if transposed or lower_in:
+        cols = TensorDescriptor.from_tensor(
+            _tma_storage(t3), [1, BLOCK_K, BLOCK], _nvmma((1, BLOCK_K, BLOCK), t3.dtype)
+        )
+        if transposed:
+            return cols, None
+    rows = TensorDescriptor.from_tensor(t3, [1, BLOCK, BLOCK_K], _nvmma((1, BLOCK, BLOCK_K), t3.dtype))
+    return rows, cols
+
+
 def _launch_operands(
-    x: Tensor, y: Tensor | None, c: Tensor | None, scale: Tensor | None, scale_power: int
+    x: Tensor, y: Tensor | None, c: Tensor | None, scale: Tensor | None, scale_power: int, lower_in: bool
 ) -> tuple[Tensor, tuple, bool]:
     """What a launch needs, after checking C and the scale: the new [B, m, m] output, the TMA descriptors of X
-    and Y (128-row panels, BLOCK_K deep), the output and C (the output's when no C), the scale argument (the
-    output when none), and whether X is a transposed view."""
+    and Y (row and column blocks of 128-row panels, BLOCK_K deep: :func:`_operand_descriptors`), the output
+    and C (the output's when no C), the scale argument (the output when none), and whether X is a transposed
+    view."""
     x3 = x if x.ndim == 3 else x.unsqueeze(0)
     y3 = x3 if y is None else (y if y.ndim == 3 else y.unsqueeze(0))
     batch, m, _ = x3.shape
@@ -181,16 +197,20 @@ def _launch_operands(
             f"aligned, got {tuple(c.shape)} {c.dtype}"
         )
     transposed = is_transposed_view(x3)
-    block = (1, BLOCK_K, BLOCK) if transposed else (1, BLOCK, BLOCK_K)
+    if lower_in and (transposed or m % BLOCK or x3.size(-1) != m or not x3.is_contiguous() or not y3.is_contiguous()):
+        raise ValueError(
+            f"ws_syrk: lower-tile operands must be contiguous [B, m, m] stacks with {BLOCK} | m, got X "
+            f"{tuple(x3.shape)} {x3.stride()}, Y {tuple(y3.shape)} {y3.stride()}"
+        )
     out = torch.empty((batch, m, m), device=x.device, dtype=x.dtype)
-    in_layout = _nvmma(block, x.dtype)
-    desc_a = TensorDescriptor.from_tensor(_tma_storage(x3), list(block), in_layout)
-    desc_b = desc_a if y is None else TensorDescriptor.from_tensor(_tma_storage(y3), list(block), in_layout)
+    desc_a, desc_a_cols = _operand_descriptors(x3, transposed, lower_in)
+    desc_b, desc_b_cols = (desc_a, desc_a_cols) if y is None else _operand_descriptors(y3, transposed, lower_in)
     out_block = (1, BLOCK, BLOCK)
     out_layout = _nvmma(out_block, x.dtype)
     desc_out = TensorDescriptor.from_tensor(out, list(out_block), out_layout)
     desc_c = desc_out if c3 is None else TensorDescriptor.from_tensor(c3, list(out_block), out_layout)
-    return out, (desc_a, desc_b, desc_out, desc_c, out if scale is None else scale), transposed
+    descriptors = (desc_a, desc_a_cols, desc_b, desc_b_cols, desc_out, desc_c)
+    return out, (*descriptors, out if scale is None else scale), transposed
 
 
 def ws_syrk(
@@ -223,15 +243,19 @@ def ws_syrk_supported(
     diag: float = 0.0,
     scale: Tensor | None = None,
     scale_power: int = 1,
+    lower_in: bool = False,
+    lower_out: bool = False,
 ) -> Tensor:
     """:func:`ws_syrk` for a caller that has established ``ws_syrk_supports(x, y)`` (the dispatch, through
-    :func:`ws_syrk_pays`): the same checks of C and the scale, without that one's host cost again."""
-    out, operands, transposed = _launch_operands(x, y, c, scale, scale_power)
+    :func:`ws_syrk_pays`): the same checks of C and the scale, without that one's host cost again.
+    ``lower_in``: X, Y and C are symmetric [B, m, m] stacks (128 | m) of which only the 128×128 lower tiles
+    are read; ``lower_out``: only the output's lower tiles are written (its upper tiles left as allocated)."""
+    out, operands, transposed = _launch_operands(x, y, c, scale, scale_power, lower_in)
     batch, m, k = out.size(0), out.size(1), x.size(-1)
     per_matrix = lower_tile_count(m, BLOCK, 1)  # 128×128 squares on or below the diagonal
     total = per_matrix * batch
     programs = min(_sm_count(x.device.index or 0), triton.cdiv(total, 2))
-    flags = (transposed, c is not None, diag != 0.0, 0 if scale is None else scale_power)
+    flags = (transposed, lower_in, lower_out, c is not None, diag != 0.0, 0 if scale is None else scale_power)
     # Triton types the integers i32 or i64 by value, so their range is part of the compiled kernel's key.
     types = (x.dtype, operands[-1].dtype, x.device.index, max(k, total) >= 2**31)
     _launch(programs, (*operands, k, total, per_matrix, float(alpha), float(beta), float(diag)), flags, types)
@@ -246,21 +270,27 @@ def ws_syrk_supported(
 _COMPILED: dict[tuple, object] = {}
 
 
-def _launch(programs: int, args: tuple, flags: tuple[bool, bool, bool, int], types: tuple) -> None:
+def _launch(programs: int, args: tuple, flags: tuple[bool, bool, bool, bool, bool, int], types: tuple) -> None:
     acc = _accumulator_layout()
-    constexprs = (*flags, acc, BLOCK, BLOCK_K, STAGES, TURN_LEAD, CONSUMER_REGS, PRODUCER_REGS)
+    dtype = types[0]
+    layouts = (_nvmma((1, BLOCK, BLOCK_K), dtype), _nvmma((1, BLOCK_K, BLOCK), dtype))
+    constexprs = (*flags, *layouts, acc, BLOCK, BLOCK_K, STAGES, TURN_LEAD, CONSUMER_REGS, PRODUCER_REGS)
     key = (constexprs, MAX_REGS, types)
     compiled = _COMPILED.get(key)
     if compiled is not None:
         compiled[(programs, 1, 1)](*args, *constexprs)
         return
-    transposed, has_c, has_diag, scale_power = flags
+    transposed, lower_in, lower_out, has_c, has_diag, scale_power = flags
     _COMPILED[key] = ws_syrk_kernel[(programs,)](
         *args,
         TRANSPOSED=transposed,
+        LOWER_IN=lower_in,
+        LOWER_OUT=lower_out,
         HAS_C=has_c,
         HAS_DIAG=has_diag,
         SCALE_POWER=scale_power,
+        ROWS_LAYOUT=layouts[0],
+        COLUMNS_LAYOUT=layouts[1],
         ACC=acc,
         BM=BLOCK,
         BK=BLOCK_K,

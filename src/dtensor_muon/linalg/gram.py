@@ -31,13 +31,29 @@ from torch import Tensor
 
 class GramBackend(Protocol):
     """The products Gram Newton–Schulz needs, on [m, n] / [m, m] or batched [B, ..] inputs; a ``scale`` s (per
-    matrix) multiplies gram's result by s², poly's and symmetric_product's by s."""
+    matrix) multiplies gram's result by s², poly's and symmetric_product's by s. Where ``keeps_lower_tiles(x)``
+    holds, a chain on x passes ``lower_in`` (its symmetric operands, C included, are valid in their 128×128
+    lower tiles only) and ``lower_out`` (the result need be written in its lower tiles only); a backend that
+    never keeps lower tiles says so and writes whole results, which serve either way."""
 
-    def gram(self, x: Tensor, scale: Tensor | None = None) -> Tensor: ...
+    def keeps_lower_tiles(self, x: Tensor) -> bool: ...
 
-    def poly(self, gram: Tensor, a: float, b: float, c: float, scale: Tensor | None = None) -> Tensor: ...
+    def gram(self, x: Tensor, scale: Tensor | None = None, lower_out: bool = False) -> Tensor: ...
 
-    def symmetric_product(self, x: Tensor, y: Tensor, scale: Tensor | None = None) -> Tensor: ...
+    def poly(
+        self,
+        gram: Tensor,
+        a: float,
+        b: float,
+        c: float,
+        scale: Tensor | None = None,
+        lower_in: bool = False,
+        lower_out: bool = False,
+    ) -> Tensor: ...
+
+    def symmetric_product(
+        self, x: Tensor, y: Tensor, scale: Tensor | None = None, lower_in: bool = False, lower_out: bool = False
+    ) -> Tensor: ...
 
     def apply(self, p: Tensor, x: Tensor) -> Tensor: ...
 
@@ -50,20 +66,24 @@ def gram_segment(
 ) -> Tensor:
     """len(triples) Newton–Schulz iterations from X = s·x (x itself without ``scale``) as one Q·X: R = X·Xᵀ,
     then per iteration Z = a·I + b·R + c·R², Q ← Q·Z and (all but the last) R ← Z·(R·Z). With a scale,
-    R = s²·x·xᵀ and the last product forming Q is s·Q, so that Q·X = (s·Q)·x: s·x is never formed."""
-    r = backend.gram(x, scale)
+    R = s²·x·xᵀ and the last product forming Q is s·Q, so that Q·X = (s·Q)·x: s·x is never formed. Where the
+    backend keeps lower tiles, R, every Z and every Q but the last are kept as their lower tiles; the last Q,
+    which the apply reads whole, is written whole."""
+    lower = backend.keeps_lower_tiles(x)
+    r = backend.gram(x, scale, lower_out=lower)
     q: Tensor | None = None
     for j, (a, b, c) in enumerate(triples):
         last = j == len(triples) - 1
         fold = scale if last else None
         if q is None:
-            z = backend.poly(r, a, b, c, fold)
+            z = backend.poly(r, a, b, c, fold, lower_in=lower, lower_out=lower and not last)
             q = z
         else:
-            z = backend.poly(r, a, b, c)
-            q = backend.symmetric_product(q, z, fold)
+            z = backend.poly(r, a, b, c, lower_in=lower, lower_out=lower)
+            q = backend.symmetric_product(q, z, fold, lower_in=lower, lower_out=lower and not last)
         if not last:
-            r = backend.symmetric_product(z, backend.symmetric_product(r, z))
+            rz = backend.symmetric_product(r, z, lower_in=lower, lower_out=lower)
+            r = backend.symmetric_product(z, rz, lower_in=lower, lower_out=lower)
     assert q is not None, "gram_segment needs at least one iteration"
     return backend.apply(q, x)
 
