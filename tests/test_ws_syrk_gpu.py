@@ -152,3 +152,58 @@ def test_c_in_another_dtype_goes_to_the_triton_kernel_or_is_rejected_by_name(mon
     assert not ws_syrk_pays(x, None, c)  # fp32: its bf16 TMA descriptor cannot read it
     with pytest.raises(ValueError, match="ws_syrk: C must have X's batch, be 512×512 in X's dtype"):
         ws_syrk(x, None, 1.0, 1.0, c)
+
+
+def _lower_tiles_only(full: torch.Tensor) -> torch.Tensor:
+    """A copy of the symmetric stack with NaN in every 128×128 tile above the diagonal."""
+    tiles = torch.arange(full.size(-1), device=full.device) // 128
+    return torch.where(tiles[:, None] >= tiles[None, :], full, torch.nan)
+
+
+@pytest.mark.parametrize("m", [256, 768])
+def test_lower_tile_operands_give_the_whole_operands_lower_tiles_bit_for_bit(m):
+    """Products and the poly of symmetric stacks kept as lower tiles (NaN above) equal, in every lower tile,
+    the same products of the whole stacks bit for bit (the same sums in the same order); the poly's C is the
+    lower-tile stack too. With ``lower_out`` only the upper tiles are left unwritten."""
+    from dtensor_muon.kernels.ws_syrk import ws_syrk_supported
+
+    gen = torch.Generator("cuda").manual_seed(11)
+    r = ws_syrk(torch.randn(8, m, 2 * m, device="cuda", generator=gen).bfloat16() / m)
+    z = ws_syrk(torch.randn(8, m, 2 * m, device="cuda", generator=gen).bfloat16() / m)
+    rl, zl = _lower_tiles_only(r), _lower_tiles_only(z)
+    tiles = torch.arange(m, device="cuda") // 128
+    lower = tiles[:, None] >= tiles[None, :]
+    scale = torch.linspace(0.5, 2.0, 8, device="cuda")
+    for whole_args, lower_args, kwargs in [
+        ((r, z), (rl, zl), {"scale": scale}),
+        ((r, None), (rl, None), {"alpha": 2.0315, "beta": -4.775, "diag": 3.4445}),
+    ]:
+        kwargs_c = {**kwargs, "c": whole_args[0]} if "beta" in kwargs else kwargs
+        want = ws_syrk_supported(*whole_args, **kwargs_c)
+        lower_c = {**kwargs, "c": lower_args[0]} if "beta" in kwargs else kwargs
+        for lower_out in (False, True):
+            got = ws_syrk_supported(*lower_args, **lower_c, lower_in=True, lower_out=lower_out)
+            assert torch.equal(got[:, lower], want[:, lower])
+            if not lower_out:
+                assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("shape", [(16, 768, 2048), (16, 2048, 768), (4, 1024, 3072)])
+def test_a_gram_chain_on_lower_tiles_gives_the_whole_chains_bits(shape):
+    """Newton–Schulz in Gram form where the chain keeps lower tiles equals, bit for bit, the same call with
+    whole intermediates (the backend told not to keep lower tiles)."""
+    from dtensor_muon.kernels.triton_matmuls import TritonMatmuls
+    from dtensor_muon.linalg.gram import gram_newton_schulz
+    from dtensor_muon.linalg.newton_schulz import KELLER_COEFFICIENTS, gram_segments, normalized_start
+
+    class WholeMatrices(TritonMatmuls):
+        def keeps_lower_tiles(self, x):
+            return False
+
+    g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(5)).bfloat16()
+    _, x, backend, scale = normalized_start(g, torch.bfloat16, 1e-7)
+    assert backend.keeps_lower_tiles(x)
+    triples = [KELLER_COEFFICIENTS] * 5
+    got = gram_newton_schulz(x, triples, backend, gram_segments(5), scale)
+    want = gram_newton_schulz(x, triples, WholeMatrices(), gram_segments(5), scale)
+    assert torch.equal(got, want)
