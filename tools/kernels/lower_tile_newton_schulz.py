@@ -188,7 +188,7 @@ def run_time(args: argparse.Namespace, variants: dict[str, Callable[..., Tensor]
         library_us, library_out = graph_us(functools.partial(gram_call, x, backend, scale, g), rounds=args.rounds)
         library_error = (library_out[:2].double() - want).abs().max().item()
         for name, product in variants.items():
-            if name == "gluon":  # its own tile, depth and warps (ws_lower_tile.py), whatever --config says
+            if name == "gluon":  # the library kernel's tile, depth and warps, whatever --config says
                 configured = product
             else:
                 configured = functools.partial(product, tile=tile, block_k=block_k, num_warps=warps, num_stages=stages)
@@ -211,7 +211,7 @@ def run_time(args: argparse.Namespace, variants: dict[str, Callable[..., Tensor]
                 }
             )
     print(f"\n{torch.cuda.get_device_name()}, config T {tile}, BLOCK_K {block_k}, {warps} warps, {stages} stages "
-          "(gluon: its own, T 128, BLOCK_K 64, ws_lower_tile.STAGES)\n")  # fmt: skip
+          "(gluon: the library kernel's, T 128, BLOCK_K 64, ws_syrk.STAGES)\n")  # fmt: skip
     print("| stack | variant | library µs | lower tiles µs | ratio | max diff to library | error vs fp64 (library's) |")
     print("|---|---|---:|---:|---:|---:|---|")
     for r in rows:

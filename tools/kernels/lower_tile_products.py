@@ -34,8 +34,8 @@ over [B, m, m] with blocks [1, ·, ·] reshaped to 2-D, and "flat" over the batc
 library's own layout. T must divide m (no edge tiles, refused otherwise); the checks skip the other sizes, and
 ``--time`` skips the configs whose T does not divide m.
 
-The Gluon variant (``--kernel gluon``, in ``ws_lower_tile.py``) is the library's warp-specialized Hopper kernel
-reading and writing lower tiles: T = 128, BLOCK_K = 64, its ring depth the one knob ``--time`` varies
+The Gluon variant (``--kernel gluon``) is the library's warp-specialized Hopper kernel (``kernels/ws_syrk.py``)
+reading and writing lower tiles (``lower_in``, ``lower_out``): T = 128, BLOCK_K = 64, its ring depth the one knob ``--time`` varies
 (GLUON_STAGES); it runs on a Hopper GPU only, so the interpreter's checks skip it.
 
 ``--check`` (CPU under the Triton interpreter, or a GPU) runs small stacks (B ∈ {1, 3}, m ∈ {128, 192, 256},
@@ -76,7 +76,7 @@ from torch import Tensor
 
 # (T, BLOCK_K, num_warps, num_stages) tried by --time; the check runs T = 64, BLOCK_K = 32.
 CONFIGS: tuple[tuple[int, int, int, int], ...] = tuple(itertools.product((64, 128), (32, 64), (4, 8), (2, 3, 4)))
-GLUON_STAGES = (4, 5)  # ring depths --time tries for the Gluon kernel (ws_lower_tile.py; the library's is 5)
+GLUON_STAGES = (4, 5)  # ring depths --time tries for the library's Gluon kernel (its own is ws_syrk.STAGES, 5)
 KELLER = (3.4445, -4.775, 2.0315)
 
 
@@ -488,10 +488,44 @@ def lower_tile_variants(kernel: str, layouts: list[str]) -> dict[str, Callable[.
         for layout in layouts:
             variants[f"tma-{layout}"] = functools.partial(lower_tile_product_tma, layout=layout)
     if kernel in ("gluon", "all"):
-        from ws_lower_tile import lower_tile_product_gluon
-
         variants["gluon"] = lower_tile_product_gluon
     return variants
+
+
+def lower_tile_product_gluon(
+    a: Tensor,
+    b: Tensor | None = None,
+    *,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    diag: float = 0.0,
+    scale: Tensor | None = None,
+    out: Tensor | None = None,
+    tile: int = 128,
+    block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 5,
+) -> Tensor:
+    """:func:`lower_tile_product` by the library's Gluon kernel on lower tiles (``ws_syrk_supported`` with
+    ``lower_in`` and ``lower_out``; C = A where beta ≠ 0), its ring ``num_stages`` deep; T = 128, BLOCK_K = 64 and 4
+    warps are the kernel's. The kernel allocates its output: with ``out`` its lower tiles are copied there (the
+    checks' NaN above stays)."""
+    from dtensor_muon.kernels import ws_syrk
+
+    if (tile, block_k, num_warps) != (ws_syrk.BLOCK, ws_syrk.BLOCK_K, 4):
+        raise ValueError(
+            f"lower_tile_product_gluon: the kernel runs T {ws_syrk.BLOCK}, BLOCK_K {ws_syrk.BLOCK_K}, 4 warps, got "
+            f"T {tile}, BLOCK_K {block_k}, {num_warps} warps"
+        )
+    stages, ws_syrk.STAGES = ws_syrk.STAGES, num_stages
+    try:
+        c = a if beta != 0.0 else None
+        result = ws_syrk.ws_syrk_supported(a, b, alpha, beta, c, diag, scale, 1, lower_in=True, lower_out=True)
+    finally:
+        ws_syrk.STAGES = stages
+    if out is None:
+        return result
+    return out.copy_(torch.where(lower_tile_mask(a.size(-1), tile, a.device), result, out))
 
 
 def needs_even(variant: str) -> bool:
@@ -790,7 +824,7 @@ def main() -> None:
         "--kernel",
         choices=("pointers", "tma", "both", "gluon", "all"),
         default="both",
-        help="which lower-tile kernels to run (both: pointers and tma; gluon: ws_lower_tile.py, GPU only; all)",
+        help="which lower-tile kernels to run (both: pointers and tma; gluon: the library's, GPU only; all)",
     )
     parser.add_argument(
         "--tma-layout", choices=(*TMA_LAYOUTS, "both"), default="both", help="the TMA kernel's descriptors"

@@ -49,6 +49,9 @@ MIN_GLUON_SYRK_TILES = 136
 # Gluon kernel takes those calls (MIN_GLUON_SYRK_DIM): 4.59 against the Triton kernel's 4.96 ms for the stack.
 SMALL_SYRK_DIMS = (768, 1024)
 MIN_SMALL_SYRK_TILES = 168
+# Whether Gram chains keep their symmetric intermediates as lower tiles where they can
+# (TritonMatmuls.keeps_lower_tiles; the same bits either way); 0 turns it off, for benchmarks to compare.
+KEEP_LOWER_TILES = 1
 
 
 def symmetric_kernel(
@@ -157,8 +160,9 @@ class TritonMatmuls:
         """Whether a Gram chain on the wide ``x`` ([m, n] or [B, m, n]) keeps its symmetric m×m intermediates as
         their 128×128 lower tiles: every m×m product on the Gluon kernel (:meth:`uses_gluon_syrk`) and
         LOWER_TILE | m. The kernel computes those tiles exactly as it does for whole operands, so the chain's
-        result is the same bits either way; it reads and writes 21 of 36 tiles at m = 768."""
-        return x.size(-2) % LOWER_TILE == 0 and self.uses_gluon_syrk(x)
+        result is the same bits either way; it reads and writes 21 of 36 tiles at m = 768. KEEP_LOWER_TILES = 0
+        turns it off."""
+        return bool(KEEP_LOWER_TILES) and x.size(-2) % LOWER_TILE == 0 and self.uses_gluon_syrk(x)
 
     def gram(self, x: Tensor, scale: Tensor | None = None, lower_out: bool = False) -> Tensor:
         """A = s²·X·Xᵀ (per matrix of a batch; s = 1 without ``scale``), exactly symmetric on the SYRK path;
