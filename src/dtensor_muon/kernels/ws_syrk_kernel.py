@@ -28,6 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # names), async_copy_global_to_shared/async_copy_shared_to_global in older ones (3.6 has only those).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# Shared memory reinterpreted as another shape and layout: ``reinterpret`` in newer releases, ``_reinterpret``
+# in 3.6.
+PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 @gluon.jit
@@ -327,7 +330,10 @@ def ws_syrk_kernel(
     ``desc_b_cols`` read the column blocks above the diagonal (None otherwise)."""
     dtype: gl.constexpr = desc_out.dtype
     panels = gl.allocate_shared_memory(dtype, [2 * STAGES, 1, BM, BK], ROWS_LAYOUT)
-    mirrored = panels._reinterpret(dtype, [2 * STAGES, 1, BK, BM], COLUMNS_LAYOUT)
+    if PUBLIC_REINTERPRET:
+        mirrored = panels.reinterpret(dtype, [2 * STAGES, 1, BK, BM], COLUMNS_LAYOUT)
+    else:
+        mirrored = panels._reinterpret(dtype, [2 * STAGES, 1, BK, BM], COLUMNS_LAYOUT)
     staging = gl.allocate_shared_memory(dtype, [2] + desc_out.block_type.shape, desc_out.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
