@@ -2,6 +2,7 @@
 timed alone.
 
     PYTHONPATH=src:bench python tools/kernels/chain_breakdown.py --shapes 4096x4096,64x2048x1408 --out chain.json
+    ... --shapes 128x768x2048 --algorithms gram --keep-lower-tiles 0     (then 1: the chain on lower tiles)
 
 For each shape and form ("standard", "gram"): the whole call timed by ``triton.testing.do_bench`` (median);
 the same call ``--calls`` times back to back with a CUDA event after every product (gram, poly,
@@ -30,7 +31,7 @@ from ns_roofline import roofline
 from optimizer_step import device_copy_gbps, matmul_ceiling
 from torch import Tensor
 
-from dtensor_muon.kernels import triton_syrk, ws_syrk
+from dtensor_muon.kernels import triton_matmuls, triton_syrk, ws_syrk
 from dtensor_muon.kernels.triton_matmuls import TritonMatmuls
 from dtensor_muon.linalg.newton_schulz import (
     KELLER_COEFFICIENTS,
@@ -161,10 +162,19 @@ def main() -> None:
         default=None,
         help="override ws_syrk.WS_MIN_WORK (fewest multiply-adds for the Gluon kernel; 0: every product it supports)",
     )
+    parser.add_argument(
+        "--keep-lower-tiles",
+        type=int,
+        choices=(0, 1),
+        default=None,
+        help="set triton_matmuls.KEEP_LOWER_TILES (Gram chains on lower tiles where they can; 0: whole matrices)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.ws_min_work is not None:
         ws_syrk.WS_MIN_WORK = args.ws_min_work
+    if args.keep_lower_tiles is not None:
+        triton_matmuls.KEEP_LOWER_TILES = args.keep_lower_tiles
     tflops = matmul_ceiling(torch.device("cuda"))["tflops"]
     gbps = device_copy_gbps(torch.device("cuda"))
     print(f"bf16 8192³ matmul {tflops:.0f} TFLOP/s, copy rate {gbps:.0f} GB/s")
