@@ -90,10 +90,18 @@ def compile_for_hopper(
         (False, False, False, 2, False, False),
         (True, True, True, 1, False, False),
         (False, False, False, 2, False, True),
+        (True, False, False, 2, False, True),
         (False, False, False, 1, True, True),
         (False, True, True, 1, True, False),
     ],
-    ids=["gram", "transposed poly", "gram to lower tiles", "product on lower tiles", "poly from lower tiles"],
+    ids=[
+        "gram",
+        "transposed poly",
+        "gram to lower tiles",
+        "transposed gram to lower tiles",
+        "product on lower tiles",
+        "poly from lower tiles",
+    ],
 )
 def test_the_gluon_kernel_compiles_for_hopper(
     transposed: bool, has_c: bool, has_diag: bool, scale_power: int, lower_in: bool, lower_out: bool
