@@ -24,6 +24,11 @@ staging buffer); a diagonal tile has its lower part mirrored into its upper part
 stored once. Every element is written once: the result is exactly symmetric and deterministic, and equals
 the Triton kernel's up to the order of the fp32 sums.
 
+For Gram Newton–Schulz's chain of symmetric products the kernel also reads and writes lower tiles only
+(``lower_in``: operands valid in their 128×128 lower tiles, a K slice above an operand's diagonal tile read as
+the columns of its mirror; ``lower_out``: a tile below the diagonal stored once): the same tiles, the same sums,
+21 of 36 tiles' bytes at m = 768 (:meth:`.triton_matmuls.TritonMatmuls.keeps_lower_tiles`).
+
 Why it is built this way, and where it still loses to cuBLAS per clock: docs/kernels.md.
 """
 
