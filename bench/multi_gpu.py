@@ -90,7 +90,11 @@ class Launch:
 
 
 def torchrun(nproc: int, args: list[str], log: Path, env: dict[str, str] | None = None) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *args]
+    """Run ``args`` under torchrun on ``nproc`` local processes, output to ``log``; its exit code.
+
+    ``--standalone`` lets the rendezvous take a free port, so runs beside other torchrun jobs on this host (a
+    parallel test suite) do not collide on the default 29500."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
     with open(log, "w") as f:
         return subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
 
