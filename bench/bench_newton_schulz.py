@@ -177,13 +177,18 @@ def ours_route(g: Tensor) -> str:
 
 
 def measure_shape(
-    shape: tuple[int, ...], methods: dict[str, Method], cuda: bool, rounds: int
+    shape: tuple[int, ...],
+    methods: dict[str, Method],
+    cuda: bool,
+    rounds: int,
+    input_dtype: torch.dtype = torch.float32,
 ) -> tuple[list[dict], list[float]]:
     """One row per method: accuracy from one call (after a first that tunes, compiles and captures), then
     ``rounds`` timings per method, interleaved, each round also timing the matmul ceiling; the row's % of it is
-    the median over rounds of its rate against that round's ceiling. Returns the rows and the ceilings."""
+    the median over rounds of its rate against that round's ceiling. Returns the rows and the ceilings. The input
+    is a standard normal G in ``input_dtype`` (bfloat16: what the optimizer's momentum pass hands Newton–Schulz)."""
     torch.manual_seed(0)
-    g = torch.randn(shape, device="cuda" if cuda else "cpu", dtype=torch.float32)
+    g = torch.randn(shape, device="cuda" if cuda else "cpu", dtype=torch.float32).to(input_dtype)
     reference = plain_torch(g).to(torch.float64)
     eager = newton_schulz(g)
     name = "x".join(map(str, shape))

@@ -87,6 +87,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timings per method, interleaved; the median counts")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU: checks the script")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    parser.add_argument(
+        "--input-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the input's dtype (bfloat16: as the optimizer runs it, its momentum pass writing the input in bf16)",
+    )
     args = parser.parse_args()
     try:
         methods = {spec: parse_method(spec) for spec in args.methods.split(",")}
@@ -100,7 +106,7 @@ def main() -> None:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows: list[dict] = []
     for shape in shapes:
-        shape_rows, ceilings = measure_shape(shape, methods, cuda, args.rounds)
+        shape_rows, ceilings = measure_shape(shape, methods, cuda, args.rounds, getattr(torch, args.input_dtype))
         print(
             f"{shape}: matmul ceiling {', '.join(f'{c:.3g}' for c in ceilings)} TFLOP/s; "
             f"dispatched: {shape_rows[0]['ours_route']}",
