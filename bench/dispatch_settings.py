@@ -5,11 +5,12 @@
 
 Names (:data:`TUNABLES`): the Gluon kernel's (``WS_MIN_WORK``, ``WS_MAX_DIM``, ``TURN_LEAD``, ``STAGES``), the
 SYRK floors (``MIN_SYRK_DIM``, ``MIN_SYRK_TILES``, ``MIN_SMALL_SYRK_TILES``, ``MIN_GLUON_SYRK_DIM``,
-``MIN_GLUON_SYRK_TILES``), ``KEEP_LOWER_TILES`` (Gram chains on lower tiles, 1 or 0), the dispatch's (``MIN_GPU_BACKEND_WORK``, the Gram form's aspects and work floors),
-``MAX_GRAPH_WORK``, ``STACK_MAX_SIDE`` (which units stack), ``GATHER_MAX_UNITS`` (which of a holder's units stack
-across parameters), ``MIN_KERNEL_NUMEL`` (the smallest shard the fused element-wise kernels take) and
-``MIN_LIST_MEAN_NUMEL`` (the fewest entries a shard, on average, for one launch over a list of smaller shards);
-docs/kernels.md "Measured constants" and each constant's docstring say what it is and how it was chosen.
+``MIN_GLUON_SYRK_TILES``), ``KEEP_LOWER_TILES`` (Gram chains on lower tiles, 1 or 0), the dispatch's
+(``MIN_GPU_BACKEND_WORK``, the Gram form's aspects and work floors), ``MAX_GRAPH_WORK``, ``STACK_MAX_SIDE``
+(which units stack), ``GATHER_MAX_UNITS`` (which of a holder's units stack across parameters),
+``MIN_KERNEL_NUMEL`` (the smallest shard the fused element-wise kernels take) and ``MIN_LIST_MEAN_NUMEL`` (the
+fewest entries a shard, on average, for one launch over a list of smaller shards); docs/kernels.md "Measured
+constants" and each constant's docstring say what it is and how it was chosen.
 """
 
 from __future__ import annotations

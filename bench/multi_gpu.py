@@ -167,7 +167,8 @@ def run_torchtitan(config: str, variant: str, launch: Launch, steps: int, extra:
         *VARIANTS[variant],
         *extra,
     ]
-    code = torchrun(launch.nproc, args, out / f"{dump.name}.log", launch.env())
+    log = out / f"{dump.name}.log"
+    code = torchrun(launch.nproc, args, log, launch.env())
     row: dict = {
         "config": Path(config).stem,
         "variant": variant,
@@ -177,7 +178,7 @@ def run_torchtitan(config: str, variant: str, launch: Launch, steps: int, extra:
         "returncode": code,
     }
     if code != 0:
-        row["log_tail"] = (out / f"{dump.name}.log").read_text(errors="replace")[-3000:]
+        row["log_tail"] = log.read_text(errors="replace")[-3000:]
         return row
     series = scalars(latest_events(dump))
     mfu = median_after_warmup(series.get("mfu(%)"))
