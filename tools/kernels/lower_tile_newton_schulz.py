@@ -36,6 +36,7 @@ from lower_tile_products import TMA_LAYOUTS, lower_tile_variants, pack_lower, un
 from torch import Tensor
 
 from dtensor_muon.kernels.torch_matmuls import TORCH_MATMULS
+from dtensor_muon.kernels.ws_syrk import BLOCK as GLUON_TILE
 from dtensor_muon.linalg.gram import GramBackend, gram_newton_schulz
 from dtensor_muon.linalg.newton_schulz import (
     KELLER_COEFFICIENTS,
@@ -192,7 +193,7 @@ def run_time(args: argparse.Namespace, variants: dict[str, Callable[..., Tensor]
                 configured = product
             else:
                 configured = functools.partial(product, tile=tile, block_k=block_k, num_warps=warps, num_stages=stages)
-            chain = LowerTileChain(backend, configured, 128 if name == "gluon" else tile)
+            chain = LowerTileChain(backend, configured, GLUON_TILE if name == "gluon" else tile)
             try:
                 us, out = graph_us(functools.partial(gram_call, x, chain, scale, g), rounds=args.rounds)
             except ValueError as exc:  # a TMA variant refusing an operand's layout (the library's R, say)
