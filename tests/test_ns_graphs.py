@@ -137,3 +137,34 @@ def test_a_borrowed_output_is_the_graphs_own_buffer():
         again = runner(inputs[2], borrow=True)
         assert again.data_ptr() == borrowed.data_ptr() and not torch.equal(borrowed, kept)
         assert torch.equal(again, newton_schulz(inputs[2]))
+
+
+def test_no_staging_buffer_off_cuda_or_above_the_graphs_bound(monkeypatch):
+    runner = NewtonSchulzGraphs()
+    assert runner.staging_buffer((8, 64, 128), torch.bfloat16, torch.device("cpu")) is None
+    monkeypatch.setattr(ns_graphs, "MAX_GRAPH_WORK", 64 * 64 * 128 - 1)  # B·m²·n of a [64, 128] matrix, less one
+    assert runner.staging_buffer((64, 128), torch.bfloat16, torch.device("cuda", 0)) is None
+    assert runner.staging_buffer((128, 64), torch.bfloat16, torch.device("cuda", 0)) is None
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(1536, 2560), (2560, 1536), (8, 768, 2048), (4, 256, 512)])
+def test_a_staging_buffer_is_read_in_place_with_the_same_bits(shape):
+    """Inputs written into the runner's staging buffer: every call on it (eager, then replayed) equals the call on
+    a copy of the input bit for bit, wide, tall, batched and on the torch backend's sizes; on the SYRK route the
+    graph's start is the buffer itself (no copy), elsewhere the graph writes a start of its own; the buffer is
+    one per shape and never written by a call."""
+    runner = NewtonSchulzGraphs()
+    buffer = runner.staging_buffer(shape, torch.bfloat16, torch.device("cuda"))
+    assert buffer is runner.staging_buffer(shape, torch.bfloat16, torch.device("cuda", torch.cuda.current_device()))
+    for seed in range(3):
+        g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).bfloat16()
+        buffer.copy_(g)
+        for algorithm in ("standard", "gram"):
+            assert torch.equal(runner(buffer.view(shape), algorithm=algorithm), newton_schulz(g, algorithm=algorithm))
+        assert torch.equal(buffer, g)
+    captured = [c for c in runner._captured.values() if c is not None]
+    assert len(captured) == 2
+    folds = normalized_start(g, torch.bfloat16, 1e-7)[3] is not None
+    assert all(c.reads_input == folds and (c.start.data_ptr() == buffer.data_ptr()) == folds for c in captured)
+    assert folds == (shape != (4, 256, 512))

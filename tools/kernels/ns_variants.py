@@ -15,6 +15,9 @@ dispatch captures one), followed by ``:key=value`` settings applied around every
 - ``gluon=0|1``: the warp-specialized Gluon SYRK kernel off or on;
 - ``decide=N``: the dispatch decides as for N matrices whatever the batch (``kernels.shapes.decide_as_batch``: how the
   optimizer runs a stack of units of N matrices each);
+- ``staged=1`` (graphs only): the input written once into the runner's staging buffer and every call made on that
+  buffer, as an owner's assembled input is (``NewtonSchulzGraphs.staging_buffer``: with ``--input-dtype bfloat16``
+  the graph reads it in place, no start copy);
 - ``loop=1``: a batch [B, m, n] run one matrix at a time (what the optimizer does for shapes it does not stack:
   ``--shapes 8x1024x4096 --methods graphs,graphs:loop=1`` re-measures ``kernels.batching.BATCH_MAX_NUMEL``);
 - a tuned constant by name (see TUNABLES), e.g. ``WS_MIN_WORK=2**36``, ``TURN_LEAD=0``, ``MAX_GRAPH_WORK=2**38``,
@@ -50,7 +53,7 @@ def parse_method(spec: str) -> Callable[[Tensor], Tensor]:
         return plain_torch
     if base not in ("ours", "graphs"):
         raise ValueError(f"{spec!r}: a method starts with torch, ours or graphs")
-    algorithm, backend, gluon, loop, decide, constants = "auto", None, None, False, None, {}
+    algorithm, backend, gluon, loop, decide, staged, constants = "auto", None, None, False, None, False, {}
     for item in items:
         key, _, value = item.partition("=")
         if key == "algorithm":
@@ -61,18 +64,28 @@ def parse_method(spec: str) -> Callable[[Tensor], Tensor]:
             gluon = value != "0"
         elif key == "loop":
             loop = value != "0"
+        elif key == "staged" and base == "graphs":
+            staged = value != "0"
         elif key == "decide":
             decide = int(value)
         elif key in TUNABLES:
             constants[key] = number(value)
         else:
             raise ValueError(
-                f"{spec!r}: unknown setting {key!r}; expected algorithm, backend, gluon, loop, decide or {sorted(TUNABLES)}"
+                f"{spec!r}: unknown setting {key!r}; expected algorithm, backend, gluon, loop, decide, staged (graphs) "
+                f"or {sorted(TUNABLES)}"
             )
     run = ns_graphs.NewtonSchulzGraphs() if base == "graphs" else newton_schulz
+    written: list[Tensor] = []  # the input last written into the staging buffer
 
     def call(g: Tensor) -> Tensor:
         with settings(constants, backend, gluon), decide_as_batch(decide) if decide else nullcontext():
+            buffer = run.staging_buffer(g.shape, g.dtype, g.device) if staged else None
+            if buffer is not None:
+                if not written or written[0] is not g:
+                    buffer.copy_(g)
+                    written[:] = [g]
+                return run(buffer, algorithm=algorithm)
             if loop and g.ndim == 3:
                 return torch.stack([run(m, algorithm=algorithm) for m in g.unbind(0)])
             return run(g, algorithm=algorithm)

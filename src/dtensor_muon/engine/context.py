@@ -293,6 +293,14 @@ class StepContext:
         self.stats.add_flops(self.rule.cost(group, first.whole_shape).flops * len(specs))
         return out, specs
 
+    def staging_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        """The Newton–Schulz runner's buffer to assemble a direction's input of ``shape`` in, which its CUDA graph
+        then reads in place (:meth:`~..linalg.ns_graphs.NewtonSchulzGraphs.staging_buffer`); None where the
+        runner keeps none (eager Newton–Schulz, off CUDA, above its graphs' bound)."""
+        if not isinstance(self.runner, NewtonSchulzGraphs):
+            return None
+        return self.runner.staging_buffer(shape, dtype, device)
+
     def input_itemsize(self, spec: MatrixSpec) -> int:
         """Bytes per element of a matrix's input where its direction runs."""
         return self.rule.input_dtype(self.entries[spec.param_index].group).itemsize

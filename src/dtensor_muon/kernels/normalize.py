@@ -161,12 +161,16 @@ def cast_and_scale_into(g: Tensor, out: Tensor, eps: float, scale: Tensor | None
     return scale
 
 
-def scale_of(g: Tensor, eps: float) -> Tensor:
+def scale_of(g: Tensor, eps: float, scale: Tensor | None = None) -> Tensor:
     """scale[b] = 1 / max(‖G_b‖_F, eps) per matrix of ``g`` ([m, n] or [B, m, n], already in the working dtype):
     :func:`cast_and_scale_into` where round(G) is G itself, so nothing is written but the scale (X₀ = scale·G).
+    Returns ``scale`` (fp32, one entry per matrix) written in place when given, else a new tensor.
 
     ``g`` must be contiguous (:func:`scale_cast_applies`)."""
     _require_kernel_layout(g, g, "scale_of")
-    scale = torch.empty(matrix_count(g), device=g.device, dtype=torch.float32)
+    if scale is None:
+        scale = torch.empty(matrix_count(g), device=g.device, dtype=torch.float32)
+    else:
+        require_scale(scale, matrix_count(g), g.device, "scale_of")
     _sum_squares_into(g, scale, eps, g, write_cast=False)
     return scale

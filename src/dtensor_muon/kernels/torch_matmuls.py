@@ -38,8 +38,8 @@ class TorchMatmuls:
         self.normalize_into(g, out, eps)
         return None
 
-    def start_scale(self, g: Tensor, x: Tensor, eps: float) -> Tensor | None:
-        """None: this backend writes X₀ (:meth:`start_into`), it never folds a scale."""
+    def start_scale(self, g: Tensor, x: Tensor, eps: float, scale_out: Tensor | None = None) -> Tensor | None:
+        """None: this backend writes X₀ (:meth:`start_into`), it never folds a scale (``scale_out`` unused)."""
         return None
 
     def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None:

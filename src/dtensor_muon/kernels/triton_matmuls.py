@@ -139,14 +139,14 @@ class TritonMatmuls:
             return None
         return cast_and_scale_into(g, out, eps, scale_out)
 
-    def start_scale(self, g: Tensor, x: Tensor, eps: float) -> Tensor | None:
+    def start_scale(self, g: Tensor, x: Tensor, eps: float, scale_out: Tensor | None = None) -> Tensor | None:
         """The start with G itself as X̃, for G already in the working dtype (``x``: G's wide view): where
-        :meth:`start_into` would fold a scale, returns s = 1 / max(‖G‖_F, eps) per matrix, X₀ = s·G, reading G
-        once and writing nothing else (:func:`.normalize.scale_of`), the bits :meth:`start_into` gives; else
-        None, and the caller writes a start."""
+        :meth:`start_into` would fold a scale, returns s = 1 / max(‖G‖_F, eps) per matrix (fp32, into
+        ``scale_out`` when given), X₀ = s·G, reading G once and writing nothing else (:func:`.normalize.scale_of`),
+        the bits :meth:`start_into` gives; else None, and the caller writes a start."""
         if not (self.uses_syrk(x) and scale_cast_applies(g, g)):
             return None
-        return scale_of(g, eps)
+        return scale_of(g, eps, scale_out)
 
     def normalize_into(self, g: Tensor, out: Tensor, eps: float) -> None:
         """out = round(X̃ / max(‖X̃‖_F, eps)) per matrix, X̃ = round(G) (:mod:`.normalize`) where both are

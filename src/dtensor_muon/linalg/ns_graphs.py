@@ -16,7 +16,11 @@ Per call, with the graph of that signature captured:
     O = copy of the graph's output (the next replay overwrites it), or the output itself for a caller that
         uses it at once (``borrow=True``)
 
-so the result equals :func:`.newton_schulz.newton_schulz`'s bit for bit. The first call of a signature runs
+so the result equals :func:`.newton_schulz.newton_schulz`'s bit for bit. A caller that assembles its input anyway
+(the owner of a unit, from the pieces the exchange brought) can assemble it in the runner's staging buffer for
+that shape (:meth:`NewtonSchulzGraphs.staging_buffer`): where the start folds a scale into the first products
+(``Backend.start_scale``: the SYRK route, the input already in the working dtype), that call's graph reads the
+buffer in place, and the start only computes the per-matrix scale, one read instead of a read and a write. The first call of a signature runs
 eagerly (it tunes and compiles every kernel the graph will hold) and then captures. Graphs are used on CUDA
 inputs of either backend (the torch backend takes the small matrices, below ``MIN_GPU_BACKEND_WORK``, whose
 15 products per call are the most launch-bound of all: Qwen3-30B-A3B's 512×2048 keys and values and its
@@ -55,6 +59,7 @@ class _Captured:
     scale: Tensor | None  # the per-matrix scale folded into the first products, if any: the graph reads it
     out: Tensor  # the graph's result in g's orientation (contiguous): the graph writes it
     backend: Backend
+    reads_input: bool  # start is the caller's staging buffer itself, read in place: only the scale is computed
 
 
 class NewtonSchulzGraphs:
@@ -69,10 +74,35 @@ class NewtonSchulzGraphs:
 
     def __init__(self) -> None:
         self._captured: dict[tuple, _Captured | None] = {}
+        self._staging: dict[tuple, Tensor] = {}
 
     def __len__(self) -> int:
         """Graphs captured so far."""
         return sum(c is not None for c in self._captured.values())
+
+    def staging_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        """A contiguous buffer of ``shape`` and ``dtype`` for the caller to write its next input into, kept for the
+        life of this object (one per shape, dtype and device); None off CUDA and above MAX_GRAPH_WORK, where no
+        graph replays. A call on the buffer (or a contiguous tensor of the same shape on its memory) reads it in
+        place where the start folds a scale, the same bits as a call on a copy. The graph reads it when it runs:
+        write the buffer again only after the call on it has been enqueued, on the same stream."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        probe = torch.empty(shape, dtype=dtype, device="meta")
+        if probe.ndim not in (2, 3) or gram_work(in_layout_of(probe, probe)) > MAX_GRAPH_WORK:
+            return None
+        key = (tuple(shape), dtype, device)
+        if key not in self._staging:
+            self._staging[key] = torch.empty(shape, dtype=dtype, device=device)
+        return self._staging[key]
+
+    def _is_staging(self, g: Tensor) -> bool:
+        """Whether ``g`` is the staging buffer of its shape (:meth:`staging_buffer`), as a contiguous tensor."""
+        buffer = self._staging.get((tuple(g.shape), g.dtype, g.device))
+        return buffer is not None and g.data_ptr() == buffer.data_ptr() and g.stride() == buffer.stride()
 
     def __call__(
         self,
@@ -91,7 +121,9 @@ class NewtonSchulzGraphs:
         schedule = iteration_schedule(g, coefficients, steps)
         if not g.is_cuda or torch.cuda.is_current_stream_capturing():
             return newton_schulz(g, coefficients, steps, eps, dtype, algorithm)
+        in_place = self._is_staging(g)
         key = (
+            in_place,
             tuple(g.shape),
             g.stride(),
             g.dtype,
@@ -104,19 +136,23 @@ class NewtonSchulzGraphs:
             decision_batch(),
         )
         if key not in self._captured:
-            return self._first_call(key, g, schedule, eps, dtype, algorithm)
+            return self._first_call(key, g, schedule, eps, dtype, algorithm, in_place)
         captured = self._captured[key]
         if captured is None:
             return newton_schulz(g, coefficients, steps, eps, dtype, algorithm)
-        captured.backend.start_into(g, captured.start, captured.x, eps, captured.scale)
+        if captured.reads_input:
+            captured.backend.start_scale(g, captured.x, eps, captured.scale)
+        else:
+            captured.backend.start_into(g, captured.start, captured.x, eps, captured.scale)
         captured.graph.replay()
         return captured.out if borrow else captured.out.clone()
 
     def _first_call(
-        self, key: tuple, g: Tensor, schedule: tuple, eps: float, dtype: torch.dtype, algorithm: str
+        self, key: tuple, g: Tensor, schedule: tuple, eps: float, dtype: torch.dtype, algorithm: str, in_place: bool
     ) -> Tensor:
-        """Runs eagerly (tuning and compiling every kernel), then captures the iterations where a graph pays."""
-        start, x, backend, scale = normalized_start(g, dtype, eps, own_buffer=True)
+        """Runs eagerly (tuning and compiling every kernel), then captures the iterations where a graph pays; on
+        a staging buffer (``in_place``) the graph reads it as its start where the start folds a scale."""
+        start, x, backend, scale = normalized_start(g, dtype, eps, own_buffer=not in_place)
         result = in_layout_of(iterate(x, schedule, backend, algorithm, scale), g)
         if gram_work(x) > MAX_GRAPH_WORK:
             self._captured[key] = None
@@ -124,5 +160,5 @@ class NewtonSchulzGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.device(g.device), torch.cuda.graph(graph):
                 out = in_layout_of(iterate(x, schedule, backend, algorithm, scale), g).contiguous()
-            self._captured[key] = _Captured(graph, start, x, scale, out, backend)
+            self._captured[key] = _Captured(graph, start, x, scale, out, backend, reads_input=start is g)
         return result

@@ -10,6 +10,7 @@ pending updates unpack and apply them (at once, or in the next forward with over
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -191,10 +192,12 @@ def _launch_out(ctx: StepContext, work: MeshWork, bucket: list[int], device: tor
 
 class CopyRuns:
     """Flat copies ``dst[d : d + n] ← src[s : s + n]``, a run merged with the next when both continue in
-    memory (the pieces of consecutive experts): one copy per run instead of one per piece."""
+    memory (the pieces of consecutive experts): one copy per run instead of one per piece; and copies into
+    strided regions (``add_region``), issued as they come."""
 
     def __init__(self) -> None:
         self.runs: list[list] = []
+        self.regions: list[tuple[Tensor, Tensor]] = []
 
     def add(self, dst: Tensor, dst_offset: int, src: Tensor, src_offset: int, n: int) -> None:
         if self.runs:
@@ -209,10 +212,16 @@ class CopyRuns:
                 return
         self.runs.append([dst, dst_offset, src, src_offset, n])
 
+    def add_region(self, target: Tensor, src: Tensor) -> None:
+        """``target`` ← ``src`` (as many elements, flat) at :meth:`flush`."""
+        self.regions.append((target, src))
+
     def flush(self) -> None:
+        for target, src in self.regions:
+            target.copy_(src.view(target.shape))
         for dst, d, src, s, n in self.runs:
             dst[d : d + n].copy_(src[s : s + n])
-        self.runs = []
+        self.runs, self.regions = [], []
 
 
 def _compute_owned(
@@ -232,12 +241,11 @@ def _compute_owned(
         units_per_stack(device),
     )
     call_ids = [[i for ids in stack for i in ids] for stack in calls]
-    buffers = [
-        torch.empty(len(ids) * work.plan.routes[ids[0]].spec.numel, dtype=work.wire_dtype, device=device)
-        for ids in call_ids
-    ]
+    call_specs = [[work.plan.routes[i].spec for i in ids] for ids in call_ids]
+    inputs = [newton_schulz_input_shape(specs) for specs in call_specs]
+    buffers = [_input_buffer(ctx, specs, work.wire_dtype, device) for specs in call_specs]
     slot = {i: (c, j) for c, ids in enumerate(call_ids) for j, i in enumerate(ids)}
-    runs = CopyRuns()
+    copies = [CopyRuns() for _ in call_ids]  # each call's input is assembled just before it computes
     for bucket, received in zip(buckets, receiveds):
         offsets: dict[int, int] = defaultdict(int)
         for i in bucket:  # pieces arrive from each source in route order
@@ -252,16 +260,13 @@ def _compute_owned(
                 offsets[source] += n
                 at = contiguous_offset(box, route.spec.box)
                 if at is not None:
-                    runs.add(buffer, base + at, chunk, start, n)
+                    copies[call].add(buffer, base + at, chunk, start, n)
                 else:
                     whole = buffer[base : base + route.spec.numel].view(box_shape(route.spec.box))
-                    target = whole[relative_slices(box, route.spec.box)]
-                    target.copy_(chunk[start : start + n].view(target.shape))
-    runs.flush()
+                    copies[call].add_region(whole[relative_slices(box, route.spec.box)], chunk[start : start + n])
     out: dict[int, Tensor] = {}
-    call_specs = [[work.plan.routes[i].spec for i in ids] for ids in call_ids]
-    inputs = [newton_schulz_input_shape(specs) for specs in call_specs]
     for c, (stack, ids, specs, buffer) in enumerate(zip(calls, call_ids, call_specs, buffers)):
+        copies[c].flush()
         shape = specs[0].shape
         stacked = buffer.view((len(ids), *shape) if len(ids) > 1 else shape)
         # O may stay the CUDA graph's own buffer where its pieces are packed into the exchanges back before a
@@ -273,6 +278,19 @@ def _compute_owned(
             route = work.plan.routes[i]
             out[id(route)] = (o[j] if len(ids) > 1 else o).reshape(box_shape(route.spec.box))
     return out
+
+
+def _input_buffer(ctx: StepContext, specs: list[MatrixSpec], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The flat buffer to assemble one call's input (its matrices ``specs``) in: where the input arrives in the
+    dtype its direction works in, the Newton–Schulz runner's staging buffer for its shape
+    (:meth:`StepContext.staging_buffer`), which the call's graph reads in place instead of copying it into a
+    start of its own (calls of one shape share it: each is assembled after the one before has been enqueued);
+    else a new one."""
+    shape, numel = newton_schulz_input_shape(specs), len(specs) * specs[0].numel
+    buffer = None
+    if dtype == ctx.rule.input_dtype(ctx.entries[specs[0].param_index].group) and math.prod(shape) == numel:
+        buffer = ctx.staging_buffer(shape, dtype, device)
+    return (buffer if buffer is not None else torch.empty(numel, dtype=dtype, device=device)).view(-1)
 
 
 def newton_schulz_input_shape(specs: list[MatrixSpec]) -> tuple[int, ...]:
