@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -293,13 +294,22 @@ class StepContext:
         self.stats.add_flops(self.rule.cost(group, first.whole_shape).flops * len(specs))
         return out, specs
 
-    def staging_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor | None:
-        """The Newton–Schulz runner's buffer to assemble a direction's input of ``shape`` in, which its CUDA graph
-        then reads in place (:meth:`~..linalg.ns_graphs.NewtonSchulzGraphs.staging_buffer`); None where the
-        runner keeps none (eager Newton–Schulz, off CUDA, above its graphs' bound)."""
-        if not isinstance(self.runner, NewtonSchulzGraphs):
-            return None
-        return self.runner.staging_buffer(shape, dtype, device)
+    def input_buffer(self, specs: list[MatrixSpec], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A flat buffer to assemble the input of one call of :meth:`compute_unit` (its matrices ``specs``) in. Where
+        the input is in the dtype the direction works in and the runner replays CUDA graphs, its staging buffer for
+        the input's shape (:meth:`~..linalg.ns_graphs.NewtonSchulzGraphs.staging_buffer`), which the call's graph
+        reads in place instead of copying it into a start of its own: calls of one shape share it, so assemble
+        each after the call before has been enqueued. Else a new buffer."""
+        shape, numel = newton_schulz_input_shape(specs), len(specs) * specs[0].numel
+        buffer = None
+        group = self.entries[specs[0].param_index].group
+        if (
+            isinstance(self.runner, NewtonSchulzGraphs)
+            and dtype == self.rule.input_dtype(group)
+            and math.prod(shape) == numel
+        ):
+            buffer = self.runner.staging_buffer(shape, dtype, device)
+        return (buffer if buffer is not None else torch.empty(numel, dtype=dtype, device=device)).view(-1)
 
     def input_itemsize(self, spec: MatrixSpec) -> int:
         """Bytes per element of a matrix's input where its direction runs."""
@@ -343,3 +353,12 @@ class StepContext:
             [self.updates[i] for i in indices],
             [self.scalars[i] for i in indices],
         )
+
+
+def newton_schulz_input_shape(specs: list[MatrixSpec]) -> tuple[int, ...]:
+    """The shape of the input a call of these matrices hands the direction: the whole matrix of a grouped split's
+    parts (:meth:`StepContext.compute_unit`), else ``[B, m, n]`` or ``[m, n]``."""
+    first = specs[0]
+    if first.parts > 1:
+        return tuple(first.whole_shape)
+    return (len(specs), *first.shape) if len(specs) > 1 else tuple(first.shape)

@@ -161,7 +161,7 @@ def _compute_gathered(
 ) -> None:
     """A stack of units from several runs (of several parameters, :func:`.batching.holder_stack_keys`): each run's
     view of its parameter's U (``(e, specs, u, box)``; a run that no one view holds, matrix by matrix) copied into
-    one ``[N, m, n]`` input, computed in one call with the dispatch deciding as for one unit, and each run's O
+    one ``[N, m, n]`` input (:meth:`StepContext.input_buffer`), computed in one call with the dispatch deciding as for one unit, and each run's O
     delivered to its own parameter. ``decide_as``: matrices per unit."""
     shape = runs[0][1][0].shape
     views: list[Tensor] = []
@@ -169,7 +169,8 @@ def _compute_gathered(
         boxes = [block] if block is not None else [spec.box for spec in specs]
         views.extend(u[relative_slices(box, e.layout.local_box)].reshape(-1, *shape) for box in boxes)
     specs_all = [spec for _, specs, _, _ in runs for spec in specs]
-    out = ctx.compute_unit(specs_all, torch.cat(views), decide_as)
+    stacked = ctx.input_buffer(specs_all, views[0].dtype, views[0].device).view(len(specs_all), *shape)
+    out = ctx.compute_unit(specs_all, torch.cat(views, out=stacked), decide_as)
     offset = 0
     for e, specs, _, block in runs:
         o, offset = out[offset : offset + len(specs)], offset + len(specs)

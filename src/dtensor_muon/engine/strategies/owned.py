@@ -10,7 +10,6 @@ pending updates unpack and apply them (at once, or in the next forward with over
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -20,9 +19,9 @@ from torch import Tensor
 from ...distributed.exchange import PendingExchange, start_all_to_all
 from ...distributed.layout import box_numel, box_shape, contiguous_offset, local, relative_slices
 from ...kernels.batching import group_into_stacks, units_per_stack
-from ...plan import MatrixRoute, MatrixSpec
+from ...plan import MatrixRoute
 from ...plan.placement import TensorParallelGroup
-from ..context import MeshWork, StepContext
+from ..context import MeshWork, StepContext, newton_schulz_input_shape
 from ..pending import BackExchange
 from ..stacks import stack_key
 
@@ -243,7 +242,7 @@ def _compute_owned(
     call_ids = [[i for ids in stack for i in ids] for stack in calls]
     call_specs = [[work.plan.routes[i].spec for i in ids] for ids in call_ids]
     inputs = [newton_schulz_input_shape(specs) for specs in call_specs]
-    buffers = [_input_buffer(ctx, specs, work.wire_dtype, device) for specs in call_specs]
+    buffers = [ctx.input_buffer(specs, work.wire_dtype, device) for specs in call_specs]
     slot = {i: (c, j) for c, ids in enumerate(call_ids) for j, i in enumerate(ids)}
     copies = [CopyRuns() for _ in call_ids]  # each call's input is assembled just before it computes
     for bucket, received in zip(buckets, receiveds):
@@ -278,28 +277,6 @@ def _compute_owned(
             route = work.plan.routes[i]
             out[id(route)] = (o[j] if len(ids) > 1 else o).reshape(box_shape(route.spec.box))
     return out
-
-
-def _input_buffer(ctx: StepContext, specs: list[MatrixSpec], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The flat buffer to assemble one call's input (its matrices ``specs``) in: where the input arrives in the
-    dtype its direction works in, the Newton–Schulz runner's staging buffer for its shape
-    (:meth:`StepContext.staging_buffer`), which the call's graph reads in place instead of copying it into a
-    start of its own (calls of one shape share it: each is assembled after the one before has been enqueued);
-    else a new one."""
-    shape, numel = newton_schulz_input_shape(specs), len(specs) * specs[0].numel
-    buffer = None
-    if dtype == ctx.rule.input_dtype(ctx.entries[specs[0].param_index].group) and math.prod(shape) == numel:
-        buffer = ctx.staging_buffer(shape, dtype, device)
-    return (buffer if buffer is not None else torch.empty(numel, dtype=dtype, device=device)).view(-1)
-
-
-def newton_schulz_input_shape(specs: list[MatrixSpec]) -> tuple[int, ...]:
-    """The shape of the input a call of these matrices hands the direction: the whole matrix of a grouped split's
-    parts (:meth:`StepContext.compute_unit`), else ``[B, m, n]`` or ``[m, n]``."""
-    first = specs[0]
-    if first.parts > 1:
-        return tuple(first.whole_shape)
-    return (len(specs), *first.shape) if len(specs) > 1 else tuple(first.shape)
 
 
 def _launch_back(
