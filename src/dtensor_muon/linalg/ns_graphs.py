@@ -20,12 +20,14 @@ so the result equals :func:`.newton_schulz.newton_schulz`'s bit for bit. A calle
 (the owner of a unit, from the pieces the exchange brought) can assemble it in the runner's staging buffer for
 that shape (:meth:`NewtonSchulzGraphs.staging_buffer`): where the start folds a scale into the first products
 (``Backend.start_scale``: the SYRK route, the input already in the working dtype), that call's graph reads the
-buffer in place, and the start only computes the per-matrix scale, one read instead of a read and a write. The first call of a signature runs
-eagerly (it tunes and compiles every kernel the graph will hold) and then captures. Graphs are used on CUDA
-inputs of either backend (the torch backend takes the small matrices, below ``MIN_GPU_BACKEND_WORK``, whose
-15 products per call are the most launch-bound of all: Qwen3-30B-A3B's 512×2048 keys and values and its
-128×2048 router) and for at most MAX_GRAPH_WORK multiply-adds per Gram matrix: above it the GPU work outlasts
-the host's launches by far, and the graph would only add the output copy and hold its buffers.
+buffer in place, and the start only computes the per-matrix scale, one read instead of a read and a write.
+
+The first call of a signature runs eagerly (it tunes and compiles every kernel the graph will hold) and then
+captures. Graphs are used on CUDA inputs of either backend (the torch backend takes the small matrices, below
+``MIN_GPU_BACKEND_WORK``, whose 15 products per call are the most launch-bound of all: Qwen3-30B-A3B's 512×2048
+keys and values and its 128×2048 router) and for at most MAX_GRAPH_WORK multiply-adds per Gram matrix: above it
+the GPU work outlasts the host's launches by far, and the graph would only add the output copy and hold its
+buffers.
 """
 
 from __future__ import annotations

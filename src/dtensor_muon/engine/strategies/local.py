@@ -161,8 +161,8 @@ def _compute_gathered(
 ) -> None:
     """A stack of units from several runs (of several parameters, :func:`.batching.holder_stack_keys`): each run's
     view of its parameter's U (``(e, specs, u, box)``; a run that no one view holds, matrix by matrix) copied into
-    one ``[N, m, n]`` input (:meth:`StepContext.input_buffer`), computed in one call with the dispatch deciding as for one unit, and each run's O
-    delivered to its own parameter. ``decide_as``: matrices per unit."""
+    one ``[N, m, n]`` input (:meth:`StepContext.input_buffer`), computed in one call with the dispatch deciding as
+    for one unit, and each run's O delivered to its own parameter. ``decide_as``: matrices per unit."""
     shape = runs[0][1][0].shape
     views: list[Tensor] = []
     for e, specs, u, block in runs:
