@@ -53,7 +53,9 @@ elements. Per rank r:
 - ``cuda_graphs`` = Σ over the distinct call signatures (B, m, n) r computes through the owner's runner
   (not ``tp_mode="distributed"``) with B·m²·n ≤ :data:`~..linalg.ns_graphs.MAX_GRAPH_WORK` of B·ω·(3mn + 4m²):
   per captured graph its start buffer outside its private pool, and the pool, which keeps the capture's
-  peak (X, its next value, the m×m matrices). 0 without CUDA graphs or Newton–Schulz.
+  peak (X, its next value, the m×m matrices). 0 without CUDA graphs or Newton–Schulz. Where an owner assembles
+  a call's input in the runner's staging buffer (:meth:`~..engine.context.StepContext.input_buffer`), that buffer
+  is the graph's start, and ``exchange``'s assembled term counts it a second time: an upper bound.
 
 The optimizer's total is the sum of the terms after ``params_grads``; :func:`peak` takes each term's maximum
 over the ranks and the largest total of one rank.
