@@ -37,6 +37,9 @@ the same seeds, and each optimizer's state is freed before the next. Optimizers:
   Newton–Schulz call (``dtensor_muon.kernels.batching.stack_units``), one row per N; ``N:NAME=VALUE`` also sets
   a constant of the dispatch around its steps (``bench/dispatch_settings.py``), e.g.
   ``8:STACK_MAX_SIDE=2048`` to stack 1408-wide experts too;
+- with ``--skip-references``: ``dtensor_muon.Muon``'s rows alone (no torch.optim rows, no update comparison, no
+  "× AdamW"; the result file's name ends in ``_muon_only``), so that a whole step that fits a card beside its
+  own state but not beside the references' (Qwen3-30B-A3B's 8 layers on an 80 GB H100) can still be timed;
 - with ``--offload``: ``dtensor_muon.Muon(..., offload="host")`` (momentum and AdamW moments in pinned host
   memory, streamed through the GPU each step), and on CUDA the card's pinned copy rates (host to device,
   device to host, both at once on two streams: :func:`copy_rates`) with the bytes the offload moves each way.
@@ -1286,6 +1289,11 @@ def parse_args() -> Any:
     )
     parser.add_argument("--skip-whole", action="store_true", help="only the per-rank view (no whole-step rows)")
     parser.add_argument(
+        "--skip-references",
+        action="store_true",
+        help="whole step: dtensor_muon's rows only (no torch.optim rows, no update comparison), to fit a smaller card",
+    )
+    parser.add_argument(
         "--qk-clip", action="store_true", help="also dtensor_muon.Muon with QK-clip on half the heads (its cost)"
     )
     parser.add_argument(
@@ -1329,6 +1337,8 @@ def parse_args() -> Any:
         args.benchmark = f"optimizer_step_state_modes_{args.model}"
     else:
         args.benchmark = f"optimizer_step_{args.model}"
+    if args.skip_references:
+        args.benchmark += "_muon_only"
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     if args.quick:
@@ -1386,7 +1396,8 @@ SHARE_COLUMNS = [
 
 
 def whole_step(args: Any, params: ParameterSet, floor: dict[str, float] | None) -> tuple[list[dict], dict]:
-    """The three optimizers' rows and the two Muons' update differences."""
+    """The three optimizers' rows and the two Muons' update differences; with ``args.skip_references``
+    dtensor_muon's rows alone."""
     device = params.device
     check = [
         i
@@ -1400,15 +1411,16 @@ def whole_step(args: Any, params: ParameterSet, floor: dict[str, float] | None) 
         *(f"dtensor_muon_momentum_{dtype}" for dtype in args.momentum_dtypes),
         *(("dtensor_muon_offload",) if args.offload else ()),
         *(f"dtensor_muon_stacks_{units}" for units in args.units_per_stack),
-        "torch_muon_adamw",
-        "adamw",
+        *(() if args.skip_references else ("torch_muon_adamw", "adamw")),
     )
     for kind in kinds:
         rows.append(run_optimizer(kind, params, args.warmup, args.steps))
-        if kind in ("dtensor_muon", "torch_muon_adamw"):
+        if kind in ("dtensor_muon", "torch_muon_adamw") and not args.skip_references:
             finals[kind] = snapshot(params, check)
         print(f"  {rows[-1]['optimizer']}: {rows[-1]['step_ms']:.2f} ms", flush=True)
-    differences = update_differences(params, finals["dtensor_muon"], finals["torch_muon_adamw"])
+    differences = (
+        {} if args.skip_references else update_differences(params, finals["dtensor_muon"], finals["torch_muon_adamw"])
+    )
     if args.offload and device.type == "cuda":
         moved = offloaded_bytes(params)
         rates = copy_rates(device, min(moved, 2**30))
@@ -1418,13 +1430,13 @@ def whole_step(args: Any, params: ParameterSet, floor: dict[str, float] | None) 
             f"{rates['h2d_gbps']:.1f} GB/s, device→host {rates['d2h_gbps']:.1f} GB/s, both at once "
             f"{rates['both_gbps']:.1f} GB/s: {1e3 * 2 * moved / (rates['both_gbps'] * 1e9):.1f} ms at that rate"
         )
-    adamw_ms = rows[-1]["step_ms"]
+    adamw_ms = rows[-1]["step_ms"] if rows[-1]["key"] == "adamw" else None
     for row in rows:
-        row["vs_adamw"] = row["step_ms"] / adamw_ms
+        row["vs_adamw"] = row["step_ms"] / adamw_ms if adamw_ms else None
         if floor is not None and row["key"] != "adamw":
             row["vs_ns_floor"] = row["step_ms"] / floor["syrk_ms"]
             row["vs_step_floor"] = row["step_ms"] / floor["step_ms"]
-    return rows, {"checked_parameters": len(check), **differences}
+    return rows, ({} if args.skip_references else {"checked_parameters": len(check), **differences})
 
 
 def main() -> None:

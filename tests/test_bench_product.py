@@ -102,6 +102,19 @@ def test_optimizer_step_quick_matches_torch_optim_muon(tmp_path):
 
 
 @pytest.mark.slow
+def test_optimizer_step_without_references_times_dtensor_muon_alone(tmp_path):
+    """--skip-references: the dtensor_muon row only, its update against no reference, no ratio to AdamW."""
+    pytest.importorskip("torchtitan")
+    result = run_quick(
+        "optimizer_step.py", tmp_path, "--skip-references", "--units-per-stack", "2", "--steps", "1", "--warmup", "0"
+    )
+    assert [r["key"] for r in result["rows"]] == ["dtensor_muon", "dtensor_muon_stacks_2"]
+    assert all(r["step_ms"] > 0 and r["vs_adamw"] is None for r in result["rows"])
+    assert not [k for k in result if k.startswith("max_rel_update_diff_") or k == "checked_parameters"]
+    assert result["benchmark"] == "optimizer_step_stacks_llama3_8b_muon_only"
+
+
+@pytest.mark.slow
 def test_exchange_quick_modes_equal_single_process(tmp_path):
     result = run_quick("bench_exchange.py", tmp_path)
     rows = {r["mode"]: r for r in result["rows"]}
