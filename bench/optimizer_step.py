@@ -1436,7 +1436,7 @@ def whole_step(args: Any, params: ParameterSet, floor: dict[str, float] | None) 
         if floor is not None and row["key"] != "adamw":
             row["vs_ns_floor"] = row["step_ms"] / floor["syrk_ms"]
             row["vs_step_floor"] = row["step_ms"] / floor["step_ms"]
-    return rows, ({} if args.skip_references else {"checked_parameters": len(check), **differences})
+    return rows, (differences if args.skip_references else {"checked_parameters": len(check), **differences})
 
 
 def main() -> None:
