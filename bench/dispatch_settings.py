@@ -8,8 +8,9 @@ SYRK floors (``MIN_SYRK_DIM``, ``MIN_SYRK_TILES``, ``MIN_SMALL_SYRK_TILES``, ``M
 ``MIN_GLUON_SYRK_TILES``), ``KEEP_LOWER_TILES`` (Gram chains on lower tiles, 1 or 0), the dispatch's
 (``MIN_GPU_BACKEND_WORK``, the Gram form's aspects and work floors), ``MAX_GRAPH_WORK``, ``STACK_MAX_SIDE``
 (which units stack), ``GATHER_MAX_UNITS`` (which of a holder's units stack across parameters),
-``MIN_KERNEL_NUMEL`` (the smallest shard the fused element-wise kernels take) and ``MIN_LIST_MEAN_NUMEL`` (the
-fewest entries a shard, on average, for one launch over a list of smaller shards); docs/kernels.md "Measured
+``MIN_KERNEL_NUMEL`` (the smallest shard the fused element-wise kernels take), ``MIN_LIST_MEAN_NUMEL`` (the
+fewest entries a shard, on average, for one launch over a list of smaller shards) and ``SPLIT_LISTS`` (whether
+a list's largest shards take that launch when the whole list is below it, 1 or 0); docs/kernels.md "Measured
 constants" and each constant's docstring say what it is and how it was chosen.
 """
 
@@ -51,6 +52,7 @@ TUNABLES: dict[str, ModuleType] = {
     "GATHER_MAX_UNITS": batching,
     "MIN_KERNEL_NUMEL": elementwise,
     "MIN_LIST_MEAN_NUMEL": shard_lists,
+    "SPLIT_LISTS": shard_lists,
 }
 
 

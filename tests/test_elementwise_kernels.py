@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_kernels import interpreted
 
+from dtensor_muon.kernels import shard_lists
 from dtensor_muon.kernels.elementwise import (
     MIN_KERNEL_NUMEL,
     _kernel_applies,
@@ -25,7 +26,7 @@ from dtensor_muon.kernels.elementwise import (
     momentum_step,
     momentum_steps,
 )
-from dtensor_muon.kernels.shard_lists import MIN_LIST_MEAN_NUMEL, layout_of, list_layout
+from dtensor_muon.kernels.shard_lists import MIN_LIST_MEAN_NUMEL, layout_of, list_layout, listed_shards
 
 MOMENTUM_CASES = [(0.95, True), (0.95, False), (0.3, True)]  # 0.3: the large-weight branch of the first lerp
 
@@ -311,19 +312,66 @@ LISTED_SIZES = [MIN_KERNEL_NUMEL, 3 << 20, 1 << 20, 4097, 1, 0, 3 << 20]
 """A rank's shards at a high world size: one for the one-shard kernel, the rest below it holding more than
 MIN_LIST_MEAN_NUMEL entries a shard on average (one list launch per pass)."""
 
+SPLIT_SIZES = [90_112] * 20 + [3 << 20] + [90_112] * 20 + [3 << 20]
+"""Two expert shards among many small ones (DeepSeek-V3-16B's at 64 ranks, scaled down): fewer than
+MIN_LIST_MEAN_NUMEL entries a shard on average, so the list launch takes the two and the next four."""
+
+
+def largest_with_mean(entries: list[int], mean: int) -> list[int]:
+    """Reference: the sizes of the most shards, taken largest first, that average at least ``mean`` entries."""
+    ordered = sorted(entries, reverse=True)
+    count = max(k for k in range(len(ordered) + 1) if k == 0 or sum(ordered[:k]) >= mean * k)
+    return ordered[:count]
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        LISTED_SIZES[1:],  # above the mean as a whole: every shard
+        SPLIT_SIZES,
+        [1 << 20, 4097, 1],  # one shard of the mean: it alone
+        [1 << 18] * 64,  # none
+        [21 * 2_883_584 + 2 * 350_208, 0],  # two shards, the second empty: both, as the whole list averages enough
+        [2_883_584] * 21 + [350_208] * 3 + [90_112] * 21 + [98_304] * 8 + [65_536, 32_768, 18_432] * 8 + [2048] * 7,
+    ],
+)
+def test_a_list_launch_takes_the_largest_shards_that_average_the_threshold(entries, monkeypatch) -> None:
+    """listed_shards: the taken shards (indices, ascending) are the largest ones, as many as the reference
+    finds; every shard of at least 2 M entries among them (the last list: the busiest rank's shards of
+    DeepSeek-V3-16B, 8 layers, at 64 ranks)."""
+    taken = listed_shards(tuple(entries))
+    assert list(taken) == sorted(taken) and len(set(taken)) == len(taken)
+    assert sorted((entries[i] for i in taken), reverse=True) == largest_with_mean(entries, MIN_LIST_MEAN_NUMEL)
+    assert {i for i, n in enumerate(entries) if n >= 2 * MIN_LIST_MEAN_NUMEL} <= set(taken)
+    whole = sum(entries) >= MIN_LIST_MEAN_NUMEL * len(entries)
+    if whole:
+        assert len(taken) == len(entries)
+    with monkeypatch.context() as patch:  # the whole list or none
+        patch.setattr(shard_lists, "SPLIT_LISTS", 0)
+        assert listed_shards(tuple(entries)) == (tuple(range(len(entries))) if whole else ())
+    assert listed_shards(tuple(entries)) == taken
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_the_gpu_many_shards_at_once_give_torchs_bits() -> None:
-    """The one-shard kernel with torch's multi-tensor passes, then with the list launches (separate tensors,
-    and unaligned views of one storage), give torch's bits on every shard."""
-    small = [1 << 20, 4097, 1]
-    assert sum(small) < MIN_LIST_MEAN_NUMEL * len(small)  # shards too small for a list launch: torch's passes
-    check_many_equal_torch("cuda", [MIN_KERNEL_NUMEL, *small])
+    """The one-shard kernel with torch's multi-tensor passes, then with the list launches, alone and beside
+    torch's passes over the shards they leave (separate tensors, and unaligned views of one storage), give torch's
+    bits on every shard."""
+    tiny = [4097, 1]
+    assert listed_shards(tuple(tiny)) == ()  # shards too small for a list launch: torch's passes
+    check_many_equal_torch("cuda", [MIN_KERNEL_NUMEL, *tiny])
     listed = [torch.empty(n, device="cuda") for n in LISTED_SIZES if n < MIN_KERNEL_NUMEL]
-    assert list_layout(listed, listed) is not None
+    taken, _ = list_layout(listed, listed)
+    assert taken == tuple(range(len(listed)))
     assert list_layout(listed, [t.cpu() for t in listed]) is None  # a role on another device: not one launch
+    split = [torch.empty(n, device="cuda") for n in SPLIT_SIZES]
+    taken, layout = list_layout(split, split)
+    assert sorted((SPLIT_SIZES[i] for i in taken), reverse=True) == [3 << 20] * 2 + [90_112] * 4
+    assert layout.entries == [SPLIT_SIZES[i] for i in taken]
     for skew in (None, 3):
         check_many_equal_torch("cuda", LISTED_SIZES, skew)
+        check_many_equal_torch("cuda", [MIN_KERNEL_NUMEL, 1 << 20, 4097, 1], skew)  # a list launch and torch's
+        check_many_equal_torch("cuda", SPLIT_SIZES, skew)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

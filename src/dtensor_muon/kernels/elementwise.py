@@ -17,11 +17,11 @@ experts: one launch instead of a norm's and the apply's); it ends in the norms a
 its scale, the last program of a matrix adding the block sums in a fixed order
 (:func:`.ordered_sum.store_partial_and_total`), so the norms are the same from launch to launch.
 
-On CUDA the kernels run on tensors of at least :data:`MIN_KERNEL_NUMEL` entries; a rank's smaller shards take
-one launch for the whole list (:mod:`.shard_lists`, the same arithmetic: :mod:`.entrywise`) where they hold
-:data:`.shard_lists.MIN_LIST_MEAN_NUMEL` entries a shard on average, else torch's multi-tensor operations. All
-give the same bits there (``tests/test_elementwise_kernels.py`` checks it on the GPU), so the step stays bitwise
-the same at every world size, whatever size each rank's shards have. Off CUDA (and for a tensor lr, a
+On CUDA the kernels run on tensors of at least :data:`MIN_KERNEL_NUMEL` entries; of a rank's smaller shards,
+the largest, as many as hold :data:`.shard_lists.MIN_LIST_MEAN_NUMEL` entries a shard on average, take one
+launch for the list (:mod:`.shard_lists`, the same arithmetic: :mod:`.entrywise`), the rest torch's
+multi-tensor operations. All give the same bits there (``tests/test_elementwise_kernels.py`` checks it on the
+GPU), so the step stays bitwise the same at every world size, whatever size each rank's shards have. Off CUDA (and for a tensor lr, a
 non-contiguous region, or without Triton) the torch operations run, which on CPU keeps the step bitwise equal
 to ``torch.optim.Muon``.
 """
@@ -179,10 +179,10 @@ def momentum_steps(
     input_dtype: torch.dtype | None = None,
 ) -> list[Tensor | None]:
     """:func:`momentum_step` on each (grad, buffer) pair (U in ``input_dtype`` where a kernel runs). The pairs
-    the one-shard kernel does not take (below :data:`MIN_KERNEL_NUMEL`) run together: as one list launch
-    (:func:`.shard_lists.momentum_list`) where :func:`.shard_lists.list_layout` takes them, else as torch's
-    multi-tensor (``_foreach_``) lerps, a few launches for all of them: the same lerps, so the same bits (on CPU
-    torch's own loop of ``lerp``; on the GPU ``tests/test_elementwise_kernels.py`` compares them)."""
+    the one-shard kernel does not take (below :data:`MIN_KERNEL_NUMEL`) run together: those a list launch takes
+    (:func:`.shard_lists.listed_shards`: the largest) as one launch (:func:`.shard_lists.momentum_list`), the rest
+    as torch's multi-tensor (``_foreach_``) lerps, a few launches for all of them: the same lerps, so the same
+    bits (on CPU torch's own loop of ``lerp``; on the GPU ``tests/test_elementwise_kernels.py`` compares them)."""
     if not (write_buffer or want_input):
         raise ValueError("momentum_steps: nothing to write (write_buffer and want_input are both False)")
     out: list[Tensor | None] = [None] * len(grads)
@@ -196,12 +196,12 @@ def momentum_steps(
             small.append(i)
     if not small:
         return out
-    g_small, b_small = [grads[i] for i in small], [buffers[i] for i in small]
-    layout = list_layout(g_small, b_small)
-    if layout is not None:
+    listed = list_layout([grads[i] for i in small], [buffers[i] for i in small])
+    if listed is not None:
+        taken, layout = listed
         lists = momentum_list(
-            g_small,
-            b_small,
+            [grads[small[j]] for j in taken],
+            [buffers[small[j]] for j in taken],
             momentum,
             nesterov,
             write_buffer=write_buffer,
@@ -209,9 +209,13 @@ def momentum_steps(
             input_dtype=input_dtype,
             layout=layout,
         )
-        for i, u in zip(small, lists):
-            out[i] = u
-        return out
+        for j, u in zip(taken, lists):
+            out[small[j]] = u
+        left = set(range(len(small))).difference(taken)
+        small = [i for j, i in enumerate(small) if j in left]
+        if not small:
+            return out
+    g_small, b_small = [grads[i] for i in small], [buffers[i] for i in small]
     if write_buffer:
         torch._foreach_lerp_(b_small, g_small, 1 - momentum)
         advanced = b_small
@@ -305,8 +309,8 @@ def decay_and_add_many(
     params: list[Tensor], updates: list[Tensor], decays: list[float | Tensor], alphas: list[float | Tensor]
 ) -> None:
     """:func:`decay_and_add_` on each (θ, O, decay, alpha). The pairs the one-shard kernel does not take run
-    together: those of one (θ dtype, O dtype) as one list launch (:func:`.shard_lists.decay_and_add_list`)
-    where :func:`.shard_lists.list_layout` takes them, the rest grouped by (decay, alpha) as torch's multi-tensor
+    together: those of one (θ dtype, O dtype) that a list launch takes (:func:`.shard_lists.listed_shards`) as
+    one launch (:func:`.shard_lists.decay_and_add_list`), the rest grouped by (decay, alpha) as torch's multi-tensor
     ``_foreach_mul_`` and ``_foreach_add_(alpha=)``: the same operations, so the same bits (on CPU torch's own
     loop of ``mul_`` and ``add_``; on the GPU ``tests/test_elementwise_kernels.py`` compares them)."""
     listed: dict[tuple[torch.dtype, torch.dtype, torch.device], list[int]] = {}
@@ -317,12 +321,13 @@ def decay_and_add_many(
             listed.setdefault((p.dtype, o.dtype, p.device), []).append(i)
     small: dict[tuple[float, float, torch.device], list[int]] = {}
     for indices in listed.values():
-        targets, sources = [params[i] for i in indices], [updates[i] for i in indices]
-        layout = list_layout(targets, sources)
-        if layout is not None:
-            factors = [decays[i] for i in indices], [alphas[i] for i in indices]
-            decay_and_add_list(targets, sources, *factors, layout=layout)  # type: ignore[arg-type]
-            continue
+        split = list_layout([params[i] for i in indices], [updates[i] for i in indices])
+        if split is not None:
+            taken = [indices[j] for j in split[0]]
+            roles = ([params[i] for i in taken], [updates[i] for i in taken])
+            factors = [decays[i] for i in taken], [alphas[i] for i in taken]
+            decay_and_add_list(*roles, *factors, layout=split[1])  # type: ignore[arg-type]
+            indices = sorted(set(indices).difference(taken))
         for i in indices:
             small.setdefault((decays[i], alphas[i], params[i].device), []).append(i)  # type: ignore[index]
     for (decay, alpha, _), indices in small.items():

@@ -49,11 +49,15 @@ WARPS = 4
 TABLES_KEPT = 64
 """Distinct launch tables kept on the device (each a few KB): a step makes one per pass and list layout."""
 MIN_LIST_MEAN_NUMEL = 1 << 20
-"""The fewest entries per shard, on average over a list, that take a list launch. Its host cost per shard
-(checking and addressing each tensor) is higher than torch's multi-tensor passes', and the traffic it saves
-grows with the entries: on an H100 (BENCHMARKS.md, "Whole optimizer step", the per-size table), over 64 shards
-of 1 M entries momentum and apply took 18.4 µs a shard in list launches against 21.5 in torch's passes, and of
-256 K entries 11.2 against 9.7 (``bench/elementwise.py`` re-measures)."""
+"""The fewest entries per shard, on average over the shards it takes, that a list launch takes
+(:func:`listed_shards`). Its host cost per shard (checking and addressing each tensor) is higher than torch's
+multi-tensor passes', and the traffic it saves grows with the entries: on an H100 (BENCHMARKS.md, "Whole
+optimizer step", the per-size table), over 64 shards of 1 M entries momentum and apply took 18.4 µs a shard in
+list launches against 21.5 in torch's passes, and of 256 K entries 11.2 against 9.7 (``bench/elementwise.py``
+re-measures)."""
+SPLIT_LISTS = 1
+"""Whether a list whose shards average fewer than :data:`MIN_LIST_MEAN_NUMEL` entries still gives its largest
+shards a list launch (:func:`listed_shards`); 0: the whole list or none, for benchmarks to compare."""
 
 if triton is not None:
     from .entrywise import decay_and_add_entries, momentum_entries
@@ -144,16 +148,45 @@ class ListLayout:
     bases: list[Tensor]
 
 
-def list_layout(*roles: list[Tensor]) -> ListLayout | None:
-    """The layout of one list launch over these roles' tensors (shard i is ``role[i]`` of each role), or None
-    where the launch does not take them: Triton absent, not on a CUDA device, fewer than
-    :data:`MIN_LIST_MEAN_NUMEL` entries a shard on average, or a list :func:`layout_of` refuses."""
+def listed_shards(entries: tuple[int, ...]) -> tuple[int, ...]:
+    """The shards (indices, ascending) one list launch takes of a list with these entries: the largest, as many
+    as hold at least :data:`MIN_LIST_MEAN_NUMEL` entries a shard on average. Every shard where the whole list
+    averages that (its mean is the smallest of the largest-first prefixes'), none where no shard holds it; the
+    rest take torch's multi-tensor passes. A rank's expert shards beside its many small ones (DeepSeek-V3-16B at
+    64 ranks: 21 shards of 2.9 M entries and 63 of at most 0.35 M, 0.78 M on average) thus take the launch."""
+    return _largest_averaging(entries, MIN_LIST_MEAN_NUMEL, bool(SPLIT_LISTS))
+
+
+@functools.lru_cache(maxsize=TABLES_KEPT)
+def _largest_averaging(entries: tuple[int, ...], mean: int, split: bool) -> tuple[int, ...]:
+    """:func:`listed_shards` for the threshold ``mean``; without ``split``, every shard or none."""
+    if not split:
+        return tuple(range(len(entries))) if sum(entries) >= mean * len(entries) else ()
+    order = sorted(range(len(entries)), key=lambda i: -entries[i])
+    total = taken = 0
+    for count, i in enumerate(order, 1):
+        total += entries[i]
+        if total < mean * count:  # each further shard is no larger: the mean only falls
+            break
+        taken = count
+    return tuple(sorted(order[:taken]))
+
+
+def list_layout(*roles: list[Tensor]) -> tuple[tuple[int, ...], ListLayout] | None:
+    """One list launch over these roles' tensors (shard i is ``role[i]`` of each role): the shards it takes
+    (:func:`listed_shards`) and the layout of their tensors, or None where it takes none: Triton absent, not on
+    a CUDA device, no shard of :data:`MIN_LIST_MEAN_NUMEL` entries, or a list :func:`layout_of` refuses."""
     if triton is None or not roles[0] or not roles[0][0].is_cuda:
         return None
     entries = [t.numel() for t in roles[0]]
-    if sum(entries) < MIN_LIST_MEAN_NUMEL * len(entries):
+    taken = listed_shards(tuple(entries))
+    if not taken:
         return None
-    return layout_of(roles, entries)
+    if len(taken) < len(entries):
+        roles = tuple([role[i] for i in taken] for role in roles)
+        entries = [entries[i] for i in taken]
+    layout = layout_of(roles, entries)
+    return None if layout is None else (taken, layout)
 
 
 def layout_of(roles: Sequence[list[Tensor]], entries: list[int] | None = None) -> ListLayout | None:
@@ -278,7 +311,7 @@ def momentum_list(
     layout: ListLayout | None = None,
 ) -> list[Tensor | None]:
     """:func:`.elementwise.momentum_step` on every (grad, buffer) pair in one launch (``layout``:
-    :func:`list_layout` of (grads, buffers), where the caller has it): advances the buffers in place when
+    :func:`layout_of` (grads, buffers), where the caller has it): advances the buffers in place when
     ``write_buffer`` and returns each U (in ``input_dtype``, default the buffers' dtype; views of one
     allocation) when ``want_input``, else Nones. U is B' itself without Nesterov when the buffers are written
     (nothing more is written)."""
@@ -335,7 +368,7 @@ def decay_and_add_list(
     layout: ListLayout | None = None,
 ) -> None:
     """:func:`.elementwise.decay_and_add_` on every (θ, O, decay, alpha) in one launch (float factors, each
-    passed to the kernel as fp32); ``layout``: :func:`list_layout` of (params, updates), where the caller has
+    passed to the kernel as fp32); ``layout``: :func:`layout_of` (params, updates), where the caller has
     it."""
     layout = layout if layout is not None else layout_of([params, updates])
     if layout is None:
