@@ -21,9 +21,9 @@ On CUDA the kernels run on tensors of at least :data:`MIN_KERNEL_NUMEL` entries;
 the largest, as many as hold :data:`.shard_lists.MIN_LIST_MEAN_NUMEL` entries a shard on average, take one
 launch for the list (:mod:`.shard_lists`, the same arithmetic: :mod:`.entrywise`), the rest torch's
 multi-tensor operations. All give the same bits there (``tests/test_elementwise_kernels.py`` checks it on the
-GPU), so the step stays bitwise the same at every world size, whatever size each rank's shards have. Off CUDA (and for a tensor lr, a
-non-contiguous region, or without Triton) the torch operations run, which on CPU keeps the step bitwise equal
-to ``torch.optim.Muon``.
+GPU), so the step stays bitwise the same at every world size, whatever size each rank's shards have. Off CUDA
+(and for a tensor lr, a non-contiguous region, or without Triton) the torch operations run, which on CPU keeps
+the step bitwise equal to ``torch.optim.Muon``.
 """
 
 from __future__ import annotations
