@@ -196,23 +196,22 @@ def momentum_steps(
             small.append(i)
     if not small:
         return out
-    listed = list_layout([grads[i] for i in small], [buffers[i] for i in small])
-    if listed is not None:
-        taken, layout = listed
+    split = list_layout([grads[i] for i in small], [buffers[i] for i in small])
+    if split is not None:
+        taken = [small[j] for j in split[0]]
         lists = momentum_list(
-            [grads[small[j]] for j in taken],
-            [buffers[small[j]] for j in taken],
+            [grads[i] for i in taken],
+            [buffers[i] for i in taken],
             momentum,
             nesterov,
             write_buffer=write_buffer,
             want_input=want_input,
             input_dtype=input_dtype,
-            layout=layout,
+            layout=split[1],
         )
-        for j, u in zip(taken, lists):
-            out[small[j]] = u
-        left = set(range(len(small))).difference(taken)
-        small = [i for j, i in enumerate(small) if j in left]
+        for i, u in zip(taken, lists):
+            out[i] = u
+        small = sorted(set(small).difference(taken))
         if not small:
             return out
     g_small, b_small = [grads[i] for i in small], [buffers[i] for i in small]

@@ -192,7 +192,7 @@ def _launch_out(ctx: StepContext, work: MeshWork, bucket: list[int], device: tor
 class CopyRuns:
     """Flat copies ``dst[d : d + n] ← src[s : s + n]``, a run merged with the next when both continue in
     memory (the pieces of consecutive experts): one copy per run instead of one per piece; and copies into
-    strided regions (``add_region``), issued as they come."""
+    strided regions (``add_region``), each its own copy. All are issued at :meth:`flush`."""
 
     def __init__(self) -> None:
         self.runs: list[list] = []
