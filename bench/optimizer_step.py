@@ -93,7 +93,8 @@ device, with real random data and no communication. Its share per step, in the o
   (:func:`stacked_calls`, the dispatch deciding as for one unit; a stack that gathers several parameters' local
   units copies their runs into one input every step, as the engine does);
 - the apply (``θ·(1 − γλ) − γ'·O``) on its shard of every Muon parameter, O taken from a preallocated buffer;
-- ``torch.optim.AdamW`` (fused on CUDA, foreach elsewhere, as the optimizer runs it) on its shard of every other parameter.
+- AdamW on its shard of every other parameter, as the optimizer runs it (``rules.adamw.step``: torch's fused AdamW
+  on CUDA with the step counts on the host, foreach elsewhere).
 
 Not included: the exchanges (the all-to-all of U to the owners and of O back), packing and unpacking their
 buffers, the optimizer's metrics and non-finite checks, and the host work of planning. Reported per W: the
@@ -145,6 +146,7 @@ from dtensor_muon.plan import Plan, build_plan, matrix_shape
 from dtensor_muon.plan.placement import Local, Owned
 from dtensor_muon.plan.routing import uses_muon
 from dtensor_muon.plan.simulate import MODEL_FAMILIES, fsdp_layout
+from dtensor_muon.rules import adamw as adamw_rule
 from dtensor_muon.rules.muon import MuonRule
 
 Shapes = list[tuple[str, tuple[int, ...]]]
@@ -1080,15 +1082,9 @@ class ShareWork:
             (randn(s), randn(s), torch.zeros(s, device=device), randn(s), self.rule.adjusted_lr(group, m))
             for s, m in share.muon_shards
         ]  # (parameter, gradient, momentum buffer, received O, γ')
-        self.others = [nn.Parameter(randn(s)) for s in share.other_shards]
-        for p in self.others:
-            p.grad = randn(p.shape)
-        fused = device.type == "cuda"  # as the optimizer runs its AdamW parameters
-        self.adamw = (
-            torch.optim.AdamW(self.others, lr=LR, betas=BETAS, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY, fused=fused)
-            if self.others
-            else None
-        )
+        self.others = [randn(s) for s in share.other_shards]
+        self.other_grads = [randn(s) for s in share.other_shards]
+        self.other_states = [adamw_rule.init_state(p) for p in self.others]
 
     def newton_schulz(self) -> None:
         """The direction of every unit (or stack of units), through the optimizer's runner."""
@@ -1124,8 +1120,17 @@ class ShareWork:
             [decay] * len(self.shards),
             [-float(shard[4]) for shard in self.shards],
         )
-        if self.adamw is not None:
-            self.adamw.step()
+        adamw_rule.step(  # as the optimizer runs its AdamW shards (fused on CUDA, the step counts on the host)
+            self.others,
+            self.other_grads,
+            [state["exp_avg"] for state in self.other_states],
+            [state["exp_avg_sq"] for state in self.other_states],
+            [state["step"] for state in self.other_states],
+            lr=LR,
+            betas=BETAS,
+            eps=ADAM_EPS,
+            weight_decay=WEIGHT_DECAY,
+        )
 
 
 def adamw_share(share: RankShare, shapes: Shapes, device: torch.device) -> torch.optim.Optimizer:
