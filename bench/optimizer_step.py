@@ -105,7 +105,8 @@ of its shards at the copy rate, as for the whole step) and share/step floor; the
 back (share ms back to back: the mean step of a block of ``--steps`` steps with the device synchronized at the
 block's ends only, the median of 3 blocks: the pace of a training loop whose host runs ahead of the device,
 where a step's host work before its first kernel overlaps the work still queued) and its ratio to the step
-floor; the same share as a step of several ranks runs it (transactional share ms: the momentum pass gives U
+floor, and for a profiled block of max(``--steps``, 10) such steps the device's busy ms a step and its idle ms
+a step between its first activity and its last (near 0: the steps are device-bound); the same share as a step of several ranks runs it (transactional share ms: the momentum pass gives U
 without advancing the buffer, which advances in a second pass after the directions, so that a step that fails on
 any rank changes nothing); the share without
 Newton–Schulz (element-wise ms: the momentum pass, the apply and AdamW on its other shards) against the traffic
@@ -866,6 +867,47 @@ def profile_counts(step: Callable[[], None], device: torch.device) -> dict[str, 
     return {"launches": launches, "launches_counted": "top-level aten ops (CPU proxy)", "device_ms": None}
 
 
+def busy_and_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """(busy, span) of (start, end) intervals: busy = the length of their union (overlapping activities of
+    several streams count once), span = the last end − the first start; (0, 0) for none."""
+    if not intervals:
+        return 0.0, 0.0
+    ordered = sorted(intervals)
+    busy, (start, end) = 0.0, ordered[0]
+    for a, b in ordered[1:]:
+        if a > end:
+            busy += end - start
+            start, end = a, b
+        else:
+            end = max(end, b)
+    busy += end - start
+    return busy, max(b for _, b in ordered) - ordered[0][0]
+
+
+def device_idle_back_to_back(step: Callable[[], None], device: torch.device, steps: int) -> dict[str, Any]:
+    """``steps`` steps issued back to back under torch.profiler (the device synchronized before the first and after
+    the last): per step, the device's busy ms (the union of its kernels, copies and sets) and its idle ms inside
+    the span from the first activity to the last (:func:`busy_and_span`). Idle near 0: the steps are
+    device-bound; idle ms of host time the device waits for. CUDA only (None elsewhere)."""
+    if device.type != "cuda":
+        return {"busy_ms": None, "idle_ms": None}
+    sync(device)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    busy, span = busy_and_span(
+        [
+            (e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA and not e.name.startswith("Optimizer.")
+        ]
+    )
+    return {"busy_ms": busy / steps / 1e3, "idle_ms": (span - busy) / steps / 1e3}
+
+
 def run_optimizer(kind: str, params: ParameterSet, warmup: int, steps: int) -> dict[str, Any]:
     """Median step time after ``warmup`` steps, memory, then one unprofiled and one profiled step (host
     overhead; see the module docstring)."""
@@ -1204,6 +1246,7 @@ def run_share(
         calls = len(work.inputs)
         share_ms = median_ms(work.step, device, warmup, steps)
         back_to_back = back_to_back_ms(work.step, device, warmup, steps)
+        back_to_back_device = device_idle_back_to_back(work.step, device, max(steps, 10))
         transactional_ms = median_ms(functools.partial(work.step, transactional=True), device, warmup, steps)
         ns_ms = median_ms(work.newton_schulz, device, 1, steps)
         elementwise = functools.partial(work.step, directions=False)
@@ -1248,6 +1291,8 @@ def run_share(
         "share_vs_step_floor": share_ms / step_floor_ms if step_floor_ms else None,
         "share_back_to_back_ms": back_to_back,
         "back_to_back_vs_step_floor": back_to_back / step_floor_ms if step_floor_ms else None,
+        "back_to_back_busy_ms": back_to_back_device["busy_ms"],
+        "back_to_back_idle_ms": back_to_back_device["idle_ms"],
         "transactional_share_ms": transactional_ms,
         "elementwise_ms": elementwise_ms,
         "traffic_floor_ms": traffic_ms,
@@ -1386,6 +1431,8 @@ SHARE_COLUMNS = [
     ("share_vs_step_floor", "share/step floor", "{:.2f}"),
     ("share_back_to_back_ms", "share ms back to back", "{:.2f}"),
     ("back_to_back_vs_step_floor", "back to back/step floor", "{:.2f}"),
+    ("back_to_back_busy_ms", "profiled back to back: device busy ms", "{:.2f}"),
+    ("back_to_back_idle_ms", "device idle ms", "{:.2f}"),
     ("transactional_share_ms", "transactional share ms", "{:.2f}"),
     ("elementwise_ms", "element-wise ms", "{:.2f}"),
     ("traffic_floor_ms", "traffic floor ms", "{:.2f}"),

@@ -131,6 +131,7 @@ def test_quick_run_writes_overhead_and_per_rank_fields(model, tmp_path):
     assert share["world_size"] == 8 and share["share_ms"] > 0 and share["adamw_share_ms"] > 0
     assert share["ns_floor_ms"] is None  # CPU: no matmul rate measured
     assert share["elementwise_ms"] > 0 and share["traffic_floor_ms"] is None  # nor a copy rate
+    assert share["back_to_back_busy_ms"] is None and share["back_to_back_idle_ms"] is None  # CPU: no device
     for part in ("elementwise", "share"):  # the host's part and the launches (CPU: top-level aten ops)
         assert share[f"{part}_host_ms"] > 0 and share[f"{part}_launches"] > 0 and share[f"{part}_device_ms"] is None
     assert share["elementwise_launches"] < share["share_launches"]  # the share adds the directions' work
@@ -239,3 +240,12 @@ def test_a_share_forms_its_calls_under_the_rows_constants(monkeypatch):
     rows = [o.run_share(share, shapes, o.muon_group(), cpu, 0, 1, None, spec) for spec in ("2", "2:GATHER_MAX_UNITS=0")]
     assert [row["calls"] for row in rows] == [default, per_parameter]
     assert before == batching.GATHER_MAX_UNITS  # restored
+
+
+def test_device_busy_time_counts_overlapping_activities_once_and_idle_is_the_rest_of_the_span():
+    """Activities (start, end) of 0–4 and 2–5 (overlapping: two streams), 5–6 (touching), 8–9 and 8.5–8.7 (inside):
+    busy = 6 + 1 = 7, span = 9; none: (0, 0)."""
+    o = bench_module("optimizer_step")
+    assert o.busy_and_span([(8.0, 9.0), (0.0, 4.0), (5.0, 6.0), (2.0, 5.0), (8.5, 8.7)]) == (7.0, 9.0)
+    assert o.busy_and_span([(3.0, 4.5)]) == (1.5, 1.5)
+    assert o.busy_and_span([]) == (0.0, 0.0)
