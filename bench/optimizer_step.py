@@ -106,15 +106,15 @@ back (share ms back to back: the mean step of a block of ``--steps`` steps with 
 block's ends only, the median of 3 blocks: the pace of a training loop whose host runs ahead of the device,
 where a step's host work before its first kernel overlaps the work still queued) and its ratio to the step
 floor, and for a profiled block of max(``--steps``, 10) such steps the device's busy ms a step and its idle ms
-a step between its first activity and its last (near 0: the steps are device-bound); the same share as a step of several ranks runs it (transactional share ms: the momentum pass gives U
-without advancing the buffer, which advances in a second pass after the directions, so that a step that fails on
-any rank changes nothing); the share without
-Newton–Schulz (element-wise ms: the momentum pass, the apply and AdamW on its other shards) against the traffic
-floor of its shards' state at the copy rate (CUDA only) and their ratio, with its host ms (the median over the
-timed steps of the time until the call returns, the device synchronized before it), device ms and launches (one
-profiled call, as for the whole step's host overhead below), and the whole share's host ms, device ms and
-launches; beside it a fused AdamW step (foreach on CPU) over the same rank's FSDP shard of
-every parameter (about 1/W of each): AdamW share ms.
+a step between its first activity and its last (near 0: the steps are device-bound; the profiler's own host
+cost makes it an upper bound); the same share as a step of several ranks runs it (transactional share ms: the
+momentum pass gives U without advancing the buffer, which advances in a second pass after the directions, so
+that a step that fails on any rank changes nothing); the share without Newton–Schulz (element-wise ms: the
+momentum pass, the apply and AdamW on its other shards) against the traffic floor of its shards' state at the copy
+rate (CUDA only) and their ratio, with its host ms (the median over the timed steps of the time until the call
+returns, the device synchronized before it), device ms and launches (one profiled call, as for the whole step's
+host overhead below), and the whole share's host ms, device ms and launches; beside it a fused AdamW step
+(foreach on CPU) over the same rank's FSDP shard of every parameter (about 1/W of each): AdamW share ms.
 """
 
 from __future__ import annotations
@@ -888,7 +888,8 @@ def device_idle_back_to_back(step: Callable[[], None], device: torch.device, ste
     """``steps`` steps issued back to back under torch.profiler (the device synchronized before the first and after
     the last): per step, the device's busy ms (the union of its kernels, copies and sets) and its idle ms inside
     the span from the first activity to the last (:func:`busy_and_span`). Idle near 0: the steps are
-    device-bound; idle ms of host time the device waits for. CUDA only (None elsewhere)."""
+    device-bound; else the device waits that long for the host, the profiler's own host cost included (an upper
+    bound). CUDA only (None elsewhere)."""
     if device.type != "cuda":
         return {"busy_ms": None, "idle_ms": None}
     sync(device)
