@@ -108,13 +108,16 @@ where a step's host work before its first kernel overlaps the work still queued)
 floor, and for a profiled block of max(``--steps``, 10) such steps the device's busy ms a step and its idle ms
 a step between its first activity and its last (near 0: the steps are device-bound; the profiler's own host
 cost makes it an upper bound); the same share as a step of several ranks runs it (transactional share ms: the
-momentum pass gives U without advancing the buffer, which advances in a second pass after the directions, so
-that a step that fails on any rank changes nothing); the share without Newton–Schulz (element-wise ms: the
-momentum pass, the apply and AdamW on its other shards) against the traffic floor of its shards' state at the copy
-rate (CUDA only) and their ratio, with its host ms (the median over the timed steps of the time until the call
-returns, the device synchronized before it), device ms and launches (one profiled call, as for the whole step's
-host overhead below), and the whole share's host ms, device ms and launches; beside it a fused AdamW step
-(foreach on CPU) over the same rank's FSDP shard of every parameter (about 1/W of each): AdamW share ms.
+momentum pass gives U without advancing the buffer; after the directions the host reads the step's failure
+flag, as the consensus all-reduce's result is read, waiting there for the device; then the buffer advances in a
+second pass, so that a step that fails on any rank changes nothing), synchronized around each step and back to
+back (the host work after that read is not hidden by queued work); the share without Newton–Schulz
+(element-wise ms: the momentum pass, the apply and AdamW on its other shards) against the traffic floor of its
+shards' state at the copy rate (CUDA only) and their ratio, with its host ms (the median over the timed steps of
+the time until the call returns, the device synchronized before it), device ms and launches (one profiled call,
+as for the whole step's host overhead below), and the whole share's host ms, device ms and launches; beside it a
+fused AdamW step (foreach on CPU) over the same rank's FSDP shard of every parameter (about 1/W of each): AdamW
+share ms.
 """
 
 from __future__ import annotations
@@ -1125,6 +1128,7 @@ class ShareWork:
             (randn(s), randn(s), torch.zeros(s, device=device), randn(s), self.rule.adjusted_lr(group, m))
             for s, m in share.muon_shards
         ]  # (parameter, gradient, momentum buffer, received O, γ')
+        self.outcome = torch.zeros(1, dtype=torch.int64, device=device)  # the step's failure flag, none here
         self.others = [randn(s) for s in share.other_shards]
         self.other_grads = [randn(s) for s in share.other_shards]
         self.other_states = [adamw_rule.init_state(p) for p in self.others]
@@ -1139,7 +1143,8 @@ class ShareWork:
     def step(self, transactional: bool = False, directions: bool = True) -> None:
         """Momentum on the shards, the units' directions, the apply on the shards, AdamW on the other shards.
         ``transactional``: as a step of several ranks runs it, the momentum pass gives U without advancing the
-        buffer, and the buffer advances in a second pass after the directions (the commit). ``directions=False``:
+        buffer, the host reads the step's failure flag after the directions (the consensus: it waits for the
+        device there), and the buffer advances in a second pass (the commit). ``directions=False``:
         the element-wise passes and AdamW alone, without Newton–Schulz."""
         momentum, nesterov = self.group["momentum"], self.group["nesterov"]
         grads, bufs = [shard[1] for shard in self.shards], [shard[2] for shard in self.shards]
@@ -1154,8 +1159,12 @@ class ShareWork:
         )
         if directions:
             self.newton_schulz()
-        if transactional:  # the commit's advance, as MuonRule.advance_many runs it
-            momentum_steps(grads, bufs, momentum, False, write_buffer=True, want_input=False)
+        if transactional:
+            # the consensus: the failure flag, all-reduced on the parameters' device, read on the host
+            # (consensus.any_rank), so the host queues what follows once the device has done the directions
+            if self.outcome.item():
+                raise RuntimeError("ShareWork.step: a direction failed")
+            momentum_steps(grads, bufs, momentum, False, write_buffer=True, want_input=False)  # the commit's advance
         decay = 1 - LR * WEIGHT_DECAY
         decay_and_add_many(  # the optimizer's apply
             [shard[0] for shard in self.shards],
@@ -1248,7 +1257,9 @@ def run_share(
         share_ms = median_ms(work.step, device, warmup, steps)
         back_to_back = back_to_back_ms(work.step, device, warmup, steps)
         back_to_back_device = device_idle_back_to_back(work.step, device, max(steps, 10))
-        transactional_ms = median_ms(functools.partial(work.step, transactional=True), device, warmup, steps)
+        transactional = functools.partial(work.step, transactional=True)
+        transactional_ms = median_ms(transactional, device, warmup, steps)
+        transactional_back_to_back = back_to_back_ms(transactional, device, warmup, steps)
         ns_ms = median_ms(work.newton_schulz, device, 1, steps)
         elementwise = functools.partial(work.step, directions=False)
         elementwise_ms = median_ms(elementwise, device, warmup, steps)
@@ -1295,6 +1306,10 @@ def run_share(
         "back_to_back_busy_ms": back_to_back_device["busy_ms"],
         "back_to_back_idle_ms": back_to_back_device["idle_ms"],
         "transactional_share_ms": transactional_ms,
+        "transactional_back_to_back_ms": transactional_back_to_back,
+        "transactional_back_to_back_vs_step_floor": (
+            transactional_back_to_back / step_floor_ms if step_floor_ms else None
+        ),
         "elementwise_ms": elementwise_ms,
         "traffic_floor_ms": traffic_ms,
         "elementwise_vs_floor": elementwise_ms / traffic_ms if traffic_ms else None,
@@ -1435,6 +1450,8 @@ SHARE_COLUMNS = [
     ("back_to_back_busy_ms", "profiled back to back: device busy ms", "{:.2f}"),
     ("back_to_back_idle_ms", "device idle ms", "{:.2f}"),
     ("transactional_share_ms", "transactional share ms", "{:.2f}"),
+    ("transactional_back_to_back_ms", "transactional back to back", "{:.2f}"),
+    ("transactional_back_to_back_vs_step_floor", "transactional back to back/step floor", "{:.2f}"),
     ("elementwise_ms", "element-wise ms", "{:.2f}"),
     ("traffic_floor_ms", "traffic floor ms", "{:.2f}"),
     ("elementwise_vs_floor", "element-wise/floor", "{:.2f}"),

@@ -132,6 +132,7 @@ def test_quick_run_writes_overhead_and_per_rank_fields(model, tmp_path):
     assert share["ns_floor_ms"] is None  # CPU: no matmul rate measured
     assert share["elementwise_ms"] > 0 and share["traffic_floor_ms"] is None  # nor a copy rate
     assert share["back_to_back_busy_ms"] is None and share["back_to_back_idle_ms"] is None  # CPU: no device
+    assert share["transactional_share_ms"] > 0 and share["transactional_back_to_back_ms"] > 0
     for part in ("elementwise", "share"):  # the host's part and the launches (CPU: top-level aten ops)
         assert share[f"{part}_host_ms"] > 0 and share[f"{part}_launches"] > 0 and share[f"{part}_device_ms"] is None
     assert share["elementwise_launches"] < share["share_launches"]  # the share adds the directions' work
