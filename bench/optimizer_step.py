@@ -847,6 +847,12 @@ def has_aten_ancestor(event: Any) -> bool:
     return False
 
 
+def device_activities(events: Any) -> list[Any]:
+    """The device's kernels, copies and sets among profiler ``events``; not the GPU-side range of an
+    ``Optimizer.step#…`` annotation, which spans them and would count everything twice."""
+    return [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("Optimizer.")]
+
+
 def profile_counts(step: Callable[[], None], device: torch.device) -> dict[str, Any]:
     """One ``step()`` under torch.profiler: launches (CUDA: launch runtime calls; CPU: top-level aten ops) and
     device ms (CUDA: summed durations of the device activities; CPU: None)."""
@@ -860,11 +866,7 @@ def profile_counts(step: Callable[[], None], device: torch.device) -> dict[str, 
     events = prof.events()
     if device.type == "cuda":
         launches = sum(e.name in LAUNCH_EVENTS for e in events)
-        device_us = sum(  # the GPU-side range of the ``Optimizer.step#…`` annotation would count everything twice
-            e.time_range.elapsed_us()
-            for e in events
-            if e.device_type == DeviceType.CUDA and not e.name.startswith("Optimizer.")
-        )
+        device_us = sum(e.time_range.elapsed_us() for e in device_activities(events))
         return {"launches": launches, "launches_counted": "CUDA launch calls", "device_ms": device_us / 1e3}
     launches = sum(e.name.startswith("aten::") and not has_aten_ancestor(e) for e in events)
     return {"launches": launches, "launches_counted": "top-level aten ops (CPU proxy)", "device_ms": None}
@@ -902,13 +904,7 @@ def device_idle_back_to_back(step: Callable[[], None], device: torch.device, ste
         for _ in range(steps):
             step()
         sync(device)
-    busy, span = busy_and_span(
-        [
-            (e.time_range.start, e.time_range.end)
-            for e in prof.events()
-            if e.device_type == DeviceType.CUDA and not e.name.startswith("Optimizer.")
-        ]
-    )
+    busy, span = busy_and_span([(e.time_range.start, e.time_range.end) for e in device_activities(prof.events())])
     return {"busy_ms": busy / steps / 1e3, "idle_ms": (span - busy) / steps / 1e3}
 
 
@@ -1128,7 +1124,7 @@ class ShareWork:
             (randn(s), randn(s), torch.zeros(s, device=device), randn(s), self.rule.adjusted_lr(group, m))
             for s, m in share.muon_shards
         ]  # (parameter, gradient, momentum buffer, received O, γ')
-        self.outcome = torch.zeros(1, dtype=torch.int64, device=device)  # the step's failure flag, none here
+        self.outcome = torch.zeros(1, dtype=torch.int64, device=device)  # the step's failure flag
         self.others = [randn(s) for s in share.other_shards]
         self.other_grads = [randn(s) for s in share.other_shards]
         self.other_states = [adamw_rule.init_state(p) for p in self.others]
@@ -1160,10 +1156,9 @@ class ShareWork:
         if directions:
             self.newton_schulz()
         if transactional:
-            # the consensus: the failure flag, all-reduced on the parameters' device, read on the host
-            # (consensus.any_rank), so the host queues what follows once the device has done the directions
-            if self.outcome.item():
-                raise RuntimeError("ShareWork.step: a direction failed")
+            # the consensus: the failure flag (never set here), all-reduced on the parameters' device, read on the
+            # host (consensus.any_rank), so the host queues what follows once the device has done the directions
+            self.outcome.item()
             momentum_steps(grads, bufs, momentum, False, write_buffer=True, want_input=False)  # the commit's advance
         decay = 1 - LR * WEIGHT_DECAY
         decay_and_add_many(  # the optimizer's apply
