@@ -166,9 +166,11 @@ def agree(
             + [signature, -signature, hyper, -hyper, mismatch, hyper_mismatch, int(nonfinite), code],
             dtype=torch.int64,
         )
-        flags = flags.to(local(members[0].param).device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.comm.group)
-        flags = flags.cpu()
+        device = local(members[0].param).device
+        with consensus.beside_queued_work(device):  # host values: no wait for the kernels queued on the device
+            flags = flags.to(device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.comm.group)
+            flags = flags.cpu()
         for e, flag in zip(members, flags[:-8].tolist()):
             if flag:
                 active.add(e.index)
