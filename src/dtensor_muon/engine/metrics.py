@@ -6,7 +6,8 @@ coefficients, ``adjust_lr_fn="match_rms_adamw"``) on one CPU process.
 
 - ``muon/time_<phase>_ms``: host wall time of each phase (preflight, consensus, redistribute, prepare,
   local_compute, exchange_out_launch, exchange_out_wait, owner_compute, exchange_back_launch, outcome (the
-  agreement that every rank's directions succeeded: it waits for them), adamw, finish; gather_all with
+  agreement that every rank's directions succeeded: without overlap it waits for them, with overlap for the
+  exchanges out), adamw, finish; gather_all with
   ``exchange="gather_all"``). On CUDA it is launch time, not GPU time, except for outcome.
 - ``muon/time_step_ms``: their sum. ``muon/time_deferred_finish_ms`` (``overlap=True``): time spent applying
   the previous step's updates in forward pre-hooks and flushes.
