@@ -114,8 +114,8 @@ follows the exchanges back on the mesh's group, and they follow the directions);
 second pass, so that a step that fails on any rank changes nothing), synchronized around each step and back to
 back (the host work after that read is not hidden by queued work), and back to back as a step with
 ``overlap=True`` runs it (overlapped transactional back to back: the returns are launched after the consensus,
-so its read, beside the queued work, waits for the exchanges out only, here for the momentum pass they follow); the share without Newton–Schulz
-(element-wise ms: the momentum pass, the apply and AdamW on its other shards) against the traffic floor of its
+so its read, beside the queued work, waits for the exchanges out only, here for the momentum pass they
+follow); the share without Newton–Schulz (element-wise ms: the momentum pass, the apply and AdamW on its other shards) against the traffic floor of its
 shards' state at the copy rate (CUDA only) and their ratio, with its host ms (the median over the timed steps of
 the time until the call returns, the device synchronized before it), device ms and launches (one profiled call,
 as for the whole step's host overhead below), and the whole share's host ms, device ms and launches; beside it a
