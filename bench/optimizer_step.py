@@ -115,12 +115,12 @@ second pass, so that a step that fails on any rank changes nothing), synchronize
 back (the host work after that read is not hidden by queued work), and back to back as a step with
 ``overlap=True`` runs it (overlapped transactional back to back: the returns are launched after the consensus,
 so its read, beside the queued work, waits for the exchanges out only, here for the momentum pass they
-follow); the share without Newton–Schulz (element-wise ms: the momentum pass, the apply and AdamW on its other shards) against the traffic floor of its
-shards' state at the copy rate (CUDA only) and their ratio, with its host ms (the median over the timed steps of
-the time until the call returns, the device synchronized before it), device ms and launches (one profiled call,
-as for the whole step's host overhead below), and the whole share's host ms, device ms and launches; beside it a
-fused AdamW step (foreach on CPU) over the same rank's FSDP shard of every parameter (about 1/W of each): AdamW
-share ms.
+follow); the share without Newton–Schulz (element-wise ms: the momentum pass, the apply and AdamW on its other
+shards) against the traffic floor of its shards' state at the copy rate (CUDA only) and their ratio, with its
+host ms (the median over the timed steps of the time until the call returns, the device synchronized before
+it), device ms and launches (one profiled call, as for the whole step's host overhead below), and the whole
+share's host ms, device ms and launches; beside it a fused AdamW step (foreach on CPU) over the same rank's FSDP
+shard of every parameter (about 1/W of each): AdamW share ms.
 """
 
 from __future__ import annotations
@@ -857,17 +857,23 @@ def device_activities(events: Any) -> list[Any]:
     return [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("Optimizer.")]
 
 
-def profile_counts(step: Callable[[], None], device: torch.device) -> dict[str, Any]:
-    """One ``step()`` under torch.profiler: launches (CUDA: launch runtime calls; CPU: top-level aten ops) and
-    device ms (CUDA: summed durations of the device activities; CPU: None)."""
+def profiled_events(run: Callable[[], None], device: torch.device) -> Any:
+    """The torch.profiler events of ``run()`` (host ops; on CUDA the device's activities too), the device
+    synchronized before it and inside the profiled range after it."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     sync(device)
     with torch.profiler.profile(activities=activities) as prof:
-        step()
+        run()
         sync(device)
-    events = prof.events()
+    return prof.events()
+
+
+def profile_counts(step: Callable[[], None], device: torch.device) -> dict[str, Any]:
+    """One ``step()`` under torch.profiler: launches (CUDA: launch runtime calls; CPU: top-level aten ops) and
+    device ms (CUDA: summed durations of the device activities; CPU: None)."""
+    events = profiled_events(step, device)
     if device.type == "cuda":
         launches = sum(e.name in LAUNCH_EVENTS for e in events)
         device_us = sum(e.time_range.elapsed_us() for e in device_activities(events))
@@ -901,14 +907,13 @@ def device_idle_back_to_back(step: Callable[[], None], device: torch.device, ste
     bound). CUDA only (None elsewhere)."""
     if device.type != "cuda":
         return {"busy_ms": None, "idle_ms": None}
-    sync(device)
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    ) as prof:
+
+    def block() -> None:
         for _ in range(steps):
             step()
-        sync(device)
-    busy, span = busy_and_span([(e.time_range.start, e.time_range.end) for e in device_activities(prof.events())])
+
+    events = profiled_events(block, device)
+    busy, span = busy_and_span([(e.time_range.start, e.time_range.end) for e in device_activities(events)])
     return {"busy_ms": busy / steps / 1e3, "idle_ms": (span - busy) / steps / 1e3}
 
 
