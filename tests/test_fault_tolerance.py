@@ -301,3 +301,45 @@ def test_an_n_by_0_parameter_trains_under_fsdp():
         assert r["local"]["layers.0.empty.weight"] in ((0, 0), (2, 0))
         for name, p in r["params"].items():
             assert torch.equal(p, want[name]), name
+
+
+def return_launches(rank: int, world_size: int) -> dict[str, Any]:
+    """How many return exchanges this rank launches in a step that succeeds, then in one whose direction raises
+    on rank 1 (counted where :class:`BackExchange` launches its packed exchange)."""
+    from dtensor_muon.engine.pending import BackExchange
+
+    launched: list[int] = []
+    start = BackExchange.start
+
+    def counting_start(self: BackExchange) -> None:
+        if self.exchange is None and self.packed is not None:
+            launched.append(len(self.param_indices))
+        start(self)
+
+    BackExchange.start = counting_start
+    try:
+        model = sharded_model()
+        params = model.named()
+        opt = CholeskyCheckedNorMuon(params, **OPTIONS)
+        set_gradients(params, 0)
+        opt.step()
+        succeeded = len(launched)
+        owned_by_1 = [r.spec.name for plan in opt.plans for r in plan.routes if r.owner == 1]
+        poison = next(name for name, p in params if p.ndim == 2 and name in owned_by_1)
+        set_gradients(params, 1, poison=poison)
+        error = attempt(opt.step)
+        failed = len(launched) - succeeded
+    finally:
+        BackExchange.start = start
+    return {"succeeded": succeeded, "failed": failed, "error": error}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failed_step_launches_no_return_exchange(device):
+    """A step over several ranks packs each return exchange as its directions are computed and launches them only
+    once every rank's directions succeeded: a step whose direction raised on rank 1 sends nothing back, on any
+    rank."""
+    for rank, r in enumerate(run_distributed(return_launches, 2, device=device)):
+        assert r["succeeded"] > 0, (rank, r)
+        assert r["error"] is not None and r["error"].startswith("StepFailedError"), (rank, r)
+        assert r["failed"] == 0, f"rank {rank} launched {r['failed']} return exchanges in the failed step"

@@ -311,21 +311,22 @@ def test_nonfinite_update_on_two_fsdp_ranks_is_counted_by_its_owner():
 # ---------------------------------------------------------------- nothing in flight after a step
 def exchange_handles_after_step(rank: int, world_size: int) -> dict[str, int]:
     """How many of the exchange's all-to-all Work objects are still alive: after a plain step, and with
-    ``overlap=True`` after the step and after ``flush()`` (Python references only: weakrefs to the Works)."""
+    ``overlap=True`` after the step and after ``flush()`` (Python references only: weakrefs to the Works of
+    every exchange launched, out and back)."""
     import gc
     import weakref
 
-    from dtensor_muon.engine.strategies import owned
+    from dtensor_muon.distributed.exchange import PackedExchange
 
     launched: list[weakref.ref] = []
-    start = owned.start_all_to_all
+    start = PackedExchange.start
 
-    def recording_start(*args, **kwargs):
-        pending = start(*args, **kwargs)
+    def recording_start(self, *args, **kwargs):
+        pending = start(self, *args, **kwargs)
         launched.append(weakref.ref(pending.handle))
         return pending
 
-    owned.start_all_to_all = recording_start
+    PackedExchange.start = recording_start
     out = {}
     for overlap in (False, True):
         params = scenarios.distributed_params("shard0", world_size)
@@ -342,7 +343,7 @@ def exchange_handles_after_step(rank: int, world_size: int) -> dict[str, int]:
         opt.flush()
         gc.collect()
         out[f"alive after flush overlap={overlap}"] = sum(r() is not None for r in launched)
-    owned.start_all_to_all = start
+    PackedExchange.start = start
     return out
 
 
@@ -363,11 +364,12 @@ def buffers_alive_after_step(rank: int, world_size: int) -> dict[str, int]:
     import weakref
 
     from dtensor_muon.engine.context import StepContext
+    from dtensor_muon.engine.pending import BackExchange
     from dtensor_muon.engine.strategies import owned
 
     refs: dict[str, list[weakref.ref]] = {"inputs": [], "outputs": [], "received out": [], "received back": []}
     prepare_many, compute_unit = StepContext.prepare_many, StepContext.compute_unit
-    launch_out, launch_back = owned._launch_out, owned._launch_back
+    launch_out, start_back = owned._launch_out, BackExchange.start
 
     def recorded(key: str, fn, pick=lambda result: [result]):
         def wrapper(*args, **kwargs):
@@ -380,7 +382,14 @@ def buffers_alive_after_step(rank: int, world_size: int) -> dict[str, int]:
     StepContext.prepare_many = recorded("inputs", prepare_many, pick=list)
     StepContext.compute_unit = recorded("outputs", compute_unit)
     owned._launch_out = recorded("received out", launch_out, pick=lambda pending: [pending.received])
-    owned._launch_back = recorded("received back", launch_back, pick=lambda pending: [pending.received])
+
+    def recording_start_back(self: BackExchange) -> None:
+        launching = self.exchange is None
+        start_back(self)
+        if launching:
+            refs["received back"].append(weakref.ref(self.exchange.received))
+
+    BackExchange.start = recording_start_back
     try:
         params = scenarios.distributed_params("shard0", world_size)
         model = scenarios.ParamHolder(params)
@@ -397,7 +406,7 @@ def buffers_alive_after_step(rank: int, world_size: int) -> dict[str, int]:
         out.update({f"{key} alive after flush": sum(w() is not None for w in r) for key, r in refs.items()})
     finally:
         StepContext.prepare_many, StepContext.compute_unit = prepare_many, compute_unit
-        owned._launch_out, owned._launch_back = launch_out, launch_back
+        owned._launch_out, BackExchange.start = launch_out, start_back
     return out
 
 

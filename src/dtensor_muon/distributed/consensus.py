@@ -13,29 +13,28 @@ Only when digests differ do the ranks exchange the descriptions themselves (``al
 every rank raises the same :class:`OptionMismatchError` naming the first differing option and its values.
 
 The flags of a step's consensus are host values (which gradients exist, digests, whether a direction raised),
-so on CUDA their all-reduce and its read run on a side stream (:func:`beside_queued_work`): the host then waits
-for the ranks and for the group's earlier collectives, not for the kernels already queued on the device, and
-goes on queueing the rest of the step while they run.
+so on CUDA their all-reduce and its read run on a side stream (:func:`.side_streams.beside_queued_work`): the
+host then waits for the ranks and for the group's earlier collectives, not for the kernels already queued on
+the device, and goes on queueing the rest of the step while they run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .side_streams import CONSENSUS, beside_queued_work
+
 Description = list[tuple[str, Any]]
 """(option path, normalized value) pairs, in an order every rank builds alike."""
 
 GROUP_KEYS_SKIPPED = ("params", "param_names")
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 class OptionMismatchError(RuntimeError):
@@ -131,31 +130,15 @@ def check_same_everywhere(description: Description, group: Any, device: torch.de
         raise_difference(description, group, what)
 
 
-@contextlib.contextmanager
-def beside_queued_work(device: torch.device) -> Iterator[None]:
-    """Run what the block queues on ``device`` on a side stream of it (one per CUDA device), so that reading
-    the result waits only for what the block queued: the collective's own stream still follows the group's
-    earlier collectives, but no longer the kernels queued on the current stream. For host values only (the
-    block must not read tensors that the current stream is still writing). On the CPU: as it is."""
-    if device.type != "cuda":
-        yield
-        return
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):
-        yield
-
-
 def any_rank(flag: bool, groups: Iterable[tuple[Any, torch.device]]) -> bool:
     """Whether ``flag`` is set on any rank of the ``(process group, device)`` meshes: one MAX all-reduce per
     mesh, each mesh's result feeding the next (so, meshes in increasing size, the last carries every flag to
     every rank), and one host read at the end, each beside the work queued on its device
-    (:func:`beside_queued_work`)."""
+    (:func:`.side_streams.beside_queued_work`)."""
     value = torch.tensor([int(flag)], dtype=torch.int64)
     for group, device in groups:
-        with beside_queued_work(device):
+        with beside_queued_work(device, CONSENSUS):
             value = value.to(device)
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    with beside_queued_work(value.device):
+    with beside_queued_work(value.device, CONSENSUS):
         return bool(value.item())

@@ -4,10 +4,17 @@ Each bucket does one ``all_to_all_single`` out (every source rank's pieces to th
 (each owner's update pieces to every rank that holds part of the matrix). Split sizes are exact element
 counts, so empty shards send nothing and nothing is padded. Buffers are laid out in process-group rank
 order; :class:`MeshGroup` maps mesh ranks (flat index in ``mesh.mesh``) to group ranks.
+
+An exchange is packed (its pieces copied into one send buffer, :func:`pack_all_to_all`) and then launched
+(:meth:`PackedExchange.start`). Packed to be launched later, on CUDA it records an event after its packing and
+is launched from the :data:`~.side_streams.LAUNCHES` side stream after that event: so a step can pack each
+return exchange as soon as its directions are computed, agree on the outcome, and only then send, without the
+sends waiting for the directions computed in between.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -15,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+
+from .side_streams import LAUNCHES, beside_queued_work
 
 
 @dataclass
@@ -79,19 +88,58 @@ class PendingExchange:
     def wait(self) -> dict[int, Tensor]:
         if self.handle is not None:
             self.handle.wait()
+            if self.received.is_cuda:  # allocated where it was launched, maybe a side stream: read on this one
+                self.received.record_stream(torch.cuda.current_stream(self.received.device))
         chunks = torch.split(self.received, self.recv_counts)
         return dict(zip(self.mesh_ranks_in_group_order, chunks))
 
 
-def start_all_to_all(
+@dataclass
+class PackedExchange:
+    """An all-to-all whose send buffer is packed, not yet launched: :meth:`start` launches it (once).
+
+    ``packed``: on CUDA, for an exchange packed to be launched later, the event recorded on the packing stream
+    once ``send`` is written; the launch then follows that event only (:mod:`.side_streams`), and the receive
+    buffer is allocated on the launching stream. None: launched from the current stream."""
+
+    group: MeshGroup
+    send: Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+    packed: torch.cuda.Event | None = None
+
+    def start(self) -> PendingExchange:
+        """Launch the exchange; the returned :class:`PendingExchange` waits for it."""
+        order = self.group.mesh_ranks_in_group_order
+        if self.group.group is None:  # a group of one: what it sends is what it receives, already a copy of its pieces
+            return PendingExchange(self.send, self.recv_counts, None, order)
+        launching = (
+            beside_queued_work(self.send.device, LAUNCHES, after=self.packed)
+            if self.packed is not None
+            else contextlib.nullcontext()
+        )
+        with launching:
+            if self.packed is not None:  # the send buffer's block returns to the packing stream's pool: not before this
+                self.send.record_stream(torch.cuda.current_stream(self.send.device))
+            received = torch.empty(sum(self.recv_counts), dtype=self.send.dtype, device=self.send.device)
+            handle = dist.all_to_all_single(
+                received, self.send, self.recv_counts, self.send_counts, group=self.group.group, async_op=True
+            )
+        return PendingExchange(received, self.recv_counts, handle, order)
+
+
+def pack_all_to_all(
     mesh_group_: MeshGroup,
     send_chunks: dict[int, list[Tensor]],
     recv_counts: dict[int, int],
     dtype: torch.dtype,
     device: torch.device,
-) -> PendingExchange:
-    """Launch one variable-size all-to-all: ``send_chunks[mesh_rank]`` (flattened pieces) go to that rank;
-    ``recv_counts[mesh_rank]`` elements come from it. Returns without waiting."""
+    *,
+    launched_later: bool = False,
+) -> PackedExchange:
+    """Pack one variable-size all-to-all: ``send_chunks[mesh_rank]`` (flattened pieces) go to that rank;
+    ``recv_counts[mesh_rank]`` elements come from it. ``launched_later``: on CUDA, record the packing event so
+    that :meth:`PackedExchange.start` follows it alone (the pieces may then be overwritten once this returns)."""
     order = mesh_group_.mesh_ranks_in_group_order
     send_parts: list[Tensor] = []
     send_counts: list[int] = []
@@ -102,8 +150,20 @@ def start_all_to_all(
     counts_in = [recv_counts.get(rank, 0) for rank in order]
     # one concatenation, then one cast to the wire dtype (not one cast per piece)
     send = torch.cat(send_parts).to(dtype) if send_parts else torch.empty(0, dtype=dtype, device=device)
-    if mesh_group_.group is None:  # a group of one: what it sends is what it receives, already a copy of its pieces
-        return PendingExchange(send, counts_in, None, order)
-    received = torch.empty(sum(counts_in), dtype=dtype, device=device)
-    handle = dist.all_to_all_single(received, send, counts_in, send_counts, group=mesh_group_.group, async_op=True)
-    return PendingExchange(received, counts_in, handle, order)
+    packed = None
+    if launched_later and send.is_cuda and mesh_group_.group is not None:
+        packed = torch.cuda.Event()
+        packed.record(torch.cuda.current_stream(send.device))
+    return PackedExchange(mesh_group_, send, send_counts, counts_in, packed)
+
+
+def start_all_to_all(
+    mesh_group_: MeshGroup,
+    send_chunks: dict[int, list[Tensor]],
+    recv_counts: dict[int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> PendingExchange:
+    """Pack and launch one variable-size all-to-all (:func:`pack_all_to_all`) from the current stream. Returns
+    without waiting."""
+    return pack_all_to_all(mesh_group_, send_chunks, recv_counts, dtype, device).start()

@@ -117,7 +117,8 @@ class StepContext:
         self.scalars: dict[int, ApplyScalars] = {}
         self.transactional = transactional
         self.hold_backs = hold_backs
-        """Leave the return exchanges unlaunched until the engine has agreed on the outcome (overlap mode)."""
+        """Pack the return exchanges but leave them unlaunched until the engine has agreed on the outcome (a step
+        over several ranks): a failed step sends nothing back, and the agreement does not queue behind them."""
         self.offload = offload
         """Shard state in host memory, streamed through the device (:mod:`.offload`); None: on the device."""
         self.failure: DirectionFailure | None = None

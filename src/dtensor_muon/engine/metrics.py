@@ -5,10 +5,11 @@ torchtitan's Llama3 debugmodel (dim 256, 6 layers, vocab 2048; batch 4 × 256; l
 coefficients, ``adjust_lr_fn="match_rms_adamw"``) on one CPU process.
 
 - ``muon/time_<phase>_ms``: host wall time of each phase (preflight, consensus, redistribute, prepare,
-  local_compute, exchange_out_launch, exchange_out_wait, owner_compute, exchange_back_launch, outcome (the
-  agreement that every rank's directions succeeded: without overlap it waits for them, with overlap for the
-  exchanges out), adamw, finish; gather_all with
-  ``exchange="gather_all"``). On CUDA it is launch time, not GPU time, except for outcome.
+  local_compute, exchange_out_launch, exchange_out_wait, owner_compute, exchange_back_launch (packing the
+  exchanges back and launching them, which a step over several ranks does after the outcome), outcome (the
+  agreement that every rank's directions succeeded: it waits for the ranks and the exchanges out, not for the
+  directions still queued on the device), adamw, finish; gather_all with ``exchange="gather_all"``). On CUDA it
+  is launch time, not GPU time, except for outcome.
 - ``muon/time_step_ms``: their sum. ``muon/time_deferred_finish_ms`` (``overlap=True``): time spent applying
   the previous step's updates in forward pre-hooks and flushes.
 - ``muon/bytes_sent``: bytes this rank put on the wire (exchange out + back); 0 on one rank.

@@ -15,18 +15,19 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..distributed.exchange import PendingExchange
+from ..distributed.exchange import PackedExchange, PendingExchange
 
 
 @dataclass
 class BackExchange:
-    """One bucket's return exchange: ``launch`` starts it (:meth:`start`), ``unpack`` copies what it received.
+    """One bucket's return exchange: ``packed`` is its send buffer, :meth:`start` launches it, ``unpack`` copies
+    what it received.
 
-    What each stage no longer needs is let go at once: the launcher (and the directions' outputs it holds) when
-    the exchange starts, the exchange (its receive buffer) once unpacked, so that with overlap a step's
-    outputs and received pieces do not stay allocated through the next forward."""
+    What each stage no longer needs is let go at once: the packed send buffer when the exchange starts (the
+    collective holds it until it has been sent), the exchange (its receive buffer) once unpacked, so that with
+    overlap a step's received pieces do not stay allocated through the next forward."""
 
-    launch: Callable[[], PendingExchange] | None
+    packed: PackedExchange | None
     param_indices: tuple[int, ...]
     unpack: Callable[[dict[int, Tensor]], None]
     exchange: PendingExchange | None = None
@@ -34,9 +35,9 @@ class BackExchange:
 
     def start(self) -> None:
         """Launch the exchange (once)."""
-        if self.exchange is None and self.launch is not None:
-            self.exchange = self.launch()
-            self.launch = None
+        if self.exchange is None and self.packed is not None:
+            self.exchange = self.packed.start()
+            self.packed = None
 
     def receive(self) -> None:
         """Wait for the exchange and unpack it (once), then drop its buffers."""

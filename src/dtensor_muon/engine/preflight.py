@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from ..distributed import consensus
 from ..distributed.exchange import MeshGroup
 from ..distributed.layout import box_shape, local, read_layout
+from ..distributed.side_streams import CONSENSUS, beside_queued_work
 from .context import Entry
 
 
@@ -167,7 +168,7 @@ def agree(
             dtype=torch.int64,
         )
         device = local(members[0].param).device
-        with consensus.beside_queued_work(device):  # host values: no wait for the kernels queued on the device
+        with beside_queued_work(device, CONSENSUS):  # host values: no wait for the kernels queued on the device
             flags = flags.to(device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.comm.group)
             flags = flags.cpu()

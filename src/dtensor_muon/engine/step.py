@@ -13,14 +13,16 @@ parameter's placements after the consensus, in entry order on every rank.
 All or nothing: a step over meshes of more than one rank keeps nothing until every rank's directions have
 succeeded. ``prepare`` leaves the shard state as it is (``advance`` changes it afterwards, with the same
 operation in place, so the bits are those U was computed from); each unit's direction works on a copy of its
-owner state; a direction that raises is recorded, and its rank still takes part in every exchange (sending
-zeros). After the strategies, one all-reduce (MAX) of a failure flag per mesh tells every rank; on a failure
-each raises :class:`StepFailedError` naming the matrix, its owner's global rank and the error, and parameters,
-shard state, owner state and AdamW state are bitwise as before the step. Otherwise the owner states' copies
-replace them, the shard states advance, AdamW runs and the updates are applied. Without overlap the return
-exchanges are in flight during the agreement (a failed step waits for them and drops them); with
-``overlap=True`` they are launched after it, so a step that fails raises inside ``step()`` as well, and each
-module's update still lands in its next forward. Cost: one small all-reduce and host sync per step, one more
+owner state; a direction that raises is recorded, and its rank still takes part in every exchange out (its
+later directions are zeros). Each return exchange is packed as soon as its directions are computed but not
+launched (:class:`~..distributed.exchange.PackedExchange`). After the strategies, one all-reduce (MAX) of a
+failure flag per mesh tells every rank; it follows the exchanges out only, not the exchanges back. On a failure
+each raises :class:`StepFailedError` naming the matrix, its owner's global rank and the error, the packed
+exchanges back are dropped unsent, and parameters, shard state, owner state and AdamW state are bitwise as
+before the step. Otherwise the exchanges back are launched, from a side stream that waits for each one's
+packing alone (so they run beside whatever the device still computes), the owner states' copies replace the
+old ones, the shard states advance, AdamW runs and the updates are applied (with ``overlap=True`` each
+module's in its next forward; a step that fails raises inside ``step()`` in both modes). Cost: one small all-reduce and host sync per step, one more
 element-wise pass over the shard state (the advance), and this rank's owner state held twice during the step
 (NorMuon: one float per row; SOAP: its factors, bases and moments). On one process nothing waits: the state
 advances in ``prepare`` and local updates are applied as they are computed, so a direction that raises there
@@ -421,7 +423,7 @@ class Engine:
             self.ns_runner,
             self.bucket_bytes,
             transactional=transactional,
-            hold_backs=transactional and self.overlap,
+            hold_backs=transactional,
             offload=self.offload,
         )
         with timer.phase("prepare"):
@@ -432,19 +434,14 @@ class Engine:
                 backs.extend(strategy(ctx, work))
         ctx.release_inputs(list(ctx.inputs))  # U is in the send buffers or consumed: not kept past the step
         with timer.phase("outcome"):
-            try:
-                self._agree_on_outcome(ctx)
-            except StepFailedError:
-                for back in backs:  # in flight without overlap: let them land (they are never applied)
-                    if back.exchange is not None:
-                        back.exchange.wait()
-                raise
+            self._agree_on_outcome(ctx)  # raises on a failure: the packed exchanges back are dropped unsent
+        with timer.phase("exchange_back_launch"):
+            for back in backs:
+                back.start()
         ctx.commit()
         self.steps_taken = step_number
         with timer.phase("adamw"):
             self._adamw_step(grads, active, stats, diagnostics)
-        for back in backs:
-            back.start()
         self.pending = PendingUpdates(list(ctx.updates), backs, ctx.apply_many)
         if not self.overlap:
             with timer.phase("finish"):
@@ -461,9 +458,8 @@ class Engine:
 
         One all-reduce (MAX) of a failure flag per mesh, in the consensus order, after every direction of the
         step; only when it is set do the ranks gather the failure (``all_gather_object`` on the last mesh) to
-        name the matrix, its owner and the error. Without overlap the return exchanges are already in flight
-        (they carry zeros from a failed owner and are never applied); with overlap they are launched after
-        this agreement, so each update still lands in the next forward.
+        name the matrix, its owner and the error. The return exchanges are packed but not yet launched
+        (``hold_backs``): the flag's all-reduce follows the exchanges out only, and a failed step drops them.
         """
         if not ctx.transactional:
             return

@@ -4,8 +4,9 @@ Per bucket of the plan: one variable-size all-to-all carries every source rank's
 owners, each owner assembles its matrices (pieces in route order per source), computes its units, and one
 all-to-all back carries each holder's part of O. Where units stack (:mod:`..stacks`), an owner computes
 consecutive buckets together until it holds a stack's worth of units, several same-size units of one shape in
-one call. The return exchanges are left in flight: the engine's
-pending updates unpack and apply them (at once, or in the next forward with overlap).
+one call. Each return exchange is packed as soon as its bucket is computed and launched at once, or, in a step
+over several ranks, by the engine once every rank's directions succeeded; the engine's pending updates unpack
+and apply them (at once, or in the next forward with overlap).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ...distributed.exchange import PendingExchange, start_all_to_all
+from ...distributed.exchange import PackedExchange, PendingExchange, pack_all_to_all, start_all_to_all
 from ...distributed.layout import box_numel, box_shape, contiguous_offset, local, relative_slices
 from ...kernels.batching import group_into_stacks, units_per_stack
 from ...plan import MatrixRoute
@@ -27,7 +28,7 @@ from ..stacks import stack_key
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
-    """Exchange out, compute owned units, launch the return exchanges (see the module docstring). U of a
+    """Exchange out, compute owned units, pack the return exchanges (see the module docstring). U of a
     parameter that no tensor-parallel unit reads is let go as soon as the last bucket with a piece of it is
     launched: the send buffers then hold those pieces."""
     plan, me = work.plan, work.comm.mesh_rank
@@ -40,7 +41,7 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
         plan.buckets,
         _launch_out,
         _compute_owned,
-        _launch_back,
+        _pack_back,
         _unpack_back,
         inputs_sent_through(
             ctx, work, plan.buckets, lambda route: any(source == me for _, source in route.pieces), tensor_parallel
@@ -80,18 +81,18 @@ def exchange_buckets(
     compute: Callable[
         [StepContext, MeshWork, list[list[int]], list[dict[int, Tensor]], torch.device], dict[int, Tensor]
     ],
-    launch_back: Callable[[StepContext, MeshWork, list[MatrixRoute], dict[int, Tensor], torch.device], PendingExchange],
+    pack_back: Callable[[StepContext, MeshWork, list[MatrixRoute], dict[int, Tensor], torch.device], PackedExchange],
     unpack_back: Callable[[StepContext, MeshWork, list[MatrixRoute], dict[int, Tensor]], None],
     sent: Callable[[int], None],
     groups: list[list[int]] | None = None,
 ) -> list[BackExchange]:
     """Every bucket's exchange out launched at once (after bucket k, ``sent(k)``: its pieces of U are packed
     into its send buffer), then per group of consecutive buckets (``groups``, by default each bucket alone):
-    wait for each, compute them together, launch each one's exchange back (left in flight as a
-    :class:`BackExchange` that ``unpack_back`` completes; with ``ctx.hold_backs`` left for the engine to launch
-    once every rank's directions succeeded), in bucket order on every rank. A group's received pieces are let go
-    once it is computed. Shared by the owned and the tensor-parallel strategies, which differ in what they send,
-    compute and send back."""
+    wait for each, compute them together, pack each one's exchange back at once and launch it (left in flight as a
+    :class:`BackExchange` that ``unpack_back`` completes; with ``ctx.hold_backs`` packed only, for the engine to
+    launch once every rank's directions succeeded), in bucket order on every rank. A group's received pieces and
+    its outputs are let go once it is packed. Shared by the owned and the tensor-parallel strategies, which differ
+    in what they send, compute and send back."""
     if not buckets:
         return []
     if groups is None:
@@ -119,13 +120,14 @@ def exchange_buckets(
                 routes = active_routes(ctx, work, buckets[k])
                 indices = tuple(dict.fromkeys(r.spec.param_index for r in routes))
                 back = BackExchange(
-                    lambda routes=routes, outputs=outputs: launch_back(ctx, work, routes, outputs, device),
+                    pack_back(ctx, work, routes, outputs, device),
                     indices,
                     lambda got, routes=routes: unpack_back(ctx, work, routes, got),
                 )
                 if not ctx.hold_backs:
                     back.start()
                 backs.append(back)
+        del outputs
     return backs
 
 
@@ -233,7 +235,7 @@ def _compute_owned(
     """Assemble each owned unit of ``buckets``, or stack of units (:mod:`..stacks`), from its pieces (``receiveds``:
     per bucket, what each source sent) into one ``[B, m, n]`` buffer, compute it; O per ``id(route)``, in the
     box's shape (views of the call's output, which :func:`exchange_buckets` packs into the exchanges back before
-    it computes anything else, unless ``ctx.hold_backs``)."""
+    it computes anything else)."""
     calls = group_into_stacks(
         owned_units(ctx, work, buckets),
         lambda ids: stack_key(ctx, [work.plan.routes[i].spec for i in ids]),
@@ -270,8 +272,8 @@ def _compute_owned(
         stacked = buffer.view((len(ids), *shape) if len(ids) > 1 else shape)
         # O may stay the CUDA graph's own buffer where its pieces are packed into the exchanges back before a
         # call of the same signature overwrites it: no later call here has its input's shape, and the backs
-        # start at once
-        borrow = not ctx.hold_backs and inputs[c] not in inputs[c + 1 :]
+        # are packed at once
+        borrow = inputs[c] not in inputs[c + 1 :]
         o = ctx.compute_unit(specs, stacked, decide_as=len(stack[0]) if len(stack) > 1 else None, borrow=borrow)
         for j, i in enumerate(ids):
             route = work.plan.routes[i]
@@ -279,9 +281,9 @@ def _compute_owned(
     return out
 
 
-def _launch_back(
+def _pack_back(
     ctx: StepContext, work: MeshWork, routes: list[MatrixRoute], updates: dict[int, Tensor], device: torch.device
-) -> PendingExchange:
+) -> PackedExchange:
     me = work.comm.mesh_rank
     send: dict[int, list[Tensor]] = defaultdict(list)
     recv: dict[int, int] = defaultdict(int)
@@ -292,7 +294,7 @@ def _launch_back(
             if holder == me:
                 recv[route.owner] += box_numel(box)
     ctx.stats.bytes_sent += sent_bytes(send, me, work.wire_dtype.itemsize)
-    return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
+    return pack_all_to_all(work.comm, send, recv, work.wire_dtype, device, launched_later=ctx.hold_backs)
 
 
 def _unpack_back(ctx: StepContext, work: MeshWork, routes: list[MatrixRoute], received: dict[int, Tensor]) -> None:

@@ -5,8 +5,8 @@ pieces of its target (the whole matrix, or its TP block in distributed mode); ea
 duplicated: the rule's direction on the whole matrix, as an owner would; distributed: its block of the
 Newton–Schulz result with the group's other members, one all-reduce of the small Gram matrix per iteration
 over the TP group (:mod:`dtensor_muon.linalg.distributed_ns`) — and one all-to-all back carries each
-holder its piece from the member of its own TP coordinate. The return exchanges are left in flight, as in
-:mod:`.owned`.
+holder its piece from the member of its own TP coordinate. The return exchanges are packed, launched and left in
+flight as in :mod:`.owned`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...distributed.exchange import PendingExchange, start_all_to_all
+from ...distributed.exchange import PackedExchange, PendingExchange, pack_all_to_all, start_all_to_all
 from ...distributed.layout import TENSOR_PARALLEL_DIM, box_numel, box_shape, relative_slices
 from ...plan import MatrixRoute
 from ...plan.placement import TensorParallelGroup
@@ -28,7 +28,7 @@ from .owned import active_routes, exchange_buckets, inputs_sent_through, sent_by
 
 
 def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
-    """Exchange out, compute this rank's share of each TP unit, launch the return exchanges; U of a parameter is
+    """Exchange out, compute this rank's share of each TP unit, pack the return exchanges; U of a parameter is
     let go once the last bucket with a piece of it is launched (this is the last strategy to read U)."""
     plan, me = work.plan, work.comm.mesh_rank
     return exchange_buckets(
@@ -37,7 +37,7 @@ def run(ctx: StepContext, work: MeshWork) -> list[BackExchange]:
         plan.tensor_parallel_buckets,
         _launch_out,
         _compute,
-        _launch_back,
+        _pack_back,
         _unpack_back,
         inputs_sent_through(
             ctx,
@@ -139,9 +139,9 @@ def _all_reduce_in_float32(t: Tensor, group: dist.ProcessGroup) -> None:
     t.copy_(wide)
 
 
-def _launch_back(
+def _pack_back(
     ctx: StepContext, work: MeshWork, routes: list[MatrixRoute], outputs: dict[int, Tensor], device: torch.device
-) -> PendingExchange:
+) -> PackedExchange:
     me = work.comm.mesh_rank
     send: dict[int, list[Tensor]] = defaultdict(list)
     recv: dict[int, int] = defaultdict(int)
@@ -154,7 +154,7 @@ def _launch_back(
             if holder == me:
                 recv[member] += box_numel(box)
     ctx.stats.bytes_sent += sent_bytes(send, me, work.wire_dtype.itemsize)
-    return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
+    return pack_all_to_all(work.comm, send, recv, work.wire_dtype, device, launched_later=ctx.hold_backs)
 
 
 def _unpack_back(ctx: StepContext, work: MeshWork, routes: list[MatrixRoute], received: dict[int, Tensor]) -> None:

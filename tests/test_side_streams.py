@@ -1,12 +1,14 @@
-"""A step's consensus does not wait for the kernels already queued on the device.
+"""Work that follows the ranks, not the kernels already queued on the device: a step's consensus, and a return
+exchange packed to be launched later (:mod:`dtensor_muon.distributed.side_streams`).
 
-Its flags are host values, so on CUDA the all-reduce and its read run on a side stream
-(:func:`consensus.beside_queued_work`). Each test runs on gloo ranks sharing one GPU: every rank queues a kernel that
+The consensus flags are host values, so on CUDA the all-reduce and its read run on a side stream. A return
+exchange is packed on the current stream and launched after every rank's directions succeeded, from a side stream
+that waits for its packing alone. Each test runs on gloo ranks sharing one GPU: every rank queues a kernel that
 spins for about a second (``torch.cuda._sleep``, 2³¹ clock cycles: over a second at the H100's and H200's top
-clock of 1.98 GHz) on its current stream, runs a consensus, checks its result, and checks that the spinning
-kernel is still running when the consensus has returned. A consensus that waited for the kernels queued on the
-device would find that stream idle. A first consensus before the kernel is queued makes the one-time setup (the
-side stream, gloo's pinned buffers) happen outside the measured one.
+clock of 1.98 GHz) on its current stream, runs the collective, checks its result, and checks that the spinning
+kernel is still running when the collective has returned. One that waited for the kernels queued on the device
+would find that stream idle. A first collective before the kernel is queued makes the one-time setup (the side
+stream, gloo's pinned buffers) happen outside the measured one.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dtensor_muon import Muon
 from dtensor_muon.distributed import consensus
+from dtensor_muon.distributed.exchange import mesh_group, pack_all_to_all
 from dtensor_muon.engine import preflight
 
 pytestmark = [requires_cuda, pytest.mark.slow]
@@ -72,3 +75,36 @@ def test_the_step_consensus_returns_while_queued_kernels_run():
         assert r["warm"] == {r["first"]} and r["active"] == {r["first"]}, (rank, r)
         assert r["outcome"] == (False, None), (rank, r)
         assert r["spinning"], f"rank {rank}: the step's consensus waited for the kernel queued before it"
+
+
+def packed_exchange_beside_a_spinning_kernel(rank: int, world_size: int) -> dict[str, Any]:
+    """Pack an all-to-all to be launched later (rank r sends ``[10·r + d] * (d + 1)`` to rank d), queue the
+    spinning kernel, then launch and wait: the exchange must complete, with the values packed, while the kernel
+    still runs."""
+    mesh = init_device_mesh("cuda", (world_size,))
+    comm = mesh_group(mesh, rank)
+    device = torch.device("cuda", 0)
+
+    def exchange(spin: bool) -> tuple[dict[int, list[float]], bool]:
+        pieces = {d: torch.full((d + 1,), 10.0 * rank + d, device=device) for d in range(world_size)}
+        recv = {s: rank + 1 for s in range(world_size)}
+        packed = pack_all_to_all(
+            comm, {d: [p] for d, p in pieces.items()}, recv, torch.float32, device, launched_later=True
+        )
+        if spin:
+            torch.cuda._sleep(SPIN_CYCLES)
+        got = packed.start().wait()
+        spinning = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        return {s: t.tolist() for s, t in got.items()}, spinning
+
+    warm, _ = exchange(spin=False)
+    got, spinning = exchange(spin=True)
+    return {"warm": warm, "got": got, "spinning": spinning}
+
+
+def test_a_packed_exchange_follows_its_packing_not_the_kernels_queued_after_it():
+    for rank, r in enumerate(run_distributed(packed_exchange_beside_a_spinning_kernel, 2, device="cuda", timeout=120)):
+        want = {s: [10.0 * s + rank] * (rank + 1) for s in range(2)}
+        assert r["warm"] == want and r["got"] == want, (rank, r)
+        assert r["spinning"], f"rank {rank}: the packed exchange waited for the kernel queued after its packing"
