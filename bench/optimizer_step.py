@@ -108,14 +108,13 @@ where a step's host work before its first kernel overlaps the work still queued)
 floor, and for a profiled block of max(``--steps``, 10) such steps the device's busy ms a step and its idle ms
 a step between its first activity and its last (near 0: the steps are device-bound; the profiler's own host
 cost makes it an upper bound); the same share as a step of several ranks runs it (transactional share ms: the
-momentum pass gives U without advancing the buffer; after the directions the host reads the step's failure
-flag, as the consensus all-reduce's result is read without ``overlap``, waiting there for the device (the flag
-follows the exchanges back on the mesh's group, and they follow the directions); then the buffer advances in a
-second pass, so that a step that fails on any rank changes nothing), synchronized around each step and back to
-back (the host work after that read is not hidden by queued work), and back to back as a step with
-``overlap=True`` runs it (overlapped transactional back to back: the returns are launched after the consensus,
-so its read, beside the queued work, waits for the exchanges out only, here for the momentum pass they
-follow); the share without Newton–Schulz (element-wise ms: the momentum pass, the apply and AdamW on its other
+momentum pass gives U without advancing the buffer; after the directions are queued the host reads the step's
+failure flag beside the queued work once the momentum pass is done, as the consensus all-reduce's result is read:
+it follows the exchanges out, which follow that pass, while the exchanges back are held until it; then the
+buffer advances in a second pass, so that a step that fails on any rank changes nothing), synchronized around
+each step and back to back; and back to back with the flag read after the directions instead (flag after
+directions back to back: a consensus that followed exchanges back launched as each bucket was computed, so it
+waited for the device's directions and the host work after it was not hidden by queued work); the share without Newton–Schulz (element-wise ms: the momentum pass, the apply and AdamW on its other
 shards) against the traffic floor of its shards' state at the copy rate (CUDA only) and their ratio, with its
 host ms (the median over the timed steps of the time until the call returns, the device synchronized before
 it), device ms and launches (one profiled call, as for the whole step's host overhead below), and the whole
@@ -143,8 +142,8 @@ from torch import nn
 from torch.autograd import DeviceType
 
 from dtensor_muon import AttentionHeads, Muon
-from dtensor_muon.distributed import consensus
 from dtensor_muon.distributed.layout import box_shape
+from dtensor_muon.distributed.side_streams import CONSENSUS, beside_queued_work
 from dtensor_muon.kernels.batching import group_into_stacks, holder_stack_keys, stack_units, stacking_pays
 from dtensor_muon.kernels.elementwise import decay_and_add_many, momentum_steps
 from dtensor_muon.kernels.shapes import decide_as_batch
@@ -1145,14 +1144,15 @@ class ShareWork:
             with decide_as_batch(per_unit) if per_unit is not None else contextlib.nullcontext():
                 self.rule.direction(u, [{}] * (u.shape[0] if u.ndim == 3 else 1), self.group, self.runner)
 
-    def step(self, transactional: bool = False, directions: bool = True, overlap: bool = False) -> None:
+    def step(self, transactional: bool = False, directions: bool = True, flag_after_directions: bool = False) -> None:
         """Momentum on the shards, the units' directions, the apply on the shards, AdamW on the other shards.
         ``transactional``: as a step of several ranks runs it, the momentum pass gives U without advancing the
-        buffer, the host reads the step's failure flag after the directions (the consensus: it waits for the
-        device there), and the buffer advances in a second pass (the commit). ``overlap``: the transactional step
-        as ``overlap=True`` runs it, whose flag is read beside the queued work once the momentum pass is done (the
-        exchanges out follow it; the returns are launched after the consensus). ``directions=False``: the
-        element-wise passes and AdamW alone, without Newton–Schulz."""
+        buffer, the host reads the step's failure flag beside the queued work once the momentum pass is done (the
+        consensus follows the exchanges out, which follow that pass; the exchanges back are launched after it), and
+        the buffer advances in a second pass (the commit). ``flag_after_directions``: the transactional step with
+        the flag read after the directions on the current stream instead (a consensus behind exchanges back that
+        follow the directions: the host waits for the device there). ``directions=False``: the element-wise passes
+        and AdamW alone, without Newton–Schulz."""
         momentum, nesterov = self.group["momentum"], self.group["nesterov"]
         grads, bufs = [shard[1] for shard in self.shards], [shard[2] for shard in self.shards]
         momentum_steps(  # U in the direction's input dtype, as MomentumRule.prepare_many asks for it
@@ -1165,19 +1165,17 @@ class ShareWork:
             input_dtype=self.input_dtype,
         )
         exchanges_out = None
-        if transactional and overlap and self.outcome.is_cuda:
+        if transactional and not flag_after_directions and self.outcome.is_cuda:
             exchanges_out = torch.cuda.Event()
             exchanges_out.record()
         if directions:
             self.newton_schulz()
-        if exchanges_out is not None:  # the consensus with overlap: the flag follows the exchanges out only
-            with consensus.beside_queued_work(self.outcome.device):
-                torch.cuda.current_stream().wait_event(exchanges_out)
+        if exchanges_out is not None:  # the consensus: its flag (never set here) follows the exchanges out only
+            with beside_queued_work(self.outcome.device, CONSENSUS, after=exchanges_out):
                 self.outcome.item()
         elif transactional:
-            # the consensus without overlap: the failure flag (never set here) follows the exchanges back on the
-            # mesh's group and is read on the host (consensus.any_rank), so the host queues what follows once the
-            # device has done the directions
+            # on the CPU, or read behind exchanges back that follow the directions: the host queues what follows
+            # once the device has done the directions
             self.outcome.item()
         if transactional:
             momentum_steps(grads, bufs, momentum, False, write_buffer=True, want_input=False)  # the commit's advance
@@ -1276,8 +1274,8 @@ def run_share(
         transactional = functools.partial(work.step, transactional=True)
         transactional_ms = median_ms(transactional, device, warmup, steps)
         transactional_back_to_back = back_to_back_ms(transactional, device, warmup, steps)
-        overlapped = functools.partial(work.step, transactional=True, overlap=True)
-        overlapped_back_to_back = back_to_back_ms(overlapped, device, warmup, steps)
+        flag_after_directions = functools.partial(work.step, transactional=True, flag_after_directions=True)
+        flag_after_directions_back_to_back = back_to_back_ms(flag_after_directions, device, warmup, steps)
         ns_ms = median_ms(work.newton_schulz, device, 1, steps)
         elementwise = functools.partial(work.step, directions=False)
         elementwise_ms = median_ms(elementwise, device, warmup, steps)
@@ -1328,9 +1326,9 @@ def run_share(
         "transactional_back_to_back_vs_step_floor": (
             transactional_back_to_back / step_floor_ms if step_floor_ms else None
         ),
-        "overlapped_transactional_back_to_back_ms": overlapped_back_to_back,
-        "overlapped_transactional_back_to_back_vs_step_floor": (
-            overlapped_back_to_back / step_floor_ms if step_floor_ms else None
+        "flag_after_directions_back_to_back_ms": flag_after_directions_back_to_back,
+        "flag_after_directions_back_to_back_vs_step_floor": (
+            flag_after_directions_back_to_back / step_floor_ms if step_floor_ms else None
         ),
         "elementwise_ms": elementwise_ms,
         "traffic_floor_ms": traffic_ms,
@@ -1474,10 +1472,10 @@ SHARE_COLUMNS = [
     ("transactional_share_ms", "transactional share ms", "{:.2f}"),
     ("transactional_back_to_back_ms", "transactional back to back", "{:.2f}"),
     ("transactional_back_to_back_vs_step_floor", "transactional back to back/step floor", "{:.2f}"),
-    ("overlapped_transactional_back_to_back_ms", "overlapped transactional back to back", "{:.2f}"),
+    ("flag_after_directions_back_to_back_ms", "flag after directions back to back", "{:.2f}"),
     (
-        "overlapped_transactional_back_to_back_vs_step_floor",
-        "overlapped transactional back to back/step floor",
+        "flag_after_directions_back_to_back_vs_step_floor",
+        "flag after directions back to back/step floor",
         "{:.2f}",
     ),
     ("elementwise_ms", "element-wise ms", "{:.2f}"),

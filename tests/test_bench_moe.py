@@ -133,7 +133,7 @@ def test_quick_run_writes_overhead_and_per_rank_fields(model, tmp_path):
     assert share["elementwise_ms"] > 0 and share["traffic_floor_ms"] is None  # nor a copy rate
     assert share["back_to_back_busy_ms"] is None and share["back_to_back_idle_ms"] is None  # CPU: no device
     assert share["transactional_share_ms"] > 0 and share["transactional_back_to_back_ms"] > 0
-    assert share["overlapped_transactional_back_to_back_ms"] > 0
+    assert share["flag_after_directions_back_to_back_ms"] > 0
     for part in ("elementwise", "share"):  # the host's part and the launches (CPU: top-level aten ops)
         assert share[f"{part}_host_ms"] > 0 and share[f"{part}_launches"] > 0 and share[f"{part}_device_ms"] is None
     assert share["elementwise_launches"] < share["share_launches"]  # the share adds the directions' work
@@ -213,13 +213,13 @@ def test_the_transactional_share_computes_what_the_one_pass_share_does():
     shapes = quick_shapes("qwen3_30b_a3b")
     muon_names = {n for n, s in shapes if uses_muon(n, torch.empty(s, device="meta"), None)}
     share = o.rank_share(shapes, muon_names, o.muon_group(), 2)
-    one_pass, transactional, overlapped = (o.ShareWork(share, o.muon_group(), torch.device("cpu")) for _ in range(3))
+    one_pass, transactional, late_flag = (o.ShareWork(share, o.muon_group(), torch.device("cpu")) for _ in range(3))
     for _ in range(2):
         one_pass.step()
         transactional.step(transactional=True)
-        overlapped.step(transactional=True, overlap=True)
+        late_flag.step(transactional=True, flag_after_directions=True)
     assert one_pass.shards
-    for a, b, c in zip(one_pass.shards, transactional.shards, overlapped.shards):
+    for a, b, c in zip(one_pass.shards, transactional.shards, late_flag.shards):
         assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])  # parameter, momentum buffer
         assert torch.equal(a[0], c[0]) and torch.equal(a[2], c[2])
         assert not torch.equal(a[2], torch.zeros_like(a[2]))  # the buffers did advance
