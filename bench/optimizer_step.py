@@ -110,16 +110,16 @@ a step between its first activity and its last (near 0: the steps are device-bou
 cost makes it an upper bound); the same share as a step of several ranks runs it (transactional share ms: the
 momentum pass gives U without advancing the buffer; after the directions are queued the host reads the step's
 failure flag beside the queued work once the momentum pass is done, as the consensus all-reduce's result is read:
-it follows the exchanges out, which follow that pass, while the exchanges back are held until it; then the
-buffer advances in a second pass, so that a step that fails on any rank changes nothing), synchronized around
-each step and back to back; and back to back with the flag read after the directions instead (flag after
-directions back to back: a consensus that followed exchanges back launched as each bucket was computed, so it
-waited for the device's directions and the host work after it was not hidden by queued work); the share without Newton–Schulz (element-wise ms: the momentum pass, the apply and AdamW on its other
-shards) against the traffic floor of its shards' state at the copy rate (CUDA only) and their ratio, with its
-host ms (the median over the timed steps of the time until the call returns, the device synchronized before
-it), device ms and launches (one profiled call, as for the whole step's host overhead below), and the whole
-share's host ms, device ms and launches; beside it a fused AdamW step (foreach on CPU) over the same rank's FSDP
-shard of every parameter (about 1/W of each): AdamW share ms.
+it follows the exchanges out, which follow that pass, while the exchanges back are held until it; then the buffer
+advances in a second pass, so that a step that fails on any rank changes nothing), synchronized around each step
+and back to back; and back to back with the flag read after the directions instead (flag after directions back to
+back: a consensus that followed exchanges back launched as each bucket was computed, so it waited for the device's
+directions and the host work after it was not hidden by queued work); the share without Newton–Schulz (element-wise
+ms: the momentum pass, the apply and AdamW on its other shards) against the traffic floor of its shards' state at
+the copy rate (CUDA only) and their ratio, with its host ms (the median over the timed steps of the time until the
+call returns, the device synchronized before it), device ms and launches (one profiled call, as for the whole
+step's host overhead below), and the whole share's host ms, device ms and launches; beside it a fused AdamW step
+(foreach on CPU) over the same rank's FSDP shard of every parameter (about 1/W of each): AdamW share ms.
 """
 
 from __future__ import annotations

@@ -11,22 +11,22 @@ norms, a ``Replicate`` gradient of a row-sharded embedding) are checked in prefl
 parameter's placements after the consensus, in entry order on every rank.
 
 All or nothing: a step over meshes of more than one rank keeps nothing until every rank's directions have
-succeeded. ``prepare`` leaves the shard state as it is (``advance`` changes it afterwards, with the same
-operation in place, so the bits are those U was computed from); each unit's direction works on a copy of its
-owner state; a direction that raises is recorded, and its rank still takes part in every exchange out (its
-later directions are zeros). Each return exchange is packed as soon as its directions are computed but not
-launched (:class:`~..distributed.exchange.PackedExchange`). After the strategies, one all-reduce (MAX) of a
-failure flag per mesh tells every rank; it follows the exchanges out only, not the exchanges back. On a failure
-each raises :class:`StepFailedError` naming the matrix, its owner's global rank and the error, the packed
-exchanges back are dropped unsent, and parameters, shard state, owner state and AdamW state are bitwise as
-before the step. Otherwise the exchanges back are launched, from a side stream that waits for each one's
-packing alone (so they run beside whatever the device still computes), the owner states' copies replace the
-old ones, the shard states advance, AdamW runs and the updates are applied (with ``overlap=True`` each
-module's in its next forward; a step that fails raises inside ``step()`` in both modes). Cost: one small all-reduce and host sync per step, one more
-element-wise pass over the shard state (the advance), and this rank's owner state held twice during the step
-(NorMuon: one float per row; SOAP: its factors, bases and moments). On one process nothing waits: the state
-advances in ``prepare`` and local updates are applied as they are computed, so a direction that raises there
-leaves the matrices computed before it updated.
+succeeded. ``prepare`` leaves the shard state as it is (``advance`` changes it afterwards, with the same operation
+in place, so the bits are those U was computed from); each unit's direction works on a copy of its owner state; a
+direction that raises is recorded, and its rank still takes part in every exchange out (its later directions are
+zeros). Each return exchange is packed as soon as its directions are computed but not launched
+(:class:`~..distributed.exchange.PackedExchange`). After the strategies, one all-reduce (MAX) of a failure flag per
+mesh tells every rank; it follows the exchanges out only, not the exchanges back. On a failure each raises
+:class:`StepFailedError` naming the matrix, its owner's global rank and the error, the packed exchanges back are
+dropped unsent, and parameters, shard state, owner state and AdamW state are bitwise as before the step. Otherwise
+the exchanges back are launched, from a side stream that waits for each one's packing alone (so they run beside
+whatever the device still computes), the owner states' copies replace the old ones, the shard states advance, AdamW
+runs and the updates are applied (with ``overlap=True`` each module's in its next forward; a step that fails raises
+inside ``step()`` in both modes). Cost: one small all-reduce and host sync per step, one more element-wise pass
+over the shard state (the advance), and this rank's owner state held twice during the step (NorMuon: one float per
+row; SOAP: its factors, bases and moments). On one process nothing waits: the state advances in ``prepare`` and
+local updates are applied as they are computed, so a direction that raises there leaves the matrices computed
+before it updated.
 
 Exactness: prepare and apply are element-wise on shards; transports only move values (in a wire dtype that
 does not round the rule's input, checked at construction), and every unit is computed on the same whole
