@@ -28,6 +28,7 @@ from dtensor_muon import Muon
 
 pytestmark = pytest.mark.slow
 ABORT_MESSAGE = "terminate called without an active exception"
+ABORT_ATTEMPTS = 3
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 torch_2_13_or_newer = pytest.mark.skipif(
     TORCH_VERSION < (2, 13),
@@ -38,11 +39,19 @@ torch_2_13_or_newer = pytest.mark.skipif(
 
 @torch_2_13_or_newer
 def test_torch_alone_aborts_when_a_gloo_worker_frees_a_tensor_during_finalization():
-    (code0, out0), (code1, out1) = run_both(end_with_helper=False)
-    assert code1 == 0, out1
-    assert code0 == -signal.SIGABRT and ABORT_MESSAGE in out0, (
-        f"rank 0 exited with {code0}: if torch no longer aborts here, the exit_without_finalization workaround "
-        f"(docs/limits.md, torchtitan_ext.train) may go\n{out0}"
+    """The abort needs rank 1's side of the all_reduce to arrive while rank 0's last exit handler holds the GIL
+    (``gloo_exit_abort``'s docstring). On a loaded machine rank 1 can start too late, and rank 0 then exits
+    cleanly: the reproduction is run up to ``ABORT_ATTEMPTS`` times, and one abort shows that torch still aborts."""
+    codes = []
+    for _ in range(ABORT_ATTEMPTS):
+        (code0, out0), (code1, out1) = run_both(end_with_helper=False)
+        assert code1 == 0, out1
+        if code0 == -signal.SIGABRT and ABORT_MESSAGE in out0:
+            return
+        codes.append(code0)
+    pytest.fail(
+        f"rank 0 exited with {codes} in {ABORT_ATTEMPTS} runs: if torch no longer aborts here, the "
+        f"exit_without_finalization workaround (docs/limits.md, torchtitan_ext.train) may go\n{out0}"
     )
 
 
