@@ -29,7 +29,7 @@ elements. Per rank r:
   owners and of the pieces of O it sends back and receives, every bucket's: a step launches every bucket's
   exchange out at once and leaves every return exchange in flight until the updates are applied)
   + o·Σ_units B·m·n over the owned and tensor-parallel units r computes (their direction outputs O, in the
-  rule's input dtype o, held until the return exchanges are launched)
+  rule's input dtype o, each held until its return exchange has packed it: counted as if all were alive)
   + max(w·assembled, u·local): the larger of the largest bucket's whole matrices assembled on r (one bucket
   at a time) and the fully local parameters' U alive at once (the local units run first; a parameter's U lives
   from its first call to its last, and a stack of short runs spans several parameters: :func:`local_inputs`).
