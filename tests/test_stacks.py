@@ -579,9 +579,8 @@ def test_an_owner_borrows_the_runners_buffer_only_for_its_last_call_of_a_shape(c
     return the runner's buffer itself (the exchange back packs it before another call can overwrite it), the
     others take copies, with or without overlap (a step over several ranks packs each exchange back at once and
     launches it after the commit's agreement). A grouped split's parts count as the whole matrix they are computed
-    as. Were an earlier call's O
-    the buffer, the next call would overwrite it before it is sent: the parameters equal those of the same ranks
-    with a runner that never lends its buffer, bit for bit, only if none is."""
+    as. Were an earlier call's O the buffer, the next call would overwrite it before it is sent: the parameters
+    equal those of the same ranks with a runner that never lends its buffer, bit for bit, only if none is."""
     shapes, extra = BORROW_CASES[case]
     options = OPTIONS | extra
     want = run_distributed(borrowing_run, 2, shapes, options, Muon)[0]["params"]
