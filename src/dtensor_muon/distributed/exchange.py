@@ -14,7 +14,6 @@ sends waiting for the directions computed in between.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -110,22 +109,22 @@ class PackedExchange:
 
     def start(self) -> PendingExchange:
         """Launch the exchange; the returned :class:`PendingExchange` waits for it."""
-        order = self.group.mesh_ranks_in_group_order
         if self.group.group is None:  # a group of one: what it sends is what it receives, already a copy of its pieces
-            return PendingExchange(self.send, self.recv_counts, None, order)
-        launching = (
-            beside_queued_work(self.send.device, LAUNCHES, after=self.packed)
-            if self.packed is not None
-            else contextlib.nullcontext()
+            return PendingExchange(self.send, self.recv_counts, None, self.group.mesh_ranks_in_group_order)
+        if self.packed is None:
+            return self._launch()
+        with beside_queued_work(self.send.device, LAUNCHES, after=self.packed):
+            # the send buffer's block returns to the packing stream's pool: not before this stream has sent it
+            self.send.record_stream(torch.cuda.current_stream(self.send.device))
+            return self._launch()
+
+    def _launch(self) -> PendingExchange:
+        """The all-to-all from the current stream, into a receive buffer allocated on it."""
+        received = torch.empty(sum(self.recv_counts), dtype=self.send.dtype, device=self.send.device)
+        handle = dist.all_to_all_single(
+            received, self.send, self.recv_counts, self.send_counts, group=self.group.group, async_op=True
         )
-        with launching:
-            if self.packed is not None:  # the send buffer's block returns to the packing stream's pool: not before this
-                self.send.record_stream(torch.cuda.current_stream(self.send.device))
-            received = torch.empty(sum(self.recv_counts), dtype=self.send.dtype, device=self.send.device)
-            handle = dist.all_to_all_single(
-                received, self.send, self.recv_counts, self.send_counts, group=self.group.group, async_op=True
-            )
-        return PendingExchange(received, self.recv_counts, handle, order)
+        return PendingExchange(received, self.recv_counts, handle, self.group.mesh_ranks_in_group_order)
 
 
 def pack_all_to_all(
@@ -138,8 +137,9 @@ def pack_all_to_all(
     launched_later: bool = False,
 ) -> PackedExchange:
     """Pack one variable-size all-to-all: ``send_chunks[mesh_rank]`` (flattened pieces) go to that rank;
-    ``recv_counts[mesh_rank]`` elements come from it. ``launched_later``: on CUDA, record the packing event so
-    that :meth:`PackedExchange.start` follows it alone (the pieces may then be overwritten once this returns)."""
+    ``recv_counts[mesh_rank]`` elements come from it. The send buffer is a copy: the pieces may be overwritten
+    once this returns. ``launched_later``: on CUDA, record the packing event so that :meth:`PackedExchange.start`
+    follows it alone."""
     order = mesh_group_.mesh_ranks_in_group_order
     send_parts: list[Tensor] = []
     send_counts: list[int] = []
@@ -155,15 +155,3 @@ def pack_all_to_all(
         packed = torch.cuda.Event()
         packed.record(torch.cuda.current_stream(send.device))
     return PackedExchange(mesh_group_, send, send_counts, counts_in, packed)
-
-
-def start_all_to_all(
-    mesh_group_: MeshGroup,
-    send_chunks: dict[int, list[Tensor]],
-    recv_counts: dict[int, int],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> PendingExchange:
-    """Pack and launch one variable-size all-to-all (:func:`pack_all_to_all`) from the current stream. Returns
-    without waiting."""
-    return pack_all_to_all(mesh_group_, send_chunks, recv_counts, dtype, device).start()

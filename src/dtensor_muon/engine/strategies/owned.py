@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ...distributed.exchange import PackedExchange, PendingExchange, pack_all_to_all, start_all_to_all
+from ...distributed.exchange import PackedExchange, PendingExchange, pack_all_to_all
 from ...distributed.layout import box_numel, box_shape, contiguous_offset, local, relative_slices
 from ...kernels.batching import group_into_stacks, units_per_stack
 from ...plan import MatrixRoute
@@ -188,7 +188,7 @@ def _launch_out(ctx: StepContext, work: MeshWork, bucket: list[int], device: tor
             if route.owner == me:
                 recv[source] += box_numel(box)
     ctx.stats.bytes_sent += sent_bytes(send, me, work.wire_dtype.itemsize)
-    return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
+    return pack_all_to_all(work.comm, send, recv, work.wire_dtype, device).start()
 
 
 class CopyRuns:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...distributed.exchange import PackedExchange, PendingExchange, pack_all_to_all, start_all_to_all
+from ...distributed.exchange import PackedExchange, PendingExchange, pack_all_to_all
 from ...distributed.layout import TENSOR_PARALLEL_DIM, box_numel, box_shape, relative_slices
 from ...plan import MatrixRoute
 from ...plan.placement import TensorParallelGroup
@@ -62,7 +62,7 @@ def _launch_out(ctx: StepContext, work: MeshWork, bucket: list[int], device: tor
                 if member == me:
                     recv[source] += box_numel(box)
     ctx.stats.bytes_sent += sent_bytes(send, me, work.wire_dtype.itemsize)
-    return start_all_to_all(work.comm, send, recv, work.wire_dtype, device)
+    return pack_all_to_all(work.comm, send, recv, work.wire_dtype, device).start()
 
 
 def _compute(
